@@ -1,0 +1,160 @@
+"""Django settings, read from the environment (see README.md for every variable)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+from inference_platform.env import env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+SECRET_KEY = env_str("DJANGO_SECRET_KEY") or "dev-only-insecure-key-change-me-in-production"
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "inference_platform",
+    "routing",
+    "workers",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "inference_platform.urls"
+ASGI_APPLICATION = "inference_platform.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}",
+        conn_max_age=60,
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Several processes (web, workers) share the file: wait for locks instead of failing.
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+# --- Redis, Celery -----------------------------------------------------------------------------
+REDIS_URL = env_str("REDIS_URL") or "redis://127.0.0.1:6379/0"
+REDIS_KEY_PREFIX = env_str("REDIS_KEY_PREFIX") or "mmr:"
+
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or REDIS_URL
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True  # answers travel back through the request's Redis stream
+CELERY_TASK_ACKS_LATE = False
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Each worker consumes its own queue only; nothing is routed to a shared default queue.
+CELERY_TASK_DEFAULT_QUEUE = "unrouted"
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{REDIS_KEY_PREFIX}asgi"},
+    }
+}
+
+# --- Model and workers -------------------------------------------------------------------------
+MODEL_PATH = Path(env_str("MODEL_PATH") or BASE_DIR / "var" / "models" / "demo")
+if not MODEL_PATH.is_absolute():
+    MODEL_PATH = BASE_DIR / MODEL_PATH
+MODEL_NAME = env_str("MODEL_NAME") or ""  # empty: the model directory's name
+KV_BLOCK_SIZE = env_int("KV_BLOCK_SIZE", 16, minimum=1)
+WORKER_HEARTBEAT_TTL_SECS = env_float("WORKER_HEARTBEAT_TTL_SECS", 6.0, positive=True)
+WORKER_HEARTBEAT_INTERVAL_SECS = env_float("WORKER_HEARTBEAT_INTERVAL_SECS", 2.0, positive=True)
+WORKER_CONCURRENCY = env_int("WORKER_CONCURRENCY", 4, minimum=1)
+# How long the API waits for a worker's first token, then between tokens, before a 504.
+REQUEST_FIRST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_FIRST_TOKEN_TIMEOUT_SECS", 120.0, positive=True)
+REQUEST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_TOKEN_TIMEOUT_SECS", 60.0, positive=True)
+MAX_TOKENS_LIMIT = env_int("MAX_TOKENS_LIMIT", 4096, minimum=1)
+
+# --- Media (names and defaults from Dynamo's documentation) ------------------------------------
+DYN_MM_FRONTEND_DECODING = env_bool("DYN_MM_FRONTEND_DECODING", False)
+DYN_MM_MAX_FILE_SIZE_MB = env_float("DYN_MM_MAX_FILE_SIZE_MB", 64.0, positive=True)
+DYN_MM_SHARED_IMAGE_CACHE_ENABLED = env_bool("DYN_MM_SHARED_IMAGE_CACHE_ENABLED", False)
+DYN_MM_SHARED_IMAGE_CACHE_URL = env_str("DYN_MM_SHARED_IMAGE_CACHE_URL")
+DYN_MM_SHARED_IMAGE_CACHE_TTL_SECS = env_int("DYN_MM_SHARED_IMAGE_CACHE_TTL_SECS", 3600, minimum=1)
+DYN_MM_SHARED_IMAGE_CACHE_CONNECT_TIMEOUT_SECS = env_float(
+    "DYN_MM_SHARED_IMAGE_CACHE_CONNECT_TIMEOUT_SECS", 0.1, positive=True
+)
+DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS = env_float("DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS", 2.0, positive=True)
+DYN_MM_IMAGE_CACHE_SESSION_SCOPED = env_bool("DYN_MM_IMAGE_CACHE_SESSION_SCOPED", False)
+MEDIA_ALLOWED_HOSTS = env_list("MEDIA_ALLOWED_HOSTS", [])  # SSRF allowlist: hosts or CIDRs
+MEDIA_MAX_PIXELS = env_int("MEDIA_MAX_PIXELS", 89_478_485, minimum=1)  # Pillow's bomb limit
+MEDIA_CONNECT_TIMEOUT_SECS = env_float("MEDIA_CONNECT_TIMEOUT_SECS", 5.0, positive=True)
+MEDIA_READ_TIMEOUT_SECS = env_float("MEDIA_READ_TIMEOUT_SECS", 20.0, positive=True)
+
+# --- Logging -----------------------------------------------------------------------------------
+# LOG_LEVELS="routing=debug,workers=info" raises or lowers single loggers, as Dynamo's DYN_LOG.
+LOG_LEVEL = (env_str("LOG_LEVEL") or "INFO").upper()
+_logger_levels = {}
+for _item in env_list("LOG_LEVELS", []):
+    _name, _, _level = _item.partition("=")
+    if not _level:
+        _name, _level = "root", _name
+    _logger_levels[_name.strip()] = {"level": _level.strip().upper()}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(processName)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": _logger_levels.pop("root", {}).get("level", LOG_LEVEL)},
+    "loggers": {
+        "django.server": {"level": "WARNING"},
+        **_logger_levels,
+    },
+}
+
+REST_FRAMEWORK = {
+    "UNAUTHENTICATED_USER": None,
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+}
+

@@ -1,0 +1,39 @@
+"""Connection and key-prefix plumbing shared by every module that owns a Redis key family.
+
+Each key family is named in the module that owns it (index, load, registry, ...); this
+module only provides the deployment-wide prefix, so one Redis can host several
+deployments and the tests can work in a namespace of their own.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+DEFAULT_PREFIX = "mmr:"
+
+
+def redact_url(url: str | None) -> str:
+    """A Redis (or any) URL with its password replaced, safe to log or show."""
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None and not parts.username:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    auth = f"{user}:***@" if parts.password is not None else f"{user}@"
+    return urlunsplit((parts.scheme, auth + host, parts.path, parts.query, parts.fragment))
+
+
+_PASSWORD_IN_TEXT = re.compile(r"(\w+://[^:/@\s]*:)([^@\s]+)(@)")
+
+
+def redact_text(text: str) -> str:
+    """Any `scheme://user:password@` inside free text, with the password masked."""
+    return _PASSWORD_IN_TEXT.sub(r"\1***\3", text)
