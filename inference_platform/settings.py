@@ -58,9 +58,12 @@ TEMPLATES = [
     },
 ]
 
+_database_url = env_str("DATABASE_URL")
+if not _database_url:
+    (BASE_DIR / "var").mkdir(exist_ok=True)
 DATABASES = {
     "default": dj_database_url.parse(
-        env_str("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}",
+        _database_url or f"sqlite:///{BASE_DIR / 'var' / 'db.sqlite3'}",
         conn_max_age=60,
     )
 }
@@ -81,6 +84,8 @@ REDIS_URL = env_str("REDIS_URL") or "redis://127.0.0.1:6379/0"
 REDIS_KEY_PREFIX = env_str("REDIS_KEY_PREFIX") or "mmr:"
 
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or REDIS_URL
+# Every broker key (queues, bindings) lives under the deployment's prefix, like our own keys.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": REDIS_KEY_PREFIX}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

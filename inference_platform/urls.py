@@ -1,6 +1,14 @@
+"""URL map: the OpenAI-compatible API under /v1/, the operators' admin under /admin/."""
+
 from django.contrib import admin
 from django.urls import path
 
+from inference_platform.api import views
+
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("v1/chat/completions", views.chat_completions, name="chat-completions"),
+    path("v1/models", views.list_models, name="models"),
 ]
+
+handler404 = "inference_platform.api.views.not_found"

@@ -37,3 +37,35 @@ _PASSWORD_IN_TEXT = re.compile(r"(\w+://[^:/@\s]*:)([^@\s]+)(@)")
 def redact_text(text: str) -> str:
     """Any `scheme://user:password@` inside free text, with the password masked."""
     return _PASSWORD_IN_TEXT.sub(r"\1***\3", text)
+
+
+_sync_clients: dict[str, object] = {}
+
+
+def sync_client(url: str):  # -> redis.Redis
+    """One connection pool per URL and process, shared by every thread."""
+    import redis
+
+    client = _sync_clients.get(url)
+    if client is None:
+        client = redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+        _sync_clients[url] = client
+    return client
+
+
+_async_clients: dict[tuple[str, int], object] = {}
+
+
+def async_client(url: str):  # -> redis.asyncio.Redis
+    """An asyncio client bound to the running event loop (asyncio clients must not cross loops)."""
+    import asyncio
+
+    import redis.asyncio
+
+    loop = asyncio.get_running_loop()
+    key = (url, id(loop))
+    client = _async_clients.get(key)
+    if client is None:
+        client = redis.asyncio.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+        _async_clients[key] = client
+    return client

@@ -16,6 +16,20 @@ import redis
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove what in-process code wrote under the session's prefix (see tests/settings.py)."""
+    prefix = os.environ.get("REDIS_KEY_PREFIX", "")
+    if not prefix.startswith("test:"):
+        return
+    try:
+        client = redis.Redis.from_url(TEST_REDIS_URL)
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            client.delete(key)
+        client.close()
+    except redis.RedisError:
+        pass
+
+
 @pytest.fixture
 def redis_url() -> str:
     return TEST_REDIS_URL
@@ -35,3 +49,30 @@ def redis_client(redis_url: str, key_namespace: str) -> Iterator[redis.Redis]:
     for key in client.scan_iter(match=f"{key_namespace}*", count=1000):
         client.delete(key)
     client.close()
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The demo checkpoint, built once per test session from its fixed seed (no download)."""
+    from workers.demo_model import build_demo_model
+
+    path = tmp_path_factory.mktemp("models") / "demo"
+    build_demo_model(path)
+    return path
+
+
+@pytest.fixture
+def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
+    """A factory for the real platform (workers, server); everything it started is stopped after."""
+    from tests.platform_harness import PlatformProcesses
+
+    started: list[PlatformProcesses] = []
+
+    def start(**env: str) -> PlatformProcesses:
+        processes = PlatformProcesses(tmp_path, demo_model_dir, redis_url, key_namespace, env)
+        started.append(processes)
+        return processes
+
+    yield start
+    for processes in started:
+        processes.close()

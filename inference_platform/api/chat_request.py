@@ -1,0 +1,168 @@
+"""Validation of an OpenAI chat completion request body, once, at the edge.
+
+Every problem becomes an ApiError naming the offending field (`param`), so clients see what
+to fix; nothing past this module has to re-check shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference_platform.api.errors import ApiError
+
+ROLES = {"system", "user", "assistant", "developer", "tool"}
+MAX_STOP_SEQUENCES = 4
+
+
+@dataclass
+class ImagePart:
+    index: int  # position among the request's images, in prompt order
+    url: str
+    detail: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]  # normalised for the chat template
+    images: list[ImagePart]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, message, code="invalid_value", param=param)
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open=False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _invalid(name, f"'{name}' must be a number.")
+    if value > high or value < low or (low_open and value == low):
+        bound = f"greater than {low}" if low_open else f"at least {low}"
+        raise _invalid(name, f"'{name}' must be {bound} and at most {high}; got {value}.")
+    return float(value)
+
+
+def _content(message_index: int, content: Any, images: list[ImagePart]) -> str | list[dict[str, Any]]:
+    param = f"messages[{message_index}].content"
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(param, f"'{param}' must be a string or a list of content parts.")
+    parts: list[dict[str, Any]] = []
+    for part_index, part in enumerate(content):
+        part_param = f"{param}[{part_index}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _invalid(part_param, f"'{part_param}' must be an object with a 'type'.")
+        kind = part["type"]
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise _invalid(f"{part_param}.text", f"'{part_param}.text' must be a string.")
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            image = part.get("image_url")
+            if isinstance(image, str):
+                image = {"url": image}
+            if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+                raise _invalid(f"{part_param}.image_url", f"'{part_param}.image_url.url' must be a non-empty string.")
+            detail = image.get("detail")
+            if detail is not None and detail not in ("auto", "low", "high"):
+                raise _invalid(f"{part_param}.image_url.detail", "'detail' must be one of auto, low, high.")
+            images.append(ImagePart(index=len(images), url=image["url"], detail=detail))
+            parts.append({"type": "image_url", "image_url": {"url": image["url"]}})
+        else:
+            raise ApiError(
+                400, f"Content part type '{kind}' is not supported here.", code="unsupported_content", param=part_param
+            )
+    return parts
+
+
+def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required and must be a string.", code="missing_required_parameter", param="model")
+
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise ApiError(
+            400, "'messages' must be a non-empty list.", code="missing_required_parameter", param="messages"
+        )
+    images: list[ImagePart] = []
+    messages: list[dict[str, Any]] = []
+    for index, message in enumerate(raw_messages):
+        if not isinstance(message, dict):
+            raise _invalid(f"messages[{index}]", f"'messages[{index}]' must be an object.")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _invalid(f"messages[{index}].role", f"'messages[{index}].role' must be one of {sorted(ROLES)}.")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        messages.append({"role": "system" if role == "developer" else role, "content": _content(index, content, images)})
+
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError(400, "Only n=1 is supported.", code="unsupported_value", param="n")
+
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is None:
+        max_tokens = min(256, max_tokens_limit)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
+        raise _invalid(param, f"'{param}' must be an integer from 1 to {max_tokens_limit}.")
+
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise _invalid("seed", "'seed' must be a non-negative integer.")
+
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_SEQUENCES
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _invalid("stop", f"'stop' must be a non-empty string or a list of up to {MAX_STOP_SEQUENCES} of them.")
+
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _invalid("stream", "'stream' must be a boolean.")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise _invalid("stream_options", "'stream_options' must be an object.")
+
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        images=images,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        seed=seed,
+        stop=stop,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage", False)),
+    )

@@ -1,0 +1,164 @@
+"""The OpenAI-compatible REST API: `/v1/chat/completions` and `/v1/models`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from inference_platform.api.chat_request import ChatRequest, parse_chat_request, parse_json_body
+from inference_platform.api.errors import ApiError, error_response
+from inference_platform.dispatch import Dispatch, follow, request_cancel
+from inference_platform.serving import plan_request, served_model
+from routing.responses import DONE, ERROR, TOKEN
+
+logger = logging.getLogger("inference_platform.api")
+
+
+def new_request_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+@api_view(["GET"])
+def list_models(request: Request) -> Response:
+    view = served_model()
+    created = int(view.path.stat().st_mtime) if view.path.exists() else 0
+    return Response(
+        {"object": "list", "data": [{"id": view.name, "object": "model", "created": created, "owned_by": "platform"}]}
+    )
+
+
+def _headers(response: HttpResponse, dispatch: Dispatch) -> HttpResponse:
+    response["X-Request-Id"] = dispatch.request_id
+    response["X-Routed-Worker"] = dispatch.worker
+    if dispatch.total_blocks:
+        response["X-Routing-Overlap"] = f"{dispatch.overlap_blocks}/{dispatch.total_blocks}"
+    return response
+
+
+def _usage(done: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = int(done["prompt_tokens"]), int(done["completion_tokens"])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))},
+    }
+
+
+def _worker_error(data: dict[str, Any], dispatch: Dispatch) -> ApiError:
+    status = int(data.get("status", 502))
+    message = data.get("message") or "The worker failed."
+    if status >= 500:
+        message = f"{message} (request {dispatch.request_id}, worker {dispatch.worker})"
+    return ApiError(status, message, code=data.get("code") or "worker_error", param=data.get("param"))
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    request_id = new_request_id()
+    if request.method != "POST":
+        return error_response(ApiError(405, "Use POST for /v1/chat/completions.", code="method_not_allowed"), request_id)
+    try:
+        chat = parse_chat_request(parse_json_body(request.body), max_tokens_limit=settings.MAX_TOKENS_LIMIT)
+        dispatch = await plan_request(chat, request_id, dict(request.headers))
+    except ApiError as error:
+        return error_response(error, request_id)
+    except Exception:
+        logger.exception("request %s failed before dispatch", request_id)
+        return error_response(ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id)
+
+    if chat.stream:
+        response = StreamingHttpResponse(_stream(chat, dispatch), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        return _headers(response, dispatch)
+
+    text: list[str] = []
+    try:
+        async for event in follow(dispatch):
+            if event.type == TOKEN:
+                text.append(event.data["text"])
+            elif event.type == ERROR:
+                raise _worker_error(event.data, dispatch)
+            elif event.type == DONE:
+                done = event.data
+    except ApiError as error:
+        return _headers(error_response(error, request_id), dispatch)
+    except asyncio.CancelledError:
+        await request_cancel(request_id)
+        raise
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": chat.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.get("text", "".join(text))},
+                "logprobs": None,
+                "finish_reason": done["finish_reason"],
+            }
+        ],
+        "usage": _usage(done),
+    }
+    return _headers(JsonResponse(body), dispatch)
+
+
+def _chunk(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    payload = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]:
+    rid = dispatch.request_id
+    finished = False
+    try:
+        yield _chunk(rid, chat.model, {"role": "assistant", "content": ""})
+        async for event in follow(dispatch):
+            if event.type == TOKEN:
+                yield _chunk(rid, chat.model, {"content": event.data["text"]})
+            elif event.type == ERROR:
+                raise _worker_error(event.data, dispatch)
+            elif event.type == DONE:
+                yield _chunk(rid, chat.model, {}, event.data["finish_reason"])
+                if chat.include_usage:
+                    usage = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                             "model": chat.model, "choices": [], "usage": _usage(event.data)}
+                    yield f"data: {json.dumps(usage)}\n\n".encode()
+        finished = True
+    except ApiError as error:
+        logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)
+        yield f"data: {json.dumps(error.body())}\n\n".encode()
+        finished = True
+    finally:
+        if not finished:  # the client went away mid-stream
+            await request_cancel(rid)
+    yield b"data: [DONE]\n\n"
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """API clients get OpenAI-style JSON for unknown paths; everyone else Django's page."""
+    if request.path.startswith("/v1/"):
+        return error_response(ApiError(404, f"No route for {request.method} {request.path}.", code="not_found"))
+    from django.views.defaults import page_not_found
+
+    return page_not_found(request, exception)

@@ -1,0 +1,131 @@
+"""Sending one chat request to a worker and following its answer.
+
+The web process never imports the worker's code: it picks a worker, sends the Celery task by
+name to that worker's queue, then reads the request's response stream in Redis, watching the
+worker's heartbeat so a vanished worker becomes a deliberate 502/503 and a silent one a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+
+from inference_platform.api.errors import ApiError
+from inference_platform.celery import GENERATE_TASK
+from inference_platform.celery import app as celery_app
+from routing.models import Worker, worker_queue
+from routing.redis_keys import async_client, sync_client
+from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
+from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseEvent, cancel_key, read_response_events
+
+logger = logging.getLogger("inference_platform.dispatch")
+
+# How often the frontend looks at the worker's heartbeat while it waits for the next event.
+_POLL_MS = 1000
+
+
+@dataclass
+class Dispatch:
+    """A request on its way to a worker, with what the API reports about it."""
+
+    request_id: str
+    worker: str
+    prompt_tokens_estimate: int
+    total_blocks: int = 0
+    overlap_blocks: int = 0
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+def registry() -> WorkerRegistry:
+    return WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+
+
+async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
+    """Workers an operator allows (enabled, not draining) that are live and serve this model."""
+    names = [
+        name
+        async for name in Worker.objects.filter(enabled=True, draining=False).values_list("name", flat=True)
+    ]
+    alive = await asyncio.to_thread(registry().alive, names)
+    return {
+        name: beat
+        for name, beat in alive.items()
+        if beat.model == model and beat.block_size == block_size and not beat.stopping
+    }
+
+
+async def send_to_worker(worker: str, payload: dict[str, Any]) -> None:
+    """Put the task on the worker's own queue; it expires if nobody starts it in time."""
+    try:
+        await asyncio.to_thread(
+            celery_app.send_task,
+            GENERATE_TASK,
+            args=[payload],
+            queue=worker_queue(worker),
+            expires=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
+        )
+    except Exception as exc:  # the broker refused or is unreachable
+        logger.exception("could not queue request %s for worker %s", payload["request_id"], worker)
+        raise ApiError(
+            503,
+            f"Could not queue request {payload['request_id']} for worker {worker}: the broker is unavailable.",
+            code="broker_unavailable",
+        ) from exc
+
+
+async def request_cancel(request_id: str) -> None:
+    client = async_client(settings.REDIS_URL)
+    await client.set(cancel_key(settings.REDIS_KEY_PREFIX, request_id), b"1", ex=600)
+
+
+async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
+    """The worker's events for this request until DONE or ERROR; ApiError if the worker fails us.
+
+    A worker that vanishes (its heartbeat lapses) before it starts the request gives a 503
+    (nothing was done; the client may retry), after it started a 502; a worker that stays
+    silent past the timeouts gives a 504. In each case the worker is asked to stop.
+    """
+    client = async_client(settings.REDIS_URL)
+    namespace = settings.REDIS_KEY_PREFIX
+    rid, worker = dispatch.request_id, dispatch.worker
+    last_id = "0-0"
+    started = False
+    timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
+    deadline = time.monotonic() + timeout
+    while True:
+        events = await read_response_events(client, namespace, rid, last_id, _POLL_MS)
+        for event in events:
+            last_id = event.id
+            if event.type == STARTED:
+                started = True
+            elif event.type == TOKEN:
+                started = True
+                timeout = settings.REQUEST_TOKEN_TIMEOUT_SECS
+                deadline = time.monotonic() + timeout
+            yield event
+            if event.type in (DONE, ERROR):
+                return
+        if events:
+            continue
+        if time.monotonic() > deadline:
+            await request_cancel(rid)
+            raise ApiError(
+                504,
+                f"Worker {worker} did not answer request {rid} within {timeout:g} s.",
+                code="worker_timeout",
+            )
+        if not await client.exists(heartbeat_key(namespace, worker)):
+            await request_cancel(rid)
+            if started:
+                raise ApiError(
+                    502, f"Worker {worker} stopped while answering request {rid}.", code="worker_vanished"
+                )
+            raise ApiError(
+                503, f"Worker {worker} went away before starting request {rid}; retry it.", code="worker_vanished"
+            )

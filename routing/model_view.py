@@ -1,0 +1,144 @@
+"""What the frontend knows of the served model, read from its directory without torch.
+
+The chat template is rendered exactly as transformers renders it (a sandboxed Jinja
+environment with the same options and helpers), and the tokenizer is the checkpoint's own
+`tokenizer.json` through the `tokenizers` library, so the frontend's view of the prompt is
+the worker's, at a fraction of the start-up cost.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ModelDirectoryError(RuntimeError):
+    """The model directory is missing or lacks what the frontend needs."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
+    # transformers' own tojson filter: no HTML escaping, unlike Jinja's built-in one.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@dataclass
+class ModelView:
+    path: Path
+    name: str
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        config = _read_json(self.path / "config.json")
+        if not config:
+            raise ModelDirectoryError(f"no config.json in the model directory {self.path}")
+        return config
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+    @cached_property
+    def preprocessor_config(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for name in ("preprocessor_config.json", "processor_config.json"):
+            data = _read_json(self.path / name)
+            merged.update(data.get("image_processor", data) if isinstance(data, dict) else {})
+        return merged
+
+    @cached_property
+    def tokenizer_config(self) -> dict[str, Any]:
+        return _read_json(self.path / "tokenizer_config.json")
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        path = self.path / "tokenizer.json"
+        if not path.is_file():
+            raise ModelDirectoryError(f"no tokenizer.json in the model directory {self.path}")
+        return Tokenizer.from_file(str(path))
+
+    @cached_property
+    def chat_template_source(self) -> str:
+        for name in ("chat_template.jinja",):
+            candidate = self.path / name
+            if candidate.is_file():
+                return candidate.read_text(encoding="utf-8")
+        for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
+            template = _read_json(self.path / name).get("chat_template")
+            if isinstance(template, str):
+                return template
+        raise ModelDirectoryError(f"no chat template in the model directory {self.path}")
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        return compile_chat_template(self.chat_template_source)
+
+    def _special_token(self, key: str) -> str | None:
+        value = self.tokenizer_config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    def render_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of these messages."""
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_token("bos_token") or "",
+            eos_token=self._special_token("eos_token") or "",
+            pad_token=self._special_token("pad_token") or "",
+            unk_token=self._special_token("unk_token") or "",
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+
+_views: dict[Path, ModelView] = {}
+_views_lock = threading.Lock()
+
+
+def model_view(path: Path, name: str = "") -> ModelView:
+    """The (cached) view of the model directory at `path`, served under `name` or the directory's name."""
+    key = path.resolve()
+    with _views_lock:
+        view = _views.get(key)
+        if view is None or (name and view.name != name):
+            view = ModelView(path=key, name=name or key.name)
+            _views[key] = view
+        return view

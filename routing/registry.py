@@ -1,0 +1,75 @@
+"""Live worker registry: each worker process keeps a heartbeat key in Redis with a TTL.
+
+A worker is live while its heartbeat exists. The database row (routing.models.Worker) is the
+operator's handle (enable, drain); liveness itself never touches the database, so a worker
+killed with SIGKILL drops out of the live set when its TTL lapses, whatever the database says.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+HEARTBEAT_FAMILY = "hb:"
+ROUND_ROBIN_KEY = "rr"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    name: str
+    model: str
+    block_size: int
+    device: str = "cpu"
+    pid: int = 0
+    host: str = ""
+    started_at: float = field(default_factory=time.time)
+    publishes_events: bool = True
+    kv_capacity_blocks: int = 0
+    stopping: bool = False  # SIGTERM received: finishing current work, taking nothing new
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Heartbeat:
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def heartbeat_key(namespace: str, name: str) -> str:
+    return f"{namespace}{HEARTBEAT_FAMILY}{name}"
+
+
+class WorkerRegistry:
+    def __init__(self, client: redis.Redis, namespace: str) -> None:
+        self._client = client
+        self._namespace = namespace
+
+    def _key(self, name: str) -> str:
+        return heartbeat_key(self._namespace, name)
+
+    def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
+        self._client.set(self._key(heartbeat.name), heartbeat.to_json(), px=int(ttl_s * 1000))
+
+    def remove(self, name: str) -> None:
+        self._client.delete(self._key(name))
+
+    def alive(self, names: Iterable[str]) -> dict[str, Heartbeat]:
+        names = list(names)
+        if not names:
+            return {}
+        raw = self._client.mget([self._key(n) for n in names])
+        return {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}
+
+    def all_alive(self) -> dict[str, Heartbeat]:
+        prefix = self._key("")
+        keys = [k.decode() if isinstance(k, bytes) else k for k in self._client.scan_iter(match=f"{prefix}*")]
+        return self.alive([k[len(prefix) :] for k in keys])
+
+    def next_round_robin(self) -> int:
+        return int(self._client.incr(f"{self._namespace}{ROUND_ROBIN_KEY}"))

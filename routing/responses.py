@@ -1,0 +1,83 @@
+"""The stream through which a worker sends one request's tokens and result back to the frontend.
+
+The worker appends events to `resp:<request-id>` (a Redis stream with a TTL); the frontend
+process that accepted the request reads them. Any frontend process can read any stream, so a
+request never depends on which process the worker happens to reach.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+RESPONSE_FAMILY = "resp:"
+CANCEL_FAMILY = "cancel:"  # set by the frontend when the client went away or gave up
+RESPONSE_TTL_SECS = 600
+
+# Event types, in the order a worker sends them.
+STARTED = "started"  # the worker picked the request up
+TOKEN = "token"  # a piece of generated text (the first one ends prefill)
+DONE = "done"  # the whole result, with usage and timings
+ERROR = "error"  # the request failed on the worker: status, code, message
+
+
+def response_key(namespace: str, request_id: str) -> str:
+    return f"{namespace}{RESPONSE_FAMILY}{request_id}"
+
+
+def cancel_key(namespace: str, request_id: str) -> str:
+    return f"{namespace}{CANCEL_FAMILY}{request_id}"
+
+
+@dataclass(frozen=True)
+class ResponseEvent:
+    id: str
+    type: str
+    data: dict[str, Any]
+
+
+class ResponseWriter:
+    """The worker's side: one writer per request."""
+
+    def __init__(self, client: redis.Redis, namespace: str, request_id: str) -> None:
+        self._client = client
+        self._key = response_key(namespace, request_id)
+        self._cancel_key = cancel_key(namespace, request_id)
+        self._expiry_set = False
+
+    def send(self, event_type: str, **data: Any) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.xadd(self._key, {"type": event_type, "data": json.dumps(data)})
+        if not self._expiry_set:
+            pipe.expire(self._key, RESPONSE_TTL_SECS)
+        pipe.execute()
+        self._expiry_set = True
+
+    def cancelled(self) -> bool:
+        """Whether the frontend asked to stop: the client went away or the request timed out."""
+        return bool(self._client.exists(self._cancel_key))
+
+
+def parse_stream_entries(entries: list[Any]) -> list[ResponseEvent]:
+    events = []
+    for entry_id, fields in entries:
+        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        decoded = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+        raw_type = decoded.get("type", b"")
+        event_type = raw_type.decode() if isinstance(raw_type, bytes) else raw_type
+        events.append(ResponseEvent(entry_id, event_type, json.loads(decoded.get("data", b"{}"))))
+    return events
+
+
+async def read_response_events(
+    client: Any, namespace: str, request_id: str, last_id: str, block_ms: int
+) -> list[ResponseEvent]:
+    """Events after `last_id`, waiting up to `block_ms` for the first one (redis.asyncio client)."""
+    result = await client.xread({response_key(namespace, request_id): last_id}, block=block_ms, count=256)
+    if not result:
+        return []
+    _key, entries = result[0]
+    return parse_stream_entries(entries)

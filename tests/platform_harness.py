@@ -1,0 +1,132 @@
+"""Starts the real platform for integration tests: `run_worker` processes and a uvicorn server.
+
+Every process shares a SQLite file in the test's temporary directory and a Redis key namespace
+of the test's own (Celery's broker keys included, through the same prefix), on the test Redis
+database, so the test removes exactly what it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PlatformProcesses:
+    def __init__(
+        self, tmp: Path, model_dir: Path, redis_url: str, namespace: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.tmp = tmp
+        self.namespace = namespace
+        self.redis = redis.Redis.from_url(redis_url)
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "inference_platform.settings",
+            "DATABASE_URL": f"sqlite:///{tmp / 'db.sqlite3'}",
+            "REDIS_URL": redis_url,
+            "REDIS_KEY_PREFIX": namespace,
+            "MODEL_PATH": str(model_dir),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "WORKER_HEARTBEAT_TTL_SECS": "2",
+            "WORKER_HEARTBEAT_INTERVAL_SECS": "0.4",
+            "WORKER_TORCH_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.env.pop("PYTEST_CURRENT_TEST", None)
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.server: subprocess.Popen | None = None
+        self.base_url = ""
+        self._logs: list[Path] = []
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+            cwd=REPO, env=self.env, check=True, timeout=120,
+        )
+
+    def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
+        log = self.tmp / f"{label}.log"
+        self._logs.append(log)
+        handle = log.open("wb")
+        return subprocess.Popen(args, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+
+    def heartbeat_key(self, name: str) -> str:
+        return f"{self.namespace}hb:{name}"
+
+    def start_worker(self, name: str, *extra: str) -> None:
+        self.workers[name] = self._spawn(
+            f"worker-{name}", [sys.executable, "manage.py", "run_worker", "--name", name, *extra]
+        )
+
+    def wait_for_workers(self, *names: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        for name in names:
+            while not self.redis.exists(self.heartbeat_key(name)):
+                process = self.workers[name]
+                if process.poll() is not None:
+                    raise AssertionError(f"worker {name} exited early:\n{self.log_tail(f'worker-{name}')}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"worker {name} did not register:\n{self.log_tail(f'worker-{name}')}")
+                time.sleep(0.1)
+        # Registered means the model is loaded; give Celery a moment to start consuming.
+        time.sleep(1.0)
+
+    def start_server(self, timeout: float = 60.0) -> str:
+        port = free_port()
+        self.server = self._spawn(
+            "server",
+            [sys.executable, "-m", "uvicorn", "inference_platform.asgi:application",
+             "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+        )
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.server.poll() is not None:
+                raise AssertionError(f"server exited early:\n{self.log_tail('server')}")
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
+                    return self.base_url
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError(f"server did not answer:\n{self.log_tail('server')}")
+
+    def stop_worker(self, name: str, sig: int = signal.SIGTERM, wait: bool = True) -> int | None:
+        process = self.workers[name]
+        process.send_signal(sig)
+        return process.wait(timeout=60) if wait else None
+
+    def log_tail(self, label: str, lines: int = 40) -> str:
+        path = self.tmp / f"{label}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        processes = [*self.workers.values(), *([self.server] if self.server else [])]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for key in self.redis.scan_iter(match=f"{self.namespace}*", count=1000):
+            self.redis.delete(key)
+        self.redis.close()

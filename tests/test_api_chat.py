@@ -1,0 +1,209 @@
+"""The chat API's answers to bad input and failing workers, in OpenAI's error format.
+
+These run the real view in-process against the real Redis; workers that never answer or
+vanish are fault injections (a heartbeat with no process behind it), and say so in their names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+
+import pytest
+import redis
+from django.conf import settings as django_settings
+from django.test import AsyncClient
+
+from routing.models import Worker
+from routing.registry import Heartbeat, WorkerRegistry
+from routing.responses import ERROR, STARTED, ResponseWriter
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def served_demo_model(settings, demo_model_dir):
+    settings.MODEL_PATH = demo_model_dir
+    settings.MODEL_NAME = ""
+    settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS = 2.0
+    return demo_model_dir.name
+
+
+@pytest.fixture
+def client() -> AsyncClient:
+    return AsyncClient()
+
+
+@pytest.fixture
+def ghost_worker(served_demo_model):
+    """A registered worker with a heartbeat but no process: it never takes its tasks (fault injection)."""
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    registry = WorkerRegistry(conn, django_settings.REDIS_KEY_PREFIX)
+    Worker.objects.create(name="ghost", model_name=served_demo_model)
+    registry.beat(Heartbeat(name="ghost", model=served_demo_model, block_size=django_settings.KV_BLOCK_SIZE), 30)
+    conn.delete(f"{django_settings.REDIS_KEY_PREFIX}worker.ghost")  # tasks earlier tests left unanswered
+    yield registry
+    registry.remove("ghost")
+    conn.delete(f"{django_settings.REDIS_KEY_PREFIX}worker.ghost")
+
+
+def chat_body(model: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **extra}
+
+
+async def post(client: AsyncClient, body) -> tuple[int, dict, object]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = await client.post("/v1/chat/completions", data=raw, content_type="application/json")
+    return response.status_code, json.loads(response.content), response
+
+
+def assert_openai_error(body: dict, *, code: str, param: str | None = None) -> None:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+
+
+async def test_invalid_json_is_a_400_with_the_request_id(client):
+    status, body, response = await post(client, b"{not json")
+    assert status == 400
+    assert_openai_error(body, code="invalid_json")
+    assert body["error"]["type"] == "invalid_request_error"
+    assert response["X-Request-Id"].startswith("chatcmpl-")
+
+
+async def test_a_body_that_is_not_an_object_is_a_400(client):
+    status, body, _ = await post(client, [1, 2])
+    assert status == 400
+    assert_openai_error(body, code="invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"model": None}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].image_url"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"seed": -5}, "seed"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"n": 2}, "n"),
+    ],
+)
+async def test_each_invalid_field_is_a_400_naming_it(client, served_demo_model, change, param):
+    body = {**chat_body(served_demo_model), **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, payload, _ = await post(client, body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param
+    assert payload["error"]["type"] == "invalid_request_error"
+
+
+async def test_an_unknown_model_is_a_404(client):
+    status, body, _ = await post(client, chat_body("gpt-17"))
+    assert status == 404
+    assert_openai_error(body, code="model_not_found", param="model")
+    assert "gpt-17" in body["error"]["message"]
+
+
+async def test_get_on_chat_completions_is_a_405(client):
+    response = await client.get("/v1/chat/completions")
+    assert response.status_code == 405
+    assert_openai_error(json.loads(response.content), code="method_not_allowed")
+
+
+async def test_an_unknown_api_path_is_a_json_404(client):
+    response = await client.get("/v1/nothing-here")
+    assert response.status_code == 404
+    assert_openai_error(json.loads(response.content), code="not_found")
+
+
+async def test_models_lists_the_served_model(client, served_demo_model):
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    assert [m["id"] for m in json.loads(response.content)["data"]] == [served_demo_model]
+
+
+async def test_no_live_worker_is_a_503(client, served_demo_model):
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 503
+    assert_openai_error(body, code="no_live_worker")
+    assert body["error"]["type"] == "server_error"
+    assert response["X-Request-Id"] in body["error"]["message"]
+
+
+async def test_a_disabled_or_draining_worker_receives_nothing(client, served_demo_model, ghost_worker):
+    await Worker.objects.filter(name="ghost").aupdate(draining=True)
+    status, body, _ = await post(client, chat_body(served_demo_model))
+    assert status == 503
+    await Worker.objects.filter(name="ghost").aupdate(draining=False, enabled=False)
+    status, body, _ = await post(client, chat_body(served_demo_model))
+    assert status == 503
+
+
+async def test_a_worker_that_never_answers_fault_injected_is_a_504_with_the_request_id(
+    client, served_demo_model, ghost_worker
+):
+    started = time.monotonic()
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 504
+    assert_openai_error(body, code="worker_timeout")
+    assert response["X-Request-Id"] in body["error"]["message"]
+    assert response["X-Routed-Worker"] == "ghost"
+    assert time.monotonic() - started < 10
+
+
+async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(client, served_demo_model, ghost_worker):
+    def vanish() -> None:
+        time.sleep(0.3)
+        ghost_worker.remove("ghost")
+
+    threading.Thread(target=vanish).start()
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 503
+    assert_openai_error(body, code="worker_vanished")
+    assert response["X-Request-Id"] in body["error"]["message"]
+
+
+async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(client, served_demo_model, ghost_worker):
+    """The ghost's queue is read by the test, which answers like a worker whose engine crashed."""
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
+
+    async def answer_when_queued() -> None:
+        # The request id is only known once queued: read it from the broker's message headers.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            raw = conn.rpop(f"{prefix}worker.ghost")
+            if raw:
+                args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+                writer = ResponseWriter(conn, prefix, args[0]["request_id"])
+                writer.send(STARTED, worker="ghost")
+                writer.send(ERROR, status=502, code="worker_error", message="The worker failed: RuntimeError")
+                return
+            await asyncio.sleep(0.05)
+
+    answering = asyncio.ensure_future(answer_when_queued())
+    status, body, response = await post(client, chat_body(served_demo_model))
+    await answering
+    assert status == 502
+    assert_openai_error(body, code="worker_error")
+    assert response["X-Request-Id"] in body["error"]["message"]
+    assert "ghost" in body["error"]["message"]

@@ -1,0 +1,165 @@
+"""`manage.py run_worker --name gpu0 --device cuda:0`: one GPU worker process.
+
+It loads the model once, registers itself (the admin's Worker row plus a Redis heartbeat with
+a TTL), then consumes only the Celery queue `worker.<name>` with a thread pool (the model is
+never forked). SIGTERM finishes the running requests, deregisters and exits; SIGKILL leaves the
+heartbeat to lapse, which drops the worker from the live set on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.utils import timezone
+
+from routing.models import Worker, worker_queue
+from routing.redis_keys import redact_url, sync_client
+from routing.registry import Heartbeat, WorkerRegistry
+
+logger = logging.getLogger("workers.run_worker")
+
+
+class Command(BaseCommand):
+    help = "Run one GPU worker process: load the model, register, and serve its own Celery queue."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--name", required=True, help="Worker name; it consumes the queue worker.<name>.")
+        parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu).")
+        parser.add_argument("--model-path", default=None, help="Model directory (default: MODEL_PATH).")
+        parser.add_argument(
+            "--concurrency", type=int, default=settings.WORKER_CONCURRENCY,
+            help="Requests accepted at once (threads); the model itself runs one forward at a time.",
+        )
+        parser.add_argument(
+            "--threads", type=int, default=int(os.environ.get("WORKER_TORCH_THREADS", "0")),
+            help="torch CPU threads (0: torch's default). Use 1 when several workers share a CPU.",
+        )
+
+    def handle(self, *args, **options) -> None:
+        name: str = options["name"]
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise CommandError(f"worker name {name!r} must be letters, digits, '-' or '_'")
+        model_path = Path(options["model_path"] or settings.MODEL_PATH)
+        if not (model_path / "config.json").is_file():
+            raise CommandError(
+                f"no model at {model_path}: run `python manage.py build_demo_model {model_path}` "
+                "or point MODEL_PATH at a checkpoint directory"
+            )
+
+        from workers.engine import Engine  # torch is imported here, in the worker process only
+        from workers.runtime import WorkerRuntime, install_runtime
+
+        if options["threads"] > 0:
+            import torch
+
+            torch.set_num_threads(options["threads"])
+
+        client = sync_client(settings.REDIS_URL)
+        started = time.monotonic()
+        engine = Engine.load(
+            model_path,
+            device=options["device"],
+            block_size=settings.KV_BLOCK_SIZE,
+            worker_name=name,
+        )
+        model_name = settings.MODEL_NAME or model_path.resolve().name
+        self.stdout.write(f"worker {name}: loaded {model_path} on {options['device']} in {time.monotonic() - started:.1f} s")
+        install_runtime(WorkerRuntime(name=name, engine=engine, client=client, namespace=settings.REDIS_KEY_PREFIX))
+
+        heartbeat = Heartbeat(
+            name=name,
+            model=model_name,
+            block_size=settings.KV_BLOCK_SIZE,
+            device=options["device"],
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+        Worker.objects.update_or_create(
+            name=name,
+            defaults={
+                "device": heartbeat.device,
+                "model_name": model_name,
+                "block_size": heartbeat.block_size,
+                "host": heartbeat.host,
+                "pid": heartbeat.pid,
+                "registered_at": timezone.now(),
+                "deregistered_at": None,
+            },
+        )
+        registry = WorkerRegistry(client, settings.REDIS_KEY_PREFIX)
+        beats = _HeartbeatLoop(registry, heartbeat)
+        beats.start()
+
+        from celery.signals import worker_shutting_down
+
+        from inference_platform.celery import app
+
+        # From the first SIGTERM on, the worker takes nothing new but keeps beating while it
+        # finishes what it has, so frontends waiting on it do not take it for dead.
+        worker_shutting_down.connect(lambda **_: beats.mark_stopping(), weak=False)
+
+        celery_worker = app.Worker(
+            hostname=f"{name}@{heartbeat.host}",
+            queues=[worker_queue(name)],
+            pool_cls="threads",
+            concurrency=options["concurrency"],
+            loglevel=settings.LOG_LEVEL,
+            without_gossip=True,
+            without_mingle=True,
+            without_heartbeat=True,
+            redirect_stdouts=False,
+        )
+        self.stdout.write(
+            f"worker {name}: serving queue {worker_queue(name)} via {redact_url(settings.CELERY_BROKER_URL)}"
+        )
+        try:
+            celery_worker.start()
+        finally:
+            beats.stop()
+            registry.remove(name)
+            Worker.objects.filter(name=name).update(deregistered_at=timezone.now())
+            self.stdout.write(f"worker {name}: deregistered")
+
+
+class _HeartbeatLoop:
+    """Refreshes the worker's heartbeat key every interval, well inside its TTL."""
+
+    def __init__(self, registry: WorkerRegistry, heartbeat: Heartbeat) -> None:
+        self._registry = registry
+        self._heartbeat = heartbeat
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def mark_stopping(self) -> None:
+        with self._lock:
+            self._heartbeat = dataclasses.replace(self._heartbeat, stopping=True)
+        self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        with self._lock:
+            heartbeat = self._heartbeat
+        try:
+            self._registry.beat(heartbeat, settings.WORKER_HEARTBEAT_TTL_SECS)
+        except Exception:  # a Redis hiccup: the next beat may land before the TTL lapses
+            logger.warning("worker %s: heartbeat failed", heartbeat.name, exc_info=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(settings.WORKER_HEARTBEAT_INTERVAL_SECS):
+            self._beat()
