@@ -1,0 +1,172 @@
+"""The whole request path across real processes: uvicorn → Celery (Redis broker) → run_worker → model.
+
+Each test starts real `run_worker` processes with the demo model and a real ASGI server, then
+talks HTTP to it as a client would.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.platform_harness import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def ask(base_url: str, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_two_worker_processes_answer_requests_with_the_model(platform_processes):
+    platform = platform_processes()
+    platform.start_worker("alpha")
+    platform.start_worker("beta")
+    platform.wait_for_workers("alpha", "beta")
+    base_url = platform.start_server()
+
+    answers: dict[str, list[str]] = {"alpha": [], "beta": []}
+    for _ in range(4):
+        response = ask(base_url, "Describe a red bicycle.")
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["object"] == "chat.completion"
+        assert response.headers["X-Request-Id"] == body["id"]
+        usage = body["usage"]
+        assert usage["completion_tokens"] > 0
+        assert usage["prompt_tokens"] > 10
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert "cached_tokens" in usage["prompt_tokens_details"]
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        answers[response.headers["X-Routed-Worker"]].append(body["choices"][0]["message"]["content"])
+
+    # Both processes answered, and being the same model under greedy decoding, identically.
+    assert answers["alpha"] and answers["beta"]
+    assert len({*answers["alpha"], *answers["beta"]}) == 1
+    assert answers["alpha"][0].strip()
+    # A different prompt makes the model say something else: the text comes from the model.
+    other = ask(base_url, "What is the capital of a country made of glass?", max_tokens=8).json()
+    assert other["choices"][0]["message"]["content"] != answers["alpha"][0]
+
+
+def test_streaming_sends_chunks_then_done(platform_processes):
+    platform = platform_processes()
+    platform.start_worker("solo")
+    platform.wait_for_workers("solo")
+    base_url = platform.start_server()
+
+    whole = ask(base_url, "Tell me about rivers.", max_tokens=12).json()["choices"][0]["message"]["content"]
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Tell me about rivers."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    pieces, finish, usage = [], None, None
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line[len("data: "):])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+            continue
+        choice = chunk["choices"][0]
+        pieces.append(choice["delta"].get("content", ""))
+        finish = choice["finish_reason"] or finish
+    assert "".join(pieces) == whole
+    assert finish in ("stop", "length")
+    assert usage and usage["completion_tokens"] > 0
+
+
+def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(platform_processes):
+    platform = platform_processes()
+    platform.start_worker("stays")
+    platform.start_worker("leaves")
+    platform.wait_for_workers("stays", "leaves")
+    base_url = platform.start_server()
+
+    assert platform.stop_worker("leaves", signal.SIGTERM) == 0
+    assert not platform.redis.exists(platform.heartbeat_key("leaves"))
+    assert "deregistered" in platform.log_tail("worker-leaves")
+
+    routed = [ask(base_url, f"Question {i}").headers["X-Routed-Worker"] for i in range(4)]
+    assert routed == ["stays"] * 4
+    assert platform.redis.llen(f"{platform.namespace}worker.leaves") == 0
+
+
+def test_sigkill_leaves_the_live_set_after_the_heartbeat_ttl(platform_processes):
+    platform = platform_processes()
+    platform.start_worker("doomed")
+    platform.wait_for_workers("doomed")
+    base_url = platform.start_server()
+    assert ask(base_url, "Hello").status_code == 200
+
+    platform.stop_worker("doomed", signal.SIGKILL)
+    killed_at = time.monotonic()
+    while platform.redis.exists(platform.heartbeat_key("doomed")):
+        assert time.monotonic() - killed_at < 2 + 1.5, "heartbeat outlived its 2 s TTL"
+        time.sleep(0.1)
+    response = ask(base_url, "Anyone there?")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_live_worker"
+
+
+def test_a_worker_killed_mid_request_is_a_502_with_the_request_id(platform_processes):
+    platform = platform_processes()
+    platform.start_worker("fragile")
+    platform.wait_for_workers("fragile")
+    base_url = platform.start_server()
+
+    import threading
+
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(
+        target=lambda: result.setdefault("r", ask(base_url, "Write a very long story.", max_tokens=2000))
+    )
+    thread.start()
+    # Kill it once it has started streaming tokens for the request.
+    deadline = time.monotonic() + 30
+    while not any(platform.redis.scan_iter(match=f"{platform.namespace}resp:*")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    platform.stop_worker("fragile", signal.SIGKILL)
+    thread.join(timeout=30)
+    response = result["r"]
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "worker_vanished"
+    assert response.headers["X-Request-Id"] in error["message"]
+
+
+def test_stdlib_platform_module_works_in_each_process(platform_processes):
+    """Our project package is not called `platform`, so the standard library's stays importable."""
+    code = "import platform; print(platform.system())"
+    for args in (
+        [sys.executable, "-c", f"import django, os; os.environ['DJANGO_SETTINGS_MODULE']='inference_platform.settings'; "
+                               f"django.setup(); import inference_platform.asgi; {code}"],
+        [sys.executable, "-c", f"import workers.engine; {code}"],
+    ):
+        out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+        assert out.strip().splitlines()[-1] in ("Linux", "Darwin", "Windows")
+    import platform as stdlib_platform
+
+    assert stdlib_platform.system()
