@@ -1,0 +1,183 @@
+"""Small checkpoint directories (config.json, preprocessor_config.json, processor_config.json) per family.
+
+They carry the image settings the published checkpoints ship, so transformers' processors load
+from them offline and tests can compare against them; there are no weights or tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+OPENAI_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+OPENAI_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+LLAVA_NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+def qwen2_vl_config(model_type: str = "qwen2_vl") -> dict[str, Any]:
+    return {
+        "model_type": model_type,
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "vision_config": {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    }
+
+
+def qwen2_vl_preprocessor(**overrides: Any) -> dict[str, Any]:
+    """Qwen2-VL-7B-Instruct's published image settings (Qwen2.5-VL ships the same)."""
+    return {
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": OPENAI_CLIP_MEAN,
+        "image_std": OPENAI_CLIP_STD,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        **overrides,
+    }
+
+
+def qwen3_vl_config() -> dict[str, Any]:
+    return {
+        "model_type": "qwen3_vl",
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "vision_config": {"patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    }
+
+
+def qwen3_vl_preprocessor(**overrides: Any) -> dict[str, Any]:
+    """Qwen3-VL-*-Instruct's published image settings: the Qwen2-VL processor with patch 16."""
+    return {
+        "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        **overrides,
+    }
+
+
+def llava_config() -> dict[str, Any]:
+    return {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "image_token_index": 32000,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+    }
+
+
+def llava_preprocessor(**overrides: Any) -> dict[str, Any]:
+    """llava-hf/llava-1.5-7b-hf's published image settings."""
+    return {
+        "crop_size": {"height": 336, "width": 336},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": OPENAI_CLIP_MEAN,
+        "image_std": OPENAI_CLIP_STD,
+        "image_processor_type": "CLIPImageProcessor",
+        "processor_class": "LlavaProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"shortest_edge": 336},
+        **overrides,
+    }
+
+
+def llava_processor(**overrides: Any) -> dict[str, Any]:
+    """The processor-level settings llava-hf checkpoints keep in processor_config.json."""
+    return {
+        "processor_class": "LlavaProcessor",
+        "patch_size": 14,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+        **overrides,
+    }
+
+
+def llava_next_config() -> dict[str, Any]:
+    return {
+        "model_type": "llava_next",
+        "architectures": ["LlavaNextForConditionalGeneration"],
+        "image_token_index": 32000,
+        "image_grid_pinpoints": LLAVA_NEXT_PINPOINTS,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+    }
+
+
+def llava_next_preprocessor(**overrides: Any) -> dict[str, Any]:
+    """llava-hf/llava-v1.6-mistral-7b-hf's published image settings."""
+    return {
+        "crop_size": {"height": 336, "width": 336},
+        "do_center_crop": True,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_pad": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_grid_pinpoints": LLAVA_NEXT_PINPOINTS,
+        "image_mean": OPENAI_CLIP_MEAN,
+        "image_std": OPENAI_CLIP_STD,
+        "image_processor_type": "LlavaNextImageProcessor",
+        "processor_class": "LlavaNextProcessor",
+        "resample": 3,
+        "rescale_factor": 0.00392156862745098,
+        "size": {"shortest_edge": 336},
+        **overrides,
+    }
+
+
+def llava_next_processor(**overrides: Any) -> dict[str, Any]:
+    return {**llava_processor(), "processor_class": "LlavaNextProcessor", **overrides}
+
+
+# model_type -> (config.json, preprocessor_config.json with overrides, processor_config.json or None)
+FAMILIES: dict[
+    str, tuple[Callable[[], dict[str, Any]], Callable[..., dict[str, Any]], Callable[[], dict] | None]
+] = {
+    "qwen2_vl": (qwen2_vl_config, qwen2_vl_preprocessor, None),
+    "qwen2_5_vl": (lambda: qwen2_vl_config("qwen2_5_vl"), qwen2_vl_preprocessor, None),
+    "qwen3_vl": (qwen3_vl_config, qwen3_vl_preprocessor, None),
+    "llava": (llava_config, llava_preprocessor, llava_processor),
+    "llava_next": (llava_next_config, llava_next_preprocessor, llava_next_processor),
+}
+
+
+def write_model_dir(
+    directory: Path,
+    config: dict[str, Any],
+    preprocessor: dict[str, Any] | None = None,
+    processor: dict[str, Any] | None = None,
+) -> Path:
+    """Writes the given JSON files into `directory` (created if needed) and returns it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if preprocessor is not None:
+        (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    if processor is not None:
+        (directory / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    return directory
+
+
+def write_family_dir(directory: Path, model_type: str, **preprocessor_overrides: Any) -> Path:
+    """A checkpoint directory of one family with its published settings, some of them overridden."""
+    config, preprocessor, processor = FAMILIES[model_type]
+    return write_model_dir(
+        directory,
+        config(),
+        preprocessor(**preprocessor_overrides),
+        processor() if processor is not None else None,
+    )
