@@ -1,0 +1,121 @@
+"""Block hashes of a prompt, images included: the one function the router's index and the
+worker's prefix KV cache both key on (Dynamo's scheme, plus each image's 64-bit hash and offset).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+BLOCK_HASH_SEED = 1337
+
+_U64_MAX = (1 << 64) - 1
+_U64_PAIR = struct.Struct("<QQ")
+_MEDIA_TAG = struct.Struct("<Qq")  # routing hash, offset of the media relative to the block
+_xxh3_64 = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPlacement:
+    """Where one image's placeholder tokens sit in the prompt, and the hash of what it shows."""
+
+    routing_hash: int  # u64, the first 64 bits of the media identity
+    start: int  # index of its first placeholder token in the prompt
+    length: int  # placeholder tokens
+
+
+def _token_bytes(tokens: Sequence[int]) -> memoryview:
+    """The prompt as little-endian u32s, converted once so each block is a zero-copy slice."""
+    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        packed = tokens
+    else:
+        try:
+            packed = array("I", tokens)
+        except OverflowError as exc:
+            raise ValueError(f"token ids must be unsigned 32-bit integers: {exc}") from None
+    if packed.itemsize != 4:  # pragma: no cover - every platform CPython supports has 4-byte "I"
+        raise RuntimeError("array('I') is not 32 bits on this platform")
+    if sys.byteorder == "big":  # pragma: no cover - the hash is defined on little-endian bytes
+        packed = array("I", packed)
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def _ordered_media(media: Sequence[MediaPlacement], n_tokens: int) -> list[MediaPlacement]:
+    """Media sorted by start, checked to be inside the prompt and not to overlap one another."""
+    ordered = sorted(media, key=lambda placement: placement.start)
+    previous_end = 0
+    for placement in ordered:
+        if not 0 <= placement.routing_hash <= _U64_MAX:
+            raise ValueError(f"media routing_hash {placement.routing_hash} is not a u64")
+        if placement.length < 1 or placement.start < 0 or placement.start + placement.length > n_tokens:
+            raise ValueError(
+                f"media at {placement.start} (length {placement.length}) lies outside the "
+                f"{n_tokens}-token prompt"
+            )
+        # Overlapping runs would make the moving pointer below skip media; a prompt cannot hold them.
+        if placement.start < previous_end:
+            raise ValueError(f"media at {placement.start} overlaps the media before it")
+        previous_end = placement.start + placement.length
+    return ordered
+
+
+def local_block_hashes(
+    tokens: Sequence[int], block_size: int, media: Sequence[MediaPlacement] = ()
+) -> list[int]:
+    """Position-independent hash of each full block, with the media each block covers folded in."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    data = _token_bytes(tokens)
+    n_blocks = len(tokens) // block_size
+    stride = block_size * 4
+    if not media:
+        return [
+            _xxh3_64(data[offset : offset + stride], BLOCK_HASH_SEED)
+            for offset in range(0, n_blocks * stride, stride)
+        ]
+
+    ordered = _ordered_media(media, len(tokens))
+    hashes: list[int] = []
+    first = 0  # first media that does not end before the current block
+    for block in range(n_blocks):
+        block_start = block * block_size
+        block_end = block_start + block_size
+        while first < len(ordered) and ordered[first].start + ordered[first].length <= block_start:
+            first += 1
+        block_bytes = data[block * stride : (block + 1) * stride]
+        covering = first
+        tags = []
+        while covering < len(ordered) and ordered[covering].start < block_end:
+            placement = ordered[covering]
+            tags.append(_MEDIA_TAG.pack(placement.routing_hash, placement.start - block_start))
+            covering += 1
+        if tags:
+            hashes.append(_xxh3_64(b"".join([block_bytes, *tags]), BLOCK_HASH_SEED))
+        else:
+            hashes.append(_xxh3_64(block_bytes, BLOCK_HASH_SEED))
+    return hashes
+
+
+def chain_sequence_hashes(local: Sequence[int]) -> list[int]:
+    """Chain local hashes so each one also stands for every block before it."""
+    if not local:
+        return []
+    previous = local[0]
+    sequence = [previous]
+    append = sequence.append
+    pack = _U64_PAIR.pack
+    for current in local[1:]:
+        previous = _xxh3_64(pack(previous, current), BLOCK_HASH_SEED)
+        append(previous)
+    return sequence
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, media: Sequence[MediaPlacement] = ()) -> list[int]:
+    """Sequence hashes of the prompt's full blocks: what the index and the KV cache key on."""
+    return chain_sequence_hashes(local_block_hashes(tokens, block_size, media))

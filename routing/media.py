@@ -1,0 +1,487 @@
+"""Media identity and guarded fetching: the identity and size of each image in a request, read
+without trusting the URL (SSRF guard, size cap, timeouts, decompression-bomb check).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import ipaddress
+import socket
+import ssl
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from io import BytesIO
+from urllib.parse import quote, unquote_to_bytes, urljoin, urlsplit
+
+import xxhash
+from PIL import (  # the decoders allowed on untrusted bytes, registered here (see IMAGE_FORMATS)
+    BmpImagePlugin,  # noqa: F401
+    GifImagePlugin,  # noqa: F401
+    Image,
+    JpegImagePlugin,  # noqa: F401
+    PngImagePlugin,  # noqa: F401
+    TiffImagePlugin,  # noqa: F401
+    UnidentifiedImageError,
+    WebPImagePlugin,  # noqa: F401
+)
+
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # DYN_MM_MAX_FILE_SIZE_MB's default
+HEADER_READ_BYTES = 64 * 1024  # Dynamo's ranged read; enough for nearly every image header
+# Decoders Pillow may run on untrusted bytes: the formats a vision model is sent, nothing exotic.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG also opens MPO (phone photos)
+
+_READ_CHUNK = 64 * 1024
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_METADATA_ADDRESSES = frozenset(
+    {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
+)
+_URL_UNSAFE_KEEP = "/%:@!$&'()*+,;=-._~?"  # already-legal URL characters left as sent
+_DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, struct.error)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class MediaError(Exception):
+    """An image the platform refuses or cannot get, with the HTTP status the API should answer."""
+
+    def __init__(self, status: int, code: str, message: str, *, image_index: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.image_index = image_index
+
+    def for_image(self, index: int) -> MediaError:
+        """The same error naming the image (its 0-based place among the request's images)."""
+        if self.image_index is not None:
+            return self
+        return MediaError(self.status, self.code, f"image {index}: {self.message}", image_index=index)
+
+    def __repr__(self) -> str:
+        return f"MediaError({self.status}, {self.code!r}, {self.message!r}, image_index={self.image_index})"
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Limits on fetching and decoding images; the web process builds one from settings."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0  # per socket operation, like requests' read timeout
+    max_redirects: int = 3
+    allowed_hosts: tuple[str, ...] = ()  # hostnames or CIDRs allowed even if private/loopback
+    max_pixels: int = 89_478_485  # Pillow's decompression-bomb limit
+
+
+@dataclass(frozen=True)
+class ResolvedImage:
+    """One image of a request: its identity, its size and, with frontend decoding, its bytes."""
+
+    index: int
+    url: str
+    identity: str
+    routing_hash: int
+    width: int
+    height: int
+    data: bytes | None  # encoded bytes, present when frontend decoding fetched them
+
+
+# --- identities ----------------------------------------------------------------------------------
+def url_identity(url: str) -> str:
+    """Identity of an image by its exact URL (query string and whole data URI included)."""
+    return xxhash.xxh3_128_hexdigest(url.encode("utf-8", "surrogatepass"))
+
+
+def pixel_identity(image: Image.Image) -> str:
+    """Identity of decoded content: the same picture behind any URL or encoding hashes alike."""
+    digest = xxhash.xxh3_128()
+    width, height = image.size
+    digest.update(f"{image.mode}\0{width}\0{height}\0".encode())
+    if image.mode in ("P", "PA"):
+        # palette indices alone would make two differently coloured pictures collide
+        digest.update(bytes(image.getpalette() or ()))
+        digest.update(repr(image.info.get("transparency")).encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def routing_hash(identity: str) -> int:
+    """The identity's first 64 bits, folded into block hashes."""
+    if len(identity) < 16:
+        raise ValueError(f"identity {identity!r} is shorter than 64 bits")
+    return int(identity[:16], 16)
+
+
+# --- the SSRF guard ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Allowlist:
+    hostnames: frozenset[str]
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+    def allows(self, host: str, address: IPAddress) -> bool:
+        if host.lower().rstrip(".") in self.hostnames:
+            return True
+        return any(address.version == net.version and address in net for net in self.networks)
+
+
+@lru_cache(maxsize=32)
+def _allowlist(entries: tuple[str, ...]) -> _Allowlist:
+    hostnames, networks = set(), []
+    for entry in entries:
+        entry = entry.strip()
+        try:
+            networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+        except ValueError:
+            hostnames.add(entry.lower().rstrip("."))
+    return _Allowlist(frozenset(hostnames), tuple(networks))
+
+
+def _refusal_reason(address: IPAddress) -> str | None:
+    """Why an origin at this address must not be contacted, or None when it is public."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address in _METADATA_ADDRESSES:
+        return "a cloud metadata address"
+    for reason, flagged in (
+        ("unspecified", address.is_unspecified),
+        ("loopback", address.is_loopback),
+        ("link-local", address.is_link_local),
+        ("multicast", address.is_multicast),
+        ("private", address.is_private),
+        ("reserved", address.is_reserved),
+    ):
+        if flagged:
+            return f"a {reason} address"
+    if not address.is_global:  # shared (CGNAT), documentation and other special-purpose ranges
+        return "not a public address"
+    return None
+
+
+@dataclass(frozen=True)
+class _Target:
+    scheme: str
+    host: str
+    port: int
+    request_path: str
+
+
+def _parse_http_url(url: str) -> _Target:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise MediaError(400, "invalid_url", f"invalid image URL: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        shown = f"{scheme}://" if scheme else "no scheme"
+        raise MediaError(
+            400, "unsupported_scheme", f"image URL scheme {shown} is not supported (http, https, data)"
+        )
+    if not parts.hostname:
+        raise MediaError(400, "invalid_url", "image URL has no host")
+    path = quote(parts.path or "/", safe=_URL_UNSAFE_KEEP)
+    if parts.query:
+        path += "?" + quote(parts.query, safe=_URL_UNSAFE_KEEP)
+    return _Target(scheme, parts.hostname, port or (443 if scheme == "https" else 80), path)
+
+
+def _vetted_addresses(target: _Target, policy: MediaPolicy) -> list[tuple[int, tuple]]:
+    """Resolve once and vet every address; the connection then goes to one of these, never
+    to a fresh resolution (which a rebinding DNS server could point elsewhere)."""
+    try:
+        infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    except UnicodeError:
+        raise MediaError(400, "invalid_url", f"image host {target.host!r} is not a valid host name") from None
+    except socket.gaierror as exc:
+        if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            raise MediaError(400, "unknown_host", f"image host {target.host} does not resolve") from None
+        raise MediaError(502, "dns_error", f"could not resolve image host {target.host}: {exc}") from None
+    allowlist = _allowlist(policy.allowed_hosts)
+    vetted = []
+    for family, _, _, _, sockaddr in infos:
+        address = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+        reason = _refusal_reason(address)
+        # Refuse the host if any of its addresses is internal: picking the public one would still
+        # let a host name be used to probe which internal addresses exist.
+        if reason is not None and not allowlist.allows(target.host, address):
+            raise MediaError(
+                403, "address_refused", f"image host {target.host} resolves to {address}, {reason}; refused"
+            )
+        vetted.append((family, sockaddr))
+    if not vetted:
+        raise MediaError(400, "unknown_host", f"image host {target.host} has no address")
+    return vetted
+
+
+@lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
+
+
+def _connect(target: _Target, policy: MediaPolicy) -> http.client.HTTPConnection:
+    last_error: OSError | None = None
+    for family, sockaddr in _vetted_addresses(target, policy):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(policy.connect_timeout)
+        try:
+            sock.connect(sockaddr)
+        except TimeoutError:
+            sock.close()
+            raise MediaError(
+                504, "origin_timeout", f"connecting to image host {target.host} timed out"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            last_error = exc
+            continue
+        sock.settimeout(policy.read_timeout)
+        try:
+            if target.scheme == "https":
+                sock = _tls_context().wrap_socket(sock, server_hostname=target.host)
+                connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                    target.host, target.port, timeout=policy.read_timeout, context=_tls_context()
+                )
+            else:
+                connection = http.client.HTTPConnection(target.host, target.port, timeout=policy.read_timeout)
+        except TimeoutError:
+            sock.close()
+            raise MediaError(504, "origin_timeout", f"TLS handshake with {target.host} timed out") from None
+        except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
+            sock.close()
+            raise MediaError(502, "tls_error", f"TLS with image host {target.host} failed: {exc}") from None
+        connection.sock = sock  # already connected to the vetted address: http.client won't resolve
+        return connection
+    raise MediaError(
+        502, "origin_unreachable", f"could not connect to image host {target.host}: {last_error}"
+    )
+
+
+def _declared_total(response: http.client.HTTPResponse) -> int | None:
+    """The size of the whole resource, as the origin states it."""
+    if response.status == 206:
+        content_range = response.getheader("Content-Range") or ""
+        total = content_range.rpartition("/")[2].strip()
+        return int(total) if total.isdigit() else None
+    length = (response.getheader("Content-Length") or "").strip()
+    return int(length) if length.isdigit() else None
+
+
+def _read_body(
+    response: http.client.HTTPResponse, target: _Target, policy: MediaPolicy, limit: int | None
+) -> bytes:
+    total = _declared_total(response)
+    if total is not None and total > policy.max_bytes:
+        raise MediaError(
+            413, "image_too_large", f"image is {total} bytes, over the {policy.max_bytes}-byte limit"
+        )
+    # Read at most one byte past the cap: enough to know it was crossed, never the rest.
+    budget = policy.max_bytes + 1 if limit is None else min(limit, policy.max_bytes + 1)
+    chunks: list[bytes] = []
+    received = 0
+    while received < budget:
+        chunk = response.read(min(_READ_CHUNK, budget - received))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        received += len(chunk)
+    if received > policy.max_bytes:
+        raise MediaError(
+            413, "image_too_large", f"image from {target.host} is over the {policy.max_bytes}-byte limit"
+        )
+    return b"".join(chunks)
+
+
+def fetch_bytes(
+    url: str, policy: MediaPolicy, *, limit: int | None = None, headers: Mapping[str, str] | None = None
+) -> bytes:
+    """GET an http(s) image through the SSRF guard; with `limit`, only its first `limit` bytes."""
+    request_headers = {"User-Agent": "mm-kv-router/1", "Accept": "image/*"}
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        request_headers["Range"] = f"bytes=0-{limit - 1}"
+    request_headers.update(headers or {})
+    current = url
+    for _ in range(policy.max_redirects + 1):
+        target = _parse_http_url(current)
+        connection = _connect(target, policy)
+        response: http.client.HTTPResponse | None = None
+        try:
+            connection.request("GET", target.request_path, headers=request_headers)
+            response = connection.getresponse()
+            if response.status in _REDIRECT_STATUSES:
+                location = response.getheader("Location")
+                if not location:
+                    raise MediaError(502, "origin_error", f"image host {target.host} redirected nowhere")
+                current = urljoin(current, location.strip())
+                continue
+            if response.status not in (200, 206):
+                raise MediaError(502, "origin_error", f"image host {target.host} answered {response.status}")
+            return _read_body(response, target, policy, limit)
+        except TimeoutError:
+            raise MediaError(504, "origin_timeout", f"image host {target.host} timed out") from None
+        except (http.client.HTTPException, OSError) as exc:
+            raise MediaError(
+                502, "origin_error", f"image host {target.host} failed: {type(exc).__name__}"
+            ) from None
+        finally:
+            # The response owns the socket once http.client sees a closing response: close both,
+            # or an unread body keeps arriving until the error (and its frames) is collected.
+            if response is not None:
+                response.close()
+            connection.close()
+    raise MediaError(
+        502, "too_many_redirects", f"image URL redirected more than {policy.max_redirects} times"
+    )
+
+
+# --- data URLs -----------------------------------------------------------------------------------
+def is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"
+
+
+def decode_data_url(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The bytes of a base64 `data:image/...` URL; anything else is refused."""
+    if not is_data_url(url):
+        raise MediaError(400, "invalid_data_url", "not a data URL")
+    header, comma, payload = url[5:].partition(",")
+    params = [part.strip().lower() for part in header.split(";")]
+    if not comma or not params[0].startswith("image/"):
+        raise MediaError(
+            400, "invalid_data_url", "data URL is not an image (expected data:image/...;base64,)"
+        )
+    if "base64" not in params[1:]:
+        raise MediaError(400, "invalid_data_url", "data URL is not base64-encoded")
+    if len(payload) // 4 * 3 > max_bytes + 3:
+        raise MediaError(413, "image_too_large", f"data URL image is over the {max_bytes}-byte limit")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        # Tolerate what senders commonly add (line breaks, percent-encoding); still refuse junk.
+        cleaned = unquote_to_bytes("".join(payload.split())) if "%" in payload else "".join(payload.split())
+        try:
+            data = base64.b64decode(cleaned, validate=True)
+        except (binascii.Error, ValueError):
+            raise MediaError(400, "invalid_data_url", "data URL holds invalid base64") from None
+    if not data:
+        raise MediaError(400, "invalid_data_url", "data URL is empty")
+    if len(data) > max_bytes:
+        raise MediaError(413, "image_too_large", f"data URL image is over the {max_bytes}-byte limit")
+    return data
+
+
+# --- sizes and decoding --------------------------------------------------------------------------
+def _open_image(data: bytes) -> Image.Image:
+    """Pillow's lazy open: parses the header, decodes no pixels."""
+    try:
+        return Image.open(BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        raise MediaError(422, "decompression_bomb", "image header declares too many pixels") from None
+
+
+def _check_pixels(width: int, height: int, max_pixels: int | None) -> None:
+    if width < 1 or height < 1:
+        raise MediaError(400, "image_undecodable", f"image has an empty size {width}x{height}")
+    if max_pixels is not None and width * height > max_pixels:
+        raise MediaError(
+            422,
+            "decompression_bomb",
+            f"image is {width}x{height} = {width * height} pixels, over the {max_pixels}-pixel limit",
+        )
+
+
+def read_image_size(data: bytes, *, max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) from the image header alone; 400 if undecodable, 422 over `max_pixels`."""
+    try:
+        with _open_image(data) as image:
+            width, height = image.size
+    except _DECODE_ERRORS:
+        raise MediaError(400, "image_undecodable", "image bytes are not a supported image") from None
+    _check_pixels(width, height, max_pixels)
+    return width, height
+
+
+def probe_image_size(url: str, policy: MediaPolicy) -> tuple[int, int]:
+    """An image's size read from as few of its bytes as its header needs."""
+    if is_data_url(url):
+        return read_image_size(decode_data_url(url, max_bytes=policy.max_bytes), max_pixels=policy.max_pixels)
+    limit = min(HEADER_READ_BYTES, policy.max_bytes)
+    while True:
+        prefix = fetch_bytes(url, policy, limit=limit)
+        complete = len(prefix) < limit
+        try:
+            return read_image_size(prefix, max_pixels=policy.max_pixels)
+        except MediaError as error:
+            # A header cut short reads as undecodable; read more (a JPEG's size can follow a large
+            # EXIF block) until the whole file was seen or the cap reached.
+            if error.status != 400 or complete or limit >= policy.max_bytes:
+                raise
+        limit = min(limit * 16, policy.max_bytes)
+
+
+def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
+    """Fully decoded image, its pixel count checked from the header before any pixel is decoded."""
+    try:
+        image = _open_image(data)
+        _check_pixels(*image.size, policy.max_pixels)
+        image.load()
+    except _DECODE_ERRORS:
+        raise MediaError(400, "image_undecodable", "image bytes could not be decoded") from None
+    return image
+
+
+# --- a request's images --------------------------------------------------------------------------
+_DEFAULT_EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="media")  # threads start on use
+
+
+def _check_scheme(url: str) -> None:
+    if not is_data_url(url):
+        _parse_http_url(url)
+
+
+def _identify_by_url(index: int, url: str, policy: MediaPolicy) -> ResolvedImage:
+    _check_scheme(url)
+    identity = url_identity(url)
+    width, height = probe_image_size(url, policy)
+    return ResolvedImage(index, url, identity, routing_hash(identity), width, height, None)
+
+
+def _identify_by_pixels(index: int, url: str, policy: MediaPolicy) -> ResolvedImage:
+    data = decode_data_url(url, max_bytes=policy.max_bytes) if is_data_url(url) else fetch_bytes(url, policy)
+    with decode_image(data, policy) as image:
+        identity = pixel_identity(image)
+        width, height = image.size
+    return ResolvedImage(index, url, identity, routing_hash(identity), width, height, data)
+
+
+def _resolve_one(
+    resolve: Callable[[int, str, MediaPolicy], ResolvedImage], index: int, url: str, policy: MediaPolicy
+) -> ResolvedImage:
+    try:
+        return resolve(index, url, policy)
+    except MediaError as error:
+        raise error.for_image(index) from None
+
+
+def resolve_images(
+    urls: Sequence[str], policy: MediaPolicy, *, frontend_decoding: bool, executor: Executor | None = None
+) -> list[ResolvedImage]:
+    """Identity and size of each image, fetched/decoded concurrently; the first failing image
+    (in request order) raises its MediaError with `image_index` set."""
+    resolve = _identify_by_pixels if frontend_decoding else _identify_by_url
+    if len(urls) <= 1:  # no thread hop for the common single-image request
+        return [_resolve_one(resolve, index, url, policy) for index, url in enumerate(urls)]
+    pool = executor or _DEFAULT_EXECUTOR
+    futures: list[Future[ResolvedImage]] = [
+        pool.submit(_resolve_one, resolve, index, url, policy) for index, url in enumerate(urls)
+    ]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        for future in futures:
+            future.cancel()  # only those not started yet: the request already failed
