@@ -1,15 +1,17 @@
-"""From a validated chat request to a dispatched task: prompt, worker choice, payload.
+"""From a validated chat request to a dispatched task: prompt, images, token view, worker, payload.
 
-This is the frontend's one place that decides how a request is served; the API view only
-parses and answers, the dispatch module only moves messages.
+This is the frontend's one place that decides how a request is served. `prepare` is
+synchronous and pure of I/O beyond fetching image headers (it runs in a thread); the API, the
+`/v1/route` endpoint and `manage.py inspect_request` all see a request through it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
-import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -17,7 +19,11 @@ from django.conf import settings
 from inference_platform.api.chat_request import ChatRequest
 from inference_platform.api.errors import ApiError
 from inference_platform.dispatch import Dispatch, eligible_workers, registry, send_to_worker
+from routing.layouts import ImageSizeRefused
+from routing.media import MediaError, MediaPolicy, ResolvedImage, resolve_images
 from routing.model_view import ModelDirectoryError, ModelView, model_view
+from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
+from routing.token_view import PlaceholderMismatch, TokenView, build_token_view
 
 logger = logging.getLogger("inference_platform.serving")
 
@@ -26,55 +32,165 @@ def served_model() -> ModelView:
     return model_view(settings.MODEL_PATH, settings.MODEL_NAME)
 
 
-def _render_prompt(view: ModelView, chat: ChatRequest) -> tuple[str, list[int]]:
+def session_scope_hash(headers: Mapping[str, str]) -> str | None:
+    """The keyed hash of the request's session scope, or None without one.
+
+    The one place a scope is read: raw scope ids are secrets and go no further than this.
+    """
     try:
-        prompt = view.render_prompt(chat.messages)
+        scope = resolve_session_scope(headers)
+    except SessionScopeError as exc:
+        raise ApiError(400, str(exc), code="invalid_session_scope", param=exc.header) from exc
+    if scope is None:
+        return None
+    return scope_hash(scope, settings.SECRET_KEY.encode())
+
+
+def media_policy() -> MediaPolicy:
+    return MediaPolicy(
+        max_bytes=int(settings.DYN_MM_MAX_FILE_SIZE_MB * 1024 * 1024),
+        connect_timeout=settings.MEDIA_CONNECT_TIMEOUT_SECS,
+        read_timeout=settings.MEDIA_READ_TIMEOUT_SECS,
+        allowed_hosts=tuple(settings.MEDIA_ALLOWED_HOSTS),
+        max_pixels=settings.MEDIA_MAX_PIXELS,
+    )
+
+
+@dataclass
+class PreparedRequest:
+    """A request as the router sees it, before any worker is chosen."""
+
+    chat: ChatRequest
+    model: ModelView
+    prompt: str
+    images: list[ResolvedImage]
+    view: TokenView
+    frontend_decoding: bool
+
+    def describe(self) -> dict[str, Any]:
+        """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
+        return {
+            "model": self.model.name,
+            "model_type": self.model.model_type,
+            "prompt_tokens": self.view.prompt_tokens,
+            "routed_tokens": len(self.view.tokens),
+            "block_size": self.view.block_size,
+            "total_blocks": self.view.total_blocks,
+            "block_hashes": self.view.block_hashes,
+            "fallback": self.view.fallback,
+            "frontend_decoding": self.frontend_decoding,
+            "images": [
+                {
+                    "index": image.index,
+                    "identity": image.identity,
+                    "routing_hash": image.routing_hash,
+                    "width": image.width,
+                    "height": image.height,
+                    "tokens": image.tokens,
+                    "start": image.start,
+                }
+                for image in self.view.images
+            ],
+        }
+
+    def worker_payload(self, request_id: str, scope_key: str | None, *, session_scoped: bool) -> dict[str, Any]:
+        images = []
+        for resolved in self.images:
+            image: dict[str, Any] = {"identity": resolved.identity, "url": resolved.url}
+            if resolved.data is not None:  # frontend decoding: the worker must not fetch the origin again
+                image["url"] = None
+                image["data_b64"] = base64.b64encode(resolved.data).decode("ascii")
+            images.append(image)
+        return {
+            "request_id": request_id,
+            "prompt": self.prompt,
+            "images": images,
+            "max_tokens": self.chat.max_tokens,
+            "temperature": self.chat.temperature,
+            "top_p": self.chat.top_p,
+            "seed": self.chat.seed,
+            "stop": self.chat.stop,
+            # With scoping on, the worker partitions its image and embedding caches by this
+            # hash, and bypasses them for a request without one.
+            "session_scoped": session_scoped,
+            "scope_key": scope_key if session_scoped else None,
+            "block_hashes": self.view.block_hashes,
+        }
+
+
+def prepare(chat: ChatRequest) -> PreparedRequest:
+    """Render the prompt, resolve the images (identity, size), and build the routing token view."""
+    model = served_model()
+    if chat.model != model.name:
+        raise ApiError(
+            404, f"The model '{chat.model}' does not exist; this platform serves '{model.name}'.",
+            code="model_not_found", param="model",
+        )
+    try:
+        prompt = model.render_prompt(chat.messages)
+        prompt_ids = model.encode(prompt)
     except ModelDirectoryError as exc:
         raise ApiError(503, f"The model is not available: {exc}", code="model_unavailable") from exc
     except Exception as exc:  # the template refused these messages (e.g. roles out of order)
         raise ApiError(400, f"The model's chat template refused these messages: {exc}", code="invalid_messages") from exc
-    return prompt, view.encode(prompt)
+
+    frontend_decoding = settings.DYN_MM_FRONTEND_DECODING
+    try:
+        images = resolve_images([part.url for part in chat.images], media_policy(), frontend_decoding=frontend_decoding)
+    except MediaError as exc:
+        raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
+    try:
+        view = build_token_view(
+            prompt_ids,
+            images,
+            layout=model.image_layout,
+            placeholder_id=model.image_placeholder_id,
+            block_size=settings.KV_BLOCK_SIZE,
+            model_type=model.model_type,
+        )
+    except ImageSizeRefused as exc:
+        raise ApiError(422, f"{exc}", code="image_size_refused", param="messages") from exc
+    except PlaceholderMismatch as exc:
+        raise ApiError(400, f"The chat template and the images disagree: {exc}", code="invalid_messages") from exc
+    if view.fallback:
+        logger.info("routing on the text prefix: %s", view.fallback)
+    return PreparedRequest(chat, model, prompt, images, view, frontend_decoding)
 
 
 async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str, str]) -> Dispatch:
-    view = served_model()
-    if chat.model != view.name:
-        raise ApiError(
-            404, f"The model '{chat.model}' does not exist; this platform serves '{view.name}'.",
-            code="model_not_found", param="model",
-        )
-    if chat.images:
-        raise ApiError(400, "Image inputs are not supported yet.", code="unsupported_content", param="messages")
-    prompt, tokens = await asyncio.to_thread(_render_prompt, view, chat)
+    scope_key = session_scope_hash(headers)
+    prepared = await asyncio.to_thread(prepare, chat)
+    model, view = prepared.model, prepared.view
 
-    block_size = settings.KV_BLOCK_SIZE
-    workers = await eligible_workers(view.name, block_size)
+    workers = await eligible_workers(model.name, view.block_size)
     if not workers:
         raise ApiError(
-            503, f"No live worker serves '{view.name}' right now (request {request_id}).", code="no_live_worker"
+            503, f"No live worker serves '{model.name}' right now (request {request_id}).", code="no_live_worker"
         )
     names = sorted(workers)
     turn = await asyncio.to_thread(registry().next_round_robin)
     worker = names[turn % len(names)]
 
-    payload: dict[str, Any] = {
-        "request_id": request_id,
-        "prompt": prompt,
-        "images": [],
-        "max_tokens": chat.max_tokens,
-        "temperature": chat.temperature,
-        "top_p": chat.top_p,
-        "seed": chat.seed,
-        "stop": chat.stop,
-        "scope_key": None,
-    }
+    payload = prepared.worker_payload(
+        request_id, scope_key, session_scoped=settings.DYN_MM_IMAGE_CACHE_SESSION_SCOPED
+    )
     dispatch = Dispatch(
         request_id=request_id,
         worker=worker,
-        prompt_tokens_estimate=len(tokens),
-        total_blocks=math.ceil(len(tokens) / block_size),
+        prompt_tokens_estimate=view.prompt_tokens,
+        total_blocks=view.total_blocks,
         payload=payload,
     )
     await send_to_worker(worker, payload)
-    logger.info("request %s sent to worker %s (%d prompt tokens)", request_id, worker, len(tokens))
+    logger.info("request %s sent to worker %s (%d prompt tokens)", request_id, worker, view.prompt_tokens)
     return dispatch
+
+
+async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[str, Any]:
+    """`/v1/route`: the request in the router's eyes, and the live workers it would choose among."""
+    session_scope_hash(headers)  # a malformed scope is refused here as in a real request
+    prepared = await asyncio.to_thread(prepare, chat)
+    description = prepared.describe()
+    workers = await eligible_workers(prepared.model.name, prepared.view.block_size)
+    description["candidates"] = [{"worker": name, "eligible": True} for name in sorted(workers)]
+    return description

@@ -9,6 +9,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("v1/chat/completions", views.chat_completions, name="chat-completions"),
     path("v1/models", views.list_models, name="models"),
+    path("v1/route", views.route, name="route"),
 ]
 
 handler404 = "inference_platform.api.views.not_found"

@@ -21,6 +21,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from routing.layouts import layout_for_model_dir
+
 
 class ModelDirectoryError(RuntimeError):
     """The model directory is missing or lacks what the frontend needs."""
@@ -71,14 +73,6 @@ class ModelView:
         return str(self.config.get("model_type", ""))
 
     @cached_property
-    def preprocessor_config(self) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for name in ("preprocessor_config.json", "processor_config.json"):
-            data = _read_json(self.path / name)
-            merged.update(data.get("image_processor", data) if isinstance(data, dict) else {})
-        return merged
-
-    @cached_property
     def tokenizer_config(self) -> dict[str, Any]:
         return _read_json(self.path / "tokenizer_config.json")
 
@@ -121,6 +115,21 @@ class ModelView:
             pad_token=self._special_token("pad_token") or "",
             unk_token=self._special_token("unk_token") or "",
         )
+
+    @cached_property
+    def image_layout(self):  # -> routing.layouts.ImageLayout | None
+        """How this model's images expand into placeholder tokens; None for a family we can't count."""
+        return layout_for_model_dir(self.path)
+
+    @cached_property
+    def image_placeholder_id(self) -> int | None:
+        """The token id of the one placeholder the chat template emits per image."""
+        for key in ("image_token_id", "image_token_index"):
+            value = self.config.get(key)
+            if isinstance(value, int):
+                return value
+        layout = self.image_layout
+        return self.token_id(layout.placeholder_token) if layout is not None else None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -21,14 +21,13 @@ def redact_url(url: str | None) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None and not parts.username:
+    if "@" not in parts.netloc:
         return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    auth = f"{user}:***@" if parts.password is not None else f"{user}@"
-    return urlunsplit((parts.scheme, auth + host, parts.path, parts.query, parts.fragment))
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, has_password, _password = userinfo.partition(":")
+    # The host and port are kept as written: parsing the port would fail on a malformed one.
+    auth = f"{user}:***@" if has_password else f"{user}@"
+    return urlunsplit((parts.scheme, auth + hostport, parts.path, parts.query, parts.fragment))
 
 
 _PASSWORD_IN_TEXT = re.compile(r"(\w+://[^:/@\s]*:)([^@\s]+)(@)")

@@ -6,6 +6,7 @@ once per process and never forked; the Celery task hands each payload to `serve`
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ class WorkerRuntime:
             request = GenerationRequest(
                 request_id=request_id,
                 prompt=payload["prompt"],
-                images=[ImageInput(**image) for image in payload.get("images", [])],
+                images=[_image_input(ImageInput, image) for image in payload.get("images", [])],
                 max_tokens=int(payload["max_tokens"]),
                 temperature=float(payload["temperature"]),
                 top_p=float(payload["top_p"]),
@@ -84,6 +85,14 @@ class WorkerRuntime:
             embedding_cache_misses=result.embedding_cache_misses,
             worker=self.name,
         )
+
+
+def _image_input(image_input_class, image: dict[str, Any]):
+    """An ImageInput from the task payload; bytes the frontend fetched travel base64-encoded."""
+    data = image.get("data_b64")
+    return image_input_class(
+        identity=image["identity"], url=image.get("url"), data=base64.b64decode(data) if data else None
+    )
 
 
 def _throttled(check, interval_s: float):

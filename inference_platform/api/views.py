@@ -20,7 +20,7 @@ from rest_framework.response import Response
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request, parse_json_body
 from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel
-from inference_platform.serving import plan_request, served_model
+from inference_platform.serving import describe_route, plan_request, served_model
 from routing.responses import DONE, ERROR, TOKEN
 
 logger = logging.getLogger("inference_platform.api")
@@ -115,6 +115,27 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         "usage": _usage(done),
     }
     return _headers(JsonResponse(body), dispatch)
+
+
+@csrf_exempt
+async def route(request: HttpRequest) -> HttpResponse:
+    """What the router sees of a chat request, without dispatching it."""
+    request_id = new_request_id()
+    if request.method != "POST":
+        return error_response(ApiError(405, "Use POST for /v1/route.", code="method_not_allowed"), request_id)
+    try:
+        body = parse_json_body(request.body)
+        body.setdefault("model", served_model().name)
+        chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
+        description = await describe_route(chat, dict(request.headers))
+    except ApiError as error:
+        return error_response(error, request_id)
+    except Exception:
+        logger.exception("route inspection %s failed", request_id)
+        return error_response(ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id)
+    response = JsonResponse(description)
+    response["X-Request-Id"] = request_id
+    return response
 
 
 def _chunk(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:

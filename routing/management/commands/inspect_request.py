@@ -1,0 +1,49 @@
+"""`manage.py inspect_request FILE.json [--json]`: what the router sees of a chat request in a file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from inference_platform.api.chat_request import parse_chat_request, parse_json_body
+from inference_platform.api.errors import ApiError
+from inference_platform.serving import prepare, served_model
+
+
+class Command(BaseCommand):
+    help = "Print the routing token view of a chat request (a JSON file; its model may be omitted)."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("file", type=Path, help="A chat completion request body, or - for standard input.")
+        parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+
+    def handle(self, *args, **options) -> None:
+        from django.conf import settings
+
+        path: Path = options["file"]
+        try:
+            raw = self.stdin.read().encode() if str(path) == "-" else path.read_bytes()
+        except OSError as exc:
+            raise CommandError(f"cannot read {path}: {exc}") from exc
+        try:
+            body = parse_json_body(raw)
+            body.setdefault("model", served_model().name)
+            prepared = prepare(parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT))
+        except ApiError as exc:
+            raise CommandError(f"{exc.status} {exc.code}: {exc.message}") from exc
+        description = prepared.describe()
+        if options["json"]:
+            self.stdout.write(json.dumps(description))
+            return
+        self.stdout.write(f"model          {description['model']} ({description['model_type']})")
+        self.stdout.write(f"prompt tokens  {description['prompt_tokens']} (routed on {description['routed_tokens']})")
+        self.stdout.write(f"block size     {description['block_size']}, {description['total_blocks']} blocks, "
+                          f"{len(description['block_hashes'])} full")
+        self.stdout.write(f"fallback       {description['fallback'] or 'none: exact image routing'}")
+        for image in description["images"]:
+            self.stdout.write(
+                f"image {image['index']}        {image['identity']}  {image['width']}x{image['height']}  "
+                f"{image['tokens']} tokens at {image['start']}"
+            )

@@ -1,0 +1,105 @@
+"""The routing-only token view of a prompt: the worker's input ids, images expanded, and their hashes.
+
+The chat template emits one placeholder token per image; the worker's processor expands it to
+as many placeholder tokens as the image has features. The view does the same expansion with
+the model family's layout (no pixels needed), records where each image lies, and folds each
+image's identity into the block hashes, so the router sees the prompt as the worker's KV cache
+will hold it. A family with no layout routes on the text before the first image.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from routing.hashing import MediaPlacement, block_hashes
+from routing.layouts import ImageLayout
+
+
+@dataclass(frozen=True)
+class ImageInView:
+    index: int
+    identity: str
+    routing_hash: int
+    width: int
+    height: int
+    tokens: int  # placeholder tokens; 0 when routing falls back to text
+    start: int  # position of its first placeholder token in the prompt
+
+
+@dataclass(frozen=True)
+class TokenView:
+    tokens: list[int]
+    block_size: int
+    images: list[ImageInView] = field(default_factory=list)
+    fallback: str | None = None  # why routing looks at less than the whole prompt, if it does
+    prompt_tokens: int = 0  # the worker's prompt length (the whole prompt, even when routing falls back)
+
+    @cached_property
+    def block_hashes(self) -> list[int]:
+        media = [MediaPlacement(i.routing_hash, i.start, i.tokens) for i in self.images if i.tokens]
+        return block_hashes(self.tokens, self.block_size, media)
+
+    @property
+    def total_blocks(self) -> int:
+        return math.ceil(self.prompt_tokens / self.block_size)
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    """What the view needs of an image: its identity and size (routing.media.ResolvedImage fits)."""
+
+    identity: str
+    routing_hash: int
+    width: int
+    height: int
+
+
+class PlaceholderMismatch(ValueError):
+    """The prompt does not hold one placeholder per image: the template and the request disagree."""
+
+
+def build_token_view(
+    prompt_ids: Sequence[int],
+    images: Sequence[ImageFacts],
+    *,
+    layout: ImageLayout | None,
+    placeholder_id: int | None,
+    block_size: int,
+    model_type: str = "",
+) -> TokenView:
+    """Expand each image's single placeholder in `prompt_ids` into its token count."""
+    if not images:
+        tokens = list(prompt_ids)
+        return TokenView(tokens=tokens, block_size=block_size, prompt_tokens=len(tokens))
+
+    positions = [i for i, token in enumerate(prompt_ids) if token == placeholder_id] if placeholder_id is not None else []
+    if layout is None or placeholder_id is None or len(positions) != len(images):
+        if layout is not None and placeholder_id is not None:
+            raise PlaceholderMismatch(
+                f"the prompt holds {len(positions)} image placeholders for {len(images)} images"
+            )
+        first = positions[0] if positions else len(prompt_ids)
+        reason = f"model family '{model_type or 'unknown'}' has no image token layout: routing on the text prefix"
+        in_view = [
+            ImageInView(n, img.identity, img.routing_hash, img.width, img.height, 0, first)
+            for n, img in enumerate(images)
+        ]
+        return TokenView(
+            tokens=list(prompt_ids[:first]), block_size=block_size, images=in_view, fallback=reason,
+            prompt_tokens=len(prompt_ids),
+        )
+
+    tokens: list[int] = []
+    in_view: list[ImageInView] = []
+    previous = 0
+    for n, (position, image) in enumerate(zip(positions, images, strict=True)):
+        tokens.extend(prompt_ids[previous:position])
+        count = layout.image_tokens(image.width, image.height)
+        in_view.append(ImageInView(n, image.identity, image.routing_hash, image.width, image.height, count, len(tokens)))
+        tokens.extend([placeholder_id] * count)
+        previous = position + 1
+    tokens.extend(prompt_ids[previous:])
+    return TokenView(tokens=tokens, block_size=block_size, images=in_view, prompt_tokens=len(tokens))

@@ -1,0 +1,165 @@
+"""The routing-only token view: the frontend sees the prompt exactly as the worker's processor builds it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+
+import pytest
+from django.core.management import call_command
+from django.test import AsyncClient
+from PIL import Image
+
+from inference_platform.api.chat_request import parse_chat_request
+from inference_platform.api.errors import ApiError
+from inference_platform.serving import prepare
+from routing.hashing import MediaPlacement, block_hashes
+from routing.media import routing_hash, url_identity
+from routing.model_view import model_view
+
+
+def png_data_url(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def two_image_request(model: str, first: str, second: str) -> dict:
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You compare pictures."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Here is the first picture:"},
+                    {"type": "image_url", "image_url": {"url": first}},
+                    {"type": "text", "text": "and the second one:"},
+                    {"type": "image_url", "image_url": {"url": second}},
+                    {"type": "text", "text": "Which is redder?"},
+                ],
+            },
+        ],
+    }
+
+
+@pytest.fixture(autouse=True)
+def served_demo_model(settings, demo_model_dir):
+    settings.MODEL_PATH = demo_model_dir
+    settings.MODEL_NAME = ""
+    settings.DYN_MM_FRONTEND_DECODING = False
+    return demo_model_dir.name
+
+
+def test_token_view_equals_the_worker_processors_input_ids_for_text_and_two_images(demo_model_dir):
+    from workers.demo_model import load_processor
+
+    first, second = png_data_url(640, 480), png_data_url(123, 457, (10, 200, 10))
+    chat = parse_chat_request(two_image_request("demo", first, second), max_tokens_limit=64)
+    prepared = prepare(chat)
+
+    processor = load_processor(demo_model_dir)
+    images = [Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB") for url in (first, second)]
+    expected = processor(text=[prepared.prompt], images=images, return_tensors="pt")["input_ids"][0].tolist()
+
+    assert prepared.view.tokens == expected
+    assert prepared.view.fallback is None
+    sizes = [(i.width, i.height) for i in prepared.view.images]
+    assert sizes == [(640, 480), (123, 457)]
+    placeholder = model_view(demo_model_dir).image_placeholder_id
+    for image in prepared.view.images:
+        run = expected[image.start : image.start + image.tokens]
+        assert run == [placeholder] * image.tokens
+        assert expected[image.start - 1] != placeholder and expected[image.start + image.tokens] != placeholder
+
+
+def test_block_hashes_fold_each_image_identity_at_its_place(demo_model_dir):
+    first, second = png_data_url(64, 64), png_data_url(64, 64, (0, 0, 255))
+    prepared = prepare(parse_chat_request(two_image_request("demo", first, second), max_tokens_limit=64))
+    view = prepared.view
+    media = [MediaPlacement(routing_hash(url_identity(url)), i.start, i.tokens) for url, i in zip((first, second), view.images, strict=True)]
+    assert view.block_hashes == block_hashes(view.tokens, 16, media)
+    assert [i.identity for i in view.images] == [url_identity(first), url_identity(second)]
+
+    swapped = prepare(parse_chat_request(two_image_request("demo", second, first), max_tokens_limit=64)).view
+    first_image_block = view.images[0].start // 16
+    assert swapped.block_hashes[:first_image_block] == view.block_hashes[:first_image_block]
+    assert swapped.block_hashes[first_image_block] != view.block_hashes[first_image_block]
+
+
+def test_frontend_decoding_gives_one_identity_for_the_same_pixels_under_two_encodings(settings):
+    settings.DYN_MM_FRONTEND_DECODING = True
+    png = png_data_url(32, 32)
+    image = Image.open(io.BytesIO(base64.b64decode(png.split(",", 1)[1])))
+    buffer = io.BytesIO()
+    image.save(buffer, format="BMP")
+    bmp = "data:image/bmp;base64," + base64.b64encode(buffer.getvalue()).decode()
+    prepared = prepare(parse_chat_request(two_image_request("demo", png, bmp), max_tokens_limit=64))
+    first, second = prepared.view.images
+    assert first.identity == second.identity
+    assert all(image.data for image in prepared.images), "decoded bytes travel to the worker"
+    payload = prepared.worker_payload("r1", None, session_scoped=False)
+    assert all(image["url"] is None and image["data_b64"] for image in payload["images"])
+
+
+def test_a_family_without_a_layout_routes_on_the_text_prefix(settings, demo_model_dir, tmp_path):
+    other = tmp_path / "mystery"
+    shutil.copytree(demo_model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((other / "config.json").read_text())
+    config["model_type"] = "mystery_vl"
+    (other / "config.json").write_text(json.dumps(config))
+    settings.MODEL_PATH = other
+    prepared = prepare(parse_chat_request(two_image_request("mystery", png_data_url(50, 50), png_data_url(60, 60)),
+                                          max_tokens_limit=64))
+    assert prepared.view.fallback and "mystery_vl" in prepared.view.fallback
+    first_placeholder = prepared.view.images[0].start
+    assert prepared.view.tokens == prepared.model.encode(prepared.prompt)[:first_placeholder]
+
+
+def test_an_extreme_aspect_ratio_is_refused_with_a_422(demo_model_dir):
+    chat = parse_chat_request(two_image_request("demo", png_data_url(1, 400), png_data_url(20, 20)), max_tokens_limit=64)
+    with pytest.raises(ApiError) as refused:
+        prepare(chat)
+    assert refused.value.status == 422
+    assert refused.value.code == "image_size_refused"
+
+
+def test_inspect_request_prints_the_view_as_json(tmp_path, capsys):
+    body = two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))
+    del body["model"]  # the configured model is assumed
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(body))
+    call_command("inspect_request", str(path), "--json")
+    printed = json.loads(capsys.readouterr().out)
+    assert {"prompt_tokens", "block_size", "block_hashes", "fallback", "images"} <= set(printed)
+    assert printed["fallback"] is None
+    assert all(isinstance(h, int) for h in printed["block_hashes"])
+    assert [(i["width"], i["height"]) for i in printed["images"]] == [(100, 80), (80, 100)]
+    assert all(i["tokens"] > 0 and len(i["identity"]) == 32 for i in printed["images"])
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_route_endpoint_shows_the_view_without_dispatching():
+    body = two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))
+    response = await AsyncClient().post("/v1/route", data=json.dumps(body), content_type="application/json")
+    assert response.status_code == 200, response.content
+    described = json.loads(response.content)
+    assert described["prompt_tokens"] == len(prepare(parse_chat_request(body, max_tokens_limit=64)).view.tokens)
+    assert len(described["images"]) == 2
+    assert described["candidates"] == []
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it():
+    body = two_image_request("demo", png_data_url(10, 10), "http://169.254.169.254/latest/meta-data/x.png")
+    response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(body), content_type="application/json")
+    assert response.status_code == 403
+    error = json.loads(response.content)["error"]
+    assert error["code"] == "address_refused"
+    assert error["message"].startswith("image 1")
+    bad = two_image_request("demo", "ftp://example.com/a.png", png_data_url(10, 10))
+    response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(bad), content_type="application/json")
+    assert response.status_code == 400
+    assert json.loads(response.content)["error"]["message"].startswith("image 0")
