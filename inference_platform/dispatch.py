@@ -15,14 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from django.db.models import BooleanField, ExpressionWrapper, Q
 
 from inference_platform.api.errors import ApiError
 from inference_platform.celery import GENERATE_TASK
 from inference_platform.celery import app as celery_app
+from routing.affinity import SessionAffinity
+from routing.index import KvIndex
+from routing.load import LoadTracker
 from routing.models import Worker, worker_queue
 from routing.redis_keys import async_client, sync_client
 from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
 from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseEvent, cancel_key, read_response_events
+from routing.router import KvRouter
 
 logger = logging.getLogger("inference_platform.dispatch")
 
@@ -40,23 +45,66 @@ class Dispatch:
     total_blocks: int = 0
     overlap_blocks: int = 0
     payload: dict[str, Any] = field(default_factory=dict)
+    prefill_done: bool = False
 
 
 def registry() -> WorkerRegistry:
     return WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
 
 
+_routers: dict[tuple[str, str], KvRouter] = {}
+
+
+def router() -> KvRouter:
+    """This process's KV router over the shared index, load and affinity in Redis."""
+    key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX)
+    kv_router = _routers.get(key)
+    if kv_router is None:
+        client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+        kv_router = KvRouter(
+            client,
+            namespace,
+            index=KvIndex(client, namespace),
+            load=LoadTracker(client, namespace, entry_ttl_s=settings.ROUTER_LOAD_ENTRY_TTL_SECS),
+            affinity=SessionAffinity(client, namespace, ttl_s=settings.ROUTER_AFFINITY_TTL_SECS),
+            approximate_ttl_s=settings.ROUTER_APPROXIMATE_TTL_SECS,
+        )
+        _routers[key] = kv_router
+    return kv_router
+
+
+# Workers whose heartbeat lapsed leave the index: what they cached is gone or soon will be
+# (they start from `cleared` when they come back). Swept at most this often per process.
+_SWEEP_INTERVAL_S = 2.0
+_last_sweep = 0.0
+
+
+def _purge_lapsed(rows: list[str], alive: dict[str, Heartbeat]) -> None:
+    global _last_sweep
+    now = time.monotonic()
+    if now - _last_sweep < _SWEEP_INTERVAL_S:
+        return
+    _last_sweep = now
+    index = router().index
+    for name in rows:
+        if name not in alive and index.purge_worker(name):
+            logger.info("worker %s missed its heartbeat: its blocks left the index", name)
+
+
 async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
     """Workers an operator allows (enabled, not draining) that are live and serve this model."""
-    names = [
-        name
-        async for name in Worker.objects.filter(enabled=True, draining=False).values_list("name", flat=True)
-    ]
-    alive = await asyncio.to_thread(registry().alive, names)
+    rows = {
+        name: usable
+        async for name, usable in Worker.objects.annotate(
+            usable=ExpressionWrapper(Q(enabled=True, draining=False), output_field=BooleanField())
+        ).values_list("name", "usable")
+    }
+    alive = await asyncio.to_thread(registry().alive, list(rows))
+    await asyncio.to_thread(_purge_lapsed, list(rows), alive)
     return {
         name: beat
         for name, beat in alive.items()
-        if beat.model == model and beat.block_size == block_size and not beat.stopping
+        if rows[name] and beat.model == model and beat.block_size == block_size and not beat.stopping
     }
 
 
@@ -74,7 +122,7 @@ async def send_to_worker(worker: str, payload: dict[str, Any]) -> None:
         logger.exception("could not queue request %s for worker %s", payload["request_id"], worker)
         raise ApiError(
             503,
-            f"Could not queue request {payload['request_id']} for worker {worker}: the broker is unavailable.",
+            f"Could not queue request {payload['request_id']} for worker {worker}: broker unavailable.",
             code="broker_unavailable",
         ) from exc
 
@@ -91,6 +139,21 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     (nothing was done; the client may retry), after it started a 502; a worker that stays
     silent past the timeouts gives a 504. In each case the worker is asked to stop.
     """
+    load = router().load
+    rid, worker = dispatch.request_id, dispatch.worker
+    try:
+        async for event in _follow(dispatch):
+            if event.type == TOKEN and not dispatch.prefill_done:
+                # The first token ends prefill: the request's load moves from prefill to decode.
+                dispatch.prefill_done = True
+                await asyncio.to_thread(load.prefill_done, worker, rid)
+            yield event
+    finally:
+        # Done, failed, timed out or the client went away: the worker's load is freed.
+        await asyncio.shield(asyncio.to_thread(load.free, worker, rid))
+
+
+async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     client = async_client(settings.REDIS_URL)
     namespace = settings.REDIS_KEY_PREFIX
     rid, worker = dispatch.request_id, dispatch.worker
@@ -127,5 +190,7 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
                     502, f"Worker {worker} stopped while answering request {rid}.", code="worker_vanished"
                 )
             raise ApiError(
-                503, f"Worker {worker} went away before starting request {rid}; retry it.", code="worker_vanished"
+                503,
+                f"Worker {worker} went away before starting request {rid}; retry it.",
+                code="worker_vanished",
             )

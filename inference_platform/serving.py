@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +20,13 @@ from django.conf import settings
 
 from inference_platform.api.chat_request import ChatRequest
 from inference_platform.api.errors import ApiError
-from inference_platform.dispatch import Dispatch, eligible_workers, registry, send_to_worker
+from inference_platform.dispatch import Dispatch, eligible_workers, registry, router, send_to_worker
 from routing.layouts import ImageSizeRefused
 from routing.media import MediaError, MediaPolicy, ResolvedImage, resolve_images
 from routing.model_view import ModelDirectoryError, ModelView, model_view
+from routing.registry import Heartbeat
+from routing.router import RoutingDecision
+from routing.selection import RoutingPolicy
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
 from routing.token_view import PlaceholderMismatch, TokenView, build_token_view
 
@@ -93,7 +98,7 @@ class PreparedRequest:
             ],
         }
 
-    def worker_payload(self, request_id: str, scope_key: str | None, *, session_scoped: bool) -> dict[str, Any]:
+    def worker_payload(self, request_id: str, scope_key: str | None) -> dict[str, Any]:
         images = []
         for resolved in self.images:
             image: dict[str, Any] = {"identity": resolved.identity, "url": resolved.url}
@@ -110,10 +115,9 @@ class PreparedRequest:
             "top_p": self.chat.top_p,
             "seed": self.chat.seed,
             "stop": self.chat.stop,
-            # With scoping on, the worker partitions its image and embedding caches by this
-            # hash, and bypasses them for a request without one.
-            "session_scoped": session_scoped,
-            "scope_key": scope_key if session_scoped else None,
+            # With DYN_MM_IMAGE_CACHE_SESSION_SCOPED=1 the worker partitions its image and
+            # embedding caches by this keyed hash, and bypasses them for a request without one.
+            "scope_key": scope_key,
             "block_hashes": self.view.block_hashes,
         }
 
@@ -123,8 +127,10 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
     model = served_model()
     if chat.model != model.name:
         raise ApiError(
-            404, f"The model '{chat.model}' does not exist; this platform serves '{model.name}'.",
-            code="model_not_found", param="model",
+            404,
+            f"The model '{chat.model}' does not exist; this platform serves '{model.name}'.",
+            code="model_not_found",
+            param="model",
         )
     try:
         prompt = model.render_prompt(chat.messages)
@@ -132,11 +138,15 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
     except ModelDirectoryError as exc:
         raise ApiError(503, f"The model is not available: {exc}", code="model_unavailable") from exc
     except Exception as exc:  # the template refused these messages (e.g. roles out of order)
-        raise ApiError(400, f"The model's chat template refused these messages: {exc}", code="invalid_messages") from exc
+        raise ApiError(
+            400, f"The model's chat template refused these messages: {exc}", code="invalid_messages"
+        ) from exc
 
     frontend_decoding = settings.DYN_MM_FRONTEND_DECODING
     try:
-        images = resolve_images([part.url for part in chat.images], media_policy(), frontend_decoding=frontend_decoding)
+        images = resolve_images(
+            [part.url for part in chat.images], media_policy(), frontend_decoding=frontend_decoding
+        )
     except MediaError as exc:
         raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
     try:
@@ -151,10 +161,46 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
     except ImageSizeRefused as exc:
         raise ApiError(422, f"{exc}", code="image_size_refused", param="messages") from exc
     except PlaceholderMismatch as exc:
-        raise ApiError(400, f"The chat template and the images disagree: {exc}", code="invalid_messages") from exc
+        raise ApiError(
+            400, f"The chat template and the images disagree: {exc}", code="invalid_messages"
+        ) from exc
     if view.fallback:
         logger.info("routing on the text prefix: %s", view.fallback)
     return PreparedRequest(chat, model, prompt, images, view, frontend_decoding)
+
+
+def routing_policy() -> RoutingPolicy:
+    return RoutingPolicy(
+        overlap_credit=settings.ROUTER_OVERLAP_CREDIT,
+        prefill_load_scale=settings.ROUTER_PREFILL_LOAD_SCALE,
+        temperature=settings.ROUTER_TEMPERATURE,
+    )
+
+
+def choose_worker(
+    prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None
+) -> RoutingDecision:
+    """The KV router's decision; the round-robin and random modes (baselines) override its choice."""
+    view = prepared.view
+    names = sorted(workers)
+    decision = router().route(
+        view.block_hashes,
+        view.prompt_tokens,
+        view.block_size,
+        names,
+        routing_policy(),
+        session_key=scope_key,
+        affinity_enabled=settings.ROUTER_SESSION_AFFINITY,
+        approximate_workers={name for name, beat in workers.items() if not beat.publishes_events},
+    )
+    mode = settings.ROUTER_MODE
+    if mode == "kv":
+        return decision
+    worker = (
+        names[registry().next_round_robin() % len(names)] if mode == "round_robin" else random.choice(names)
+    )
+    chosen = next(score for score in decision.scores if score.worker == worker)
+    return dataclasses.replace(decision, worker=worker, overlap=chosen.overlap, reason=mode)
 
 
 async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str, str]) -> Dispatch:
@@ -165,24 +211,32 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     workers = await eligible_workers(model.name, view.block_size)
     if not workers:
         raise ApiError(
-            503, f"No live worker serves '{model.name}' right now (request {request_id}).", code="no_live_worker"
+            503,
+            f"No live worker serves '{model.name}' right now (request {request_id}).",
+            code="no_live_worker",
         )
-    names = sorted(workers)
-    turn = await asyncio.to_thread(registry().next_round_robin)
-    worker = names[turn % len(names)]
-
-    payload = prepared.worker_payload(
-        request_id, scope_key, session_scoped=settings.DYN_MM_IMAGE_CACHE_SESSION_SCOPED
-    )
+    decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
+    payload = prepared.worker_payload(request_id, scope_key)
     dispatch = Dispatch(
         request_id=request_id,
-        worker=worker,
+        worker=decision.worker,
         prompt_tokens_estimate=view.prompt_tokens,
-        total_blocks=view.total_blocks,
+        total_blocks=decision.total_blocks,
+        overlap_blocks=decision.overlap,
         payload=payload,
     )
-    await send_to_worker(worker, payload)
-    logger.info("request %s sent to worker %s (%d prompt tokens)", request_id, worker, view.prompt_tokens)
+    await send_to_worker(decision.worker, payload)
+    # Counted only once the task is queued, so a refused send leaves no phantom load behind.
+    await asyncio.to_thread(router().dispatch, decision, request_id, view.prompt_tokens, view.block_size)
+    logger.info(
+        "request %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, %s)",
+        request_id,
+        decision.worker,
+        view.prompt_tokens,
+        decision.overlap,
+        decision.total_blocks,
+        decision.reason,
+    )
     return dispatch
 
 
@@ -192,5 +246,23 @@ async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[
     prepared = await asyncio.to_thread(prepare, chat)
     description = prepared.describe()
     workers = await eligible_workers(prepared.model.name, prepared.view.block_size)
-    description["candidates"] = [{"worker": name, "eligible": True} for name in sorted(workers)]
+    description["candidates"] = []
+    if workers:
+        decision = await asyncio.to_thread(choose_worker, prepared, workers, None)
+        description["candidates"] = [
+            {
+                "worker": score.worker,
+                "eligible": True,
+                "overlap": score.overlap,
+                "prefill_blocks": score.prefill_blocks,
+                "decode_blocks": score.decode_blocks,
+                "cost": score.cost,
+            }
+            for score in decision.scores
+        ]
+        description["choice"] = {
+            "worker": decision.worker,
+            "overlap": decision.overlap,
+            "reason": decision.reason,
+        }
     return description

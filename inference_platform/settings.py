@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import dj_database_url
@@ -113,10 +112,25 @@ KV_BLOCK_SIZE = env_int("KV_BLOCK_SIZE", 16, minimum=1)
 WORKER_HEARTBEAT_TTL_SECS = env_float("WORKER_HEARTBEAT_TTL_SECS", 6.0, positive=True)
 WORKER_HEARTBEAT_INTERVAL_SECS = env_float("WORKER_HEARTBEAT_INTERVAL_SECS", 2.0, positive=True)
 WORKER_CONCURRENCY = env_int("WORKER_CONCURRENCY", 4, minimum=1)
+KV_CAPACITY_BLOCKS = env_int("KV_CAPACITY_BLOCKS", 4096, minimum=1)  # per worker, in blocks of KV_BLOCK_SIZE
+EMBEDDING_CACHE_MB = env_float("EMBEDDING_CACHE_MB", 256.0, minimum=0.0)
+IMAGE_LOCAL_CACHE_ENTRIES = env_int("IMAGE_LOCAL_CACHE_ENTRIES", 8, minimum=0)  # decoded images per worker
 # How long the API waits for a worker's first token, then between tokens, before a 504.
 REQUEST_FIRST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_FIRST_TOKEN_TIMEOUT_SECS", 120.0, positive=True)
 REQUEST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_TOKEN_TIMEOUT_SECS", 60.0, positive=True)
 MAX_TOKENS_LIMIT = env_int("MAX_TOKENS_LIMIT", 4096, minimum=1)
+
+# --- Routing (defaults are Dynamo's) ----------------------------------------------------------
+ROUTER_MODE = (env_str("ROUTER_MODE") or "kv").lower()  # kv | round_robin | random (baselines)
+if ROUTER_MODE not in ("kv", "round_robin", "random"):
+    raise ValueError(f"ROUTER_MODE={ROUTER_MODE!r} must be kv, round_robin or random")
+ROUTER_OVERLAP_CREDIT = env_float("ROUTER_OVERLAP_CREDIT", 1.0, minimum=0.0)
+ROUTER_PREFILL_LOAD_SCALE = env_float("ROUTER_PREFILL_LOAD_SCALE", 1.0, minimum=0.0)
+ROUTER_TEMPERATURE = env_float("ROUTER_TEMPERATURE", 0.0, minimum=0.0)
+ROUTER_SESSION_AFFINITY = env_bool("ROUTER_SESSION_AFFINITY", True)
+ROUTER_AFFINITY_TTL_SECS = env_float("ROUTER_AFFINITY_TTL_SECS", 1800.0, positive=True)
+ROUTER_APPROXIMATE_TTL_SECS = env_float("ROUTER_APPROXIMATE_TTL_SECS", 120.0, positive=True)
+ROUTER_LOAD_ENTRY_TTL_SECS = env_float("ROUTER_LOAD_ENTRY_TTL_SECS", 300.0, positive=True)
 
 # --- Media (names and defaults from Dynamo's documentation) ------------------------------------
 DYN_MM_FRONTEND_DECODING = env_bool("DYN_MM_FRONTEND_DECODING", False)
@@ -127,7 +141,9 @@ DYN_MM_SHARED_IMAGE_CACHE_TTL_SECS = env_int("DYN_MM_SHARED_IMAGE_CACHE_TTL_SECS
 DYN_MM_SHARED_IMAGE_CACHE_CONNECT_TIMEOUT_SECS = env_float(
     "DYN_MM_SHARED_IMAGE_CACHE_CONNECT_TIMEOUT_SECS", 0.1, positive=True
 )
-DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS = env_float("DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS", 2.0, positive=True)
+DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS = env_float(
+    "DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS", 2.0, positive=True
+)
 DYN_MM_IMAGE_CACHE_SESSION_SCOPED = env_bool("DYN_MM_IMAGE_CACHE_SESSION_SCOPED", False)
 MEDIA_ALLOWED_HOSTS = env_list("MEDIA_ALLOWED_HOSTS", [])  # SSRF allowlist: hosts or CIDRs
 MEDIA_MAX_PIXELS = env_int("MEDIA_MAX_PIXELS", 89_478_485, minimum=1)  # Pillow's bomb limit
@@ -162,4 +178,3 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": [],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
 }
-

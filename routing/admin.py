@@ -12,10 +12,28 @@ from routing.registry import WorkerRegistry
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ("name", "live", "enabled", "draining", "device", "model_name", "block_size", "host", "pid")
+    list_display = (
+        "name",
+        "live",
+        "enabled",
+        "draining",
+        "device",
+        "model_name",
+        "block_size",
+        "host",
+        "pid",
+    )
     list_editable = ("enabled", "draining")
     list_filter = ("enabled", "draining", "device")
-    readonly_fields = ("device", "model_name", "block_size", "host", "pid", "registered_at", "deregistered_at")
+    readonly_fields = (
+        "device",
+        "model_name",
+        "block_size",
+        "host",
+        "pid",
+        "registered_at",
+        "deregistered_at",
+    )
     actions = ("drain", "enable")
 
     def get_queryset(self, request):

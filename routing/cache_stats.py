@@ -23,7 +23,8 @@ import redis
 logger = logging.getLogger(__name__)
 
 CACHES: tuple[str, ...] = ("kv", "embedding", "local_image", "shared_image")
-FIELDS: tuple[str, ...] = ("hits", "misses", "bypasses", "errors", "bytes")
+# The KV cache also counts tokens: its hit rate is cached over prompt tokens, as the issue defines it.
+FIELDS: tuple[str, ...] = ("hits", "misses", "bypasses", "errors", "bytes", "cached_tokens", "prompt_tokens")
 
 FLUSH_INTERVAL_SECS = 1.0
 SERIES_TTL_SECS = 24 * 3600

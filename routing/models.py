@@ -8,7 +8,9 @@ from django.db import models
 class Worker(models.Model):
     """A GPU worker process. The row is the operator's handle; liveness comes from its Redis heartbeat."""
 
-    name = models.SlugField(max_length=64, unique=True, help_text="Also the Celery queue suffix: worker.<name>.")
+    name = models.SlugField(
+        max_length=64, unique=True, help_text="Also the Celery queue suffix: worker.<name>."
+    )
     enabled = models.BooleanField(default=True, help_text="Disabled workers receive no requests.")
     draining = models.BooleanField(
         default=False, help_text="A draining worker finishes what it has and receives nothing new."

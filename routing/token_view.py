@@ -75,20 +75,29 @@ def build_token_view(
         tokens = list(prompt_ids)
         return TokenView(tokens=tokens, block_size=block_size, prompt_tokens=len(tokens))
 
-    positions = [i for i, token in enumerate(prompt_ids) if token == placeholder_id] if placeholder_id is not None else []
+    positions = (
+        [i for i, token in enumerate(prompt_ids) if token == placeholder_id]
+        if placeholder_id is not None
+        else []
+    )
     if layout is None or placeholder_id is None or len(positions) != len(images):
         if layout is not None and placeholder_id is not None:
             raise PlaceholderMismatch(
                 f"the prompt holds {len(positions)} image placeholders for {len(images)} images"
             )
         first = positions[0] if positions else len(prompt_ids)
-        reason = f"model family '{model_type or 'unknown'}' has no image token layout: routing on the text prefix"
+        reason = (
+            f"model family '{model_type or 'unknown'}' has no image token layout: routing on the text prefix"
+        )
         in_view = [
             ImageInView(n, img.identity, img.routing_hash, img.width, img.height, 0, first)
             for n, img in enumerate(images)
         ]
         return TokenView(
-            tokens=list(prompt_ids[:first]), block_size=block_size, images=in_view, fallback=reason,
+            tokens=list(prompt_ids[:first]),
+            block_size=block_size,
+            images=in_view,
+            fallback=reason,
             prompt_tokens=len(prompt_ids),
         )
 
@@ -98,7 +107,9 @@ def build_token_view(
     for n, (position, image) in enumerate(zip(positions, images, strict=True)):
         tokens.extend(prompt_ids[previous:position])
         count = layout.image_tokens(image.width, image.height)
-        in_view.append(ImageInView(n, image.identity, image.routing_hash, image.width, image.height, count, len(tokens)))
+        in_view.append(
+            ImageInView(n, image.identity, image.routing_hash, image.width, image.height, count, len(tokens))
+        )
         tokens.extend([placeholder_id] * count)
         previous = position + 1
     tokens.extend(prompt_ids[previous:])

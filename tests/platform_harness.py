@@ -56,7 +56,10 @@ class PlatformProcesses:
         self._logs: list[Path] = []
         subprocess.run(
             [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
-            cwd=REPO, env=self.env, check=True, timeout=120,
+            cwd=REPO,
+            env=self.env,
+            check=True,
+            timeout=120,
         )
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
@@ -81,7 +84,9 @@ class PlatformProcesses:
                 if process.poll() is not None:
                     raise AssertionError(f"worker {name} exited early:\n{self.log_tail(f'worker-{name}')}")
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"worker {name} did not register:\n{self.log_tail(f'worker-{name}')}")
+                    raise AssertionError(
+                        f"worker {name} did not register:\n{self.log_tail(f'worker-{name}')}"
+                    )
                 time.sleep(0.1)
         # Registered means the model is loaded; give Celery a moment to start consuming.
         time.sleep(1.0)
@@ -90,8 +95,17 @@ class PlatformProcesses:
         port = free_port()
         self.server = self._spawn(
             "server",
-            [sys.executable, "-m", "uvicorn", "inference_platform.asgi:application",
-             "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "inference_platform.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-access-log",
+            ],
         )
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout

@@ -15,4 +15,4 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("DATABASE_URL", None)
 
-from inference_platform.settings import *  # noqa: E402,F403
+from inference_platform.settings import *  # noqa: F403

@@ -43,7 +43,9 @@ def ghost_worker(served_demo_model):
     conn = redis.Redis.from_url(django_settings.REDIS_URL)
     registry = WorkerRegistry(conn, django_settings.REDIS_KEY_PREFIX)
     Worker.objects.create(name="ghost", model_name=served_demo_model)
-    registry.beat(Heartbeat(name="ghost", model=served_demo_model, block_size=django_settings.KV_BLOCK_SIZE), 30)
+    registry.beat(
+        Heartbeat(name="ghost", model=served_demo_model, block_size=django_settings.KV_BLOCK_SIZE), 30
+    )
     conn.delete(f"{django_settings.REDIS_KEY_PREFIX}worker.ghost")  # tasks earlier tests left unanswered
     yield registry
     registry.remove("ghost")
@@ -91,8 +93,10 @@ async def test_a_body_that_is_not_an_object_is_a_400(client):
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, "messages[0].content[0]"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         "messages[0].content[0].image_url"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url",
+        ),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "ten"}, "max_tokens"),
         ({"max_tokens": 10**9}, "max_tokens"),
@@ -153,9 +157,11 @@ async def test_a_disabled_or_draining_worker_receives_nothing(client, served_dem
     await Worker.objects.filter(name="ghost").aupdate(draining=True)
     status, body, _ = await post(client, chat_body(served_demo_model))
     assert status == 503
+    assert body["error"]["code"] == "no_live_worker"
     await Worker.objects.filter(name="ghost").aupdate(draining=False, enabled=False)
     status, body, _ = await post(client, chat_body(served_demo_model))
     assert status == 503
+    assert body["error"]["code"] == "no_live_worker"
 
 
 async def test_a_worker_that_never_answers_fault_injected_is_a_504_with_the_request_id(
@@ -170,7 +176,9 @@ async def test_a_worker_that_never_answers_fault_injected_is_a_504_with_the_requ
     assert time.monotonic() - started < 10
 
 
-async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(client, served_demo_model, ghost_worker):
+async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(
+    client, served_demo_model, ghost_worker
+):
     def vanish() -> None:
         time.sleep(0.3)
         ghost_worker.remove("ghost")
@@ -182,7 +190,9 @@ async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(cl
     assert response["X-Request-Id"] in body["error"]["message"]
 
 
-async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(client, served_demo_model, ghost_worker):
+async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(
+    client, served_demo_model, ghost_worker
+):
     """The ghost's queue is read by the test, which answers like a worker whose engine crashed."""
     conn = redis.Redis.from_url(django_settings.REDIS_URL)
     prefix = django_settings.REDIS_KEY_PREFIX

@@ -10,7 +10,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from routing.cache_stats import SERIES_TTL_SECS, CacheStats, read_all, read_series, series_key
+from routing.cache_stats import FIELDS, SERIES_TTL_SECS, CacheStats, read_all, read_series, series_key
 
 
 def test_counts_reach_redis_on_flush_per_worker_and_cache(
@@ -32,7 +32,7 @@ def test_counts_reach_redis_on_flush_per_worker_and_cache(
     totals = read_all(redis_client, key_namespace)
     assert totals["gpu0"]["local_image"]["hits"] == 2
     assert totals["gpu0"]["shared_image"]["bytes"] == 1234
-    assert totals["gpu0"]["kv"] == {"hits": 0, "misses": 0, "bypasses": 0, "errors": 0, "bytes": 0}
+    assert totals["gpu0"]["kv"] == dict.fromkeys(FIELDS, 0)
     assert totals["gpu1"]["kv"]["misses"] == 3
     assert set(totals) == {"gpu0", "gpu1"}
     gpu0.close()

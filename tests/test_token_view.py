@@ -61,7 +61,10 @@ def test_token_view_equals_the_worker_processors_input_ids_for_text_and_two_imag
     prepared = prepare(chat)
 
     processor = load_processor(demo_model_dir)
-    images = [Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB") for url in (first, second)]
+    images = [
+        Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+        for url in (first, second)
+    ]
     expected = processor(text=[prepared.prompt], images=images, return_tensors="pt")["input_ids"][0].tolist()
 
     assert prepared.view.tokens == expected
@@ -72,14 +75,19 @@ def test_token_view_equals_the_worker_processors_input_ids_for_text_and_two_imag
     for image in prepared.view.images:
         run = expected[image.start : image.start + image.tokens]
         assert run == [placeholder] * image.tokens
-        assert expected[image.start - 1] != placeholder and expected[image.start + image.tokens] != placeholder
+        assert (
+            expected[image.start - 1] != placeholder and expected[image.start + image.tokens] != placeholder
+        )
 
 
 def test_block_hashes_fold_each_image_identity_at_its_place(demo_model_dir):
     first, second = png_data_url(64, 64), png_data_url(64, 64, (0, 0, 255))
     prepared = prepare(parse_chat_request(two_image_request("demo", first, second), max_tokens_limit=64))
     view = prepared.view
-    media = [MediaPlacement(routing_hash(url_identity(url)), i.start, i.tokens) for url, i in zip((first, second), view.images, strict=True)]
+    media = [
+        MediaPlacement(routing_hash(url_identity(url)), i.start, i.tokens)
+        for url, i in zip((first, second), view.images, strict=True)
+    ]
     assert view.block_hashes == block_hashes(view.tokens, 16, media)
     assert [i.identity for i in view.images] == [url_identity(first), url_identity(second)]
 
@@ -100,7 +108,7 @@ def test_frontend_decoding_gives_one_identity_for_the_same_pixels_under_two_enco
     first, second = prepared.view.images
     assert first.identity == second.identity
     assert all(image.data for image in prepared.images), "decoded bytes travel to the worker"
-    payload = prepared.worker_payload("r1", None, session_scoped=False)
+    payload = prepared.worker_payload("r1", None)
     assert all(image["url"] is None and image["data_b64"] for image in payload["images"])
 
 
@@ -111,15 +119,20 @@ def test_a_family_without_a_layout_routes_on_the_text_prefix(settings, demo_mode
     config["model_type"] = "mystery_vl"
     (other / "config.json").write_text(json.dumps(config))
     settings.MODEL_PATH = other
-    prepared = prepare(parse_chat_request(two_image_request("mystery", png_data_url(50, 50), png_data_url(60, 60)),
-                                          max_tokens_limit=64))
+    prepared = prepare(
+        parse_chat_request(
+            two_image_request("mystery", png_data_url(50, 50), png_data_url(60, 60)), max_tokens_limit=64
+        )
+    )
     assert prepared.view.fallback and "mystery_vl" in prepared.view.fallback
     first_placeholder = prepared.view.images[0].start
     assert prepared.view.tokens == prepared.model.encode(prepared.prompt)[:first_placeholder]
 
 
 def test_an_extreme_aspect_ratio_is_refused_with_a_422(demo_model_dir):
-    chat = parse_chat_request(two_image_request("demo", png_data_url(1, 400), png_data_url(20, 20)), max_tokens_limit=64)
+    chat = parse_chat_request(
+        two_image_request("demo", png_data_url(1, 400), png_data_url(20, 20)), max_tokens_limit=64
+    )
     with pytest.raises(ApiError) as refused:
         prepare(chat)
     assert refused.value.status == 422
@@ -146,7 +159,9 @@ async def test_route_endpoint_shows_the_view_without_dispatching():
     response = await AsyncClient().post("/v1/route", data=json.dumps(body), content_type="application/json")
     assert response.status_code == 200, response.content
     described = json.loads(response.content)
-    assert described["prompt_tokens"] == len(prepare(parse_chat_request(body, max_tokens_limit=64)).view.tokens)
+    assert described["prompt_tokens"] == len(
+        prepare(parse_chat_request(body, max_tokens_limit=64)).view.tokens
+    )
     assert len(described["images"]) == 2
     assert described["candidates"] == []
 
@@ -154,12 +169,16 @@ async def test_route_endpoint_shows_the_view_without_dispatching():
 @pytest.mark.django_db(transaction=True)
 async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it():
     body = two_image_request("demo", png_data_url(10, 10), "http://169.254.169.254/latest/meta-data/x.png")
-    response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(body), content_type="application/json")
+    response = await AsyncClient().post(
+        "/v1/chat/completions", data=json.dumps(body), content_type="application/json"
+    )
     assert response.status_code == 403
     error = json.loads(response.content)["error"]
     assert error["code"] == "address_refused"
     assert error["message"].startswith("image 1")
     bad = two_image_request("demo", "ftp://example.com/a.png", png_data_url(10, 10))
-    response = await AsyncClient().post("/v1/chat/completions", data=json.dumps(bad), content_type="application/json")
+    response = await AsyncClient().post(
+        "/v1/chat/completions", data=json.dumps(bad), content_type="application/json"
+    )
     assert response.status_code == 400
     assert json.loads(response.content)["error"]["message"].startswith("image 0")

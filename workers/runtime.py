@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from PIL import Image
 
+from routing.cache_stats import CacheStats
+from routing.media import MediaPolicy, fetch_bytes
 from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseWriter
+from workers.image_loader import ImageLoader, ImageLoadError
+from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
 logger = logging.getLogger("workers.runtime")
 
@@ -33,6 +39,8 @@ class WorkerRuntime:
     engine: Any  # workers.engine.Engine; typed loosely so this module imports without torch
     client: redis.Redis
     namespace: str
+    session_scoped: bool = False
+    stats: CacheStats | None = None
 
     def serve(self, payload: dict[str, Any]) -> None:
         from workers.engine import GenerationRequest, ImageInput
@@ -54,6 +62,8 @@ class WorkerRuntime:
                 seed=payload.get("seed"),
                 stop=list(payload.get("stop") or []),
                 scope_key=payload.get("scope_key"),
+                # With scoping on, a request without a scope shares no cache with anyone.
+                use_embedding_cache=not (self.session_scoped and not payload.get("scope_key")),
             )
             result = self.engine.generate(
                 request,
@@ -64,12 +74,17 @@ class WorkerRuntime:
             status = getattr(exc, "status", None)
             if isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
-                writer.send(ERROR, status=status, code=getattr(exc, "code", "invalid_request"), message=str(exc))
+                writer.send(
+                    ERROR, status=status, code=getattr(exc, "code", "invalid_request"), message=str(exc)
+                )
                 logger.info("request %s refused: %s", request_id, exc)
             else:
                 logger.exception("request %s failed on worker %s", request_id, self.name)
-                writer.send(ERROR, status=502, code="worker_error", message=f"The worker failed: {type(exc).__name__}")
+                writer.send(
+                    ERROR, status=502, code="worker_error", message=f"The worker failed: {type(exc).__name__}"
+                )
             return
+        self._count(result)
         writer.send(
             DONE,
             text=result.text,
@@ -85,6 +100,51 @@ class WorkerRuntime:
             embedding_cache_misses=result.embedding_cache_misses,
             worker=self.name,
         )
+
+    def _count(self, result: Any) -> None:
+        if self.stats is None:
+            return
+        self.stats.incr("kv", "hits" if result.cached_tokens else "misses")
+        self.stats.incr("kv", "cached_tokens", result.cached_tokens)
+        self.stats.incr("kv", "prompt_tokens", result.prompt_tokens)
+        self.stats.incr("embedding", "hits", result.embedding_cache_hits)
+        self.stats.incr("embedding", "misses", result.embedding_cache_misses)
+
+
+class EngineImageLoader(ImageLoader):
+    """The worker's image loader, in the shape the engine calls it."""
+
+    def load_for_engine(self, image: Any, scope_key: str | None) -> Image.Image:
+        if image.data is not None:
+            return self.load_bytes(image.identity, image.data, scope_key=scope_key).image
+        if image.url is None:
+            raise ImageLoadError(400, f"image {image.identity} has neither bytes nor a URL", "invalid_image")
+        return self.load(image.url, image.identity, scope_key=scope_key).image
+
+
+def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoader:
+    """The loader with the deployment's caches: local LRU, in-flight dedup, shared cache, origin."""
+    from django.conf import settings
+
+    config = SharedImageCacheConfig.from_env(os.environ)
+    policy = MediaPolicy(
+        max_bytes=config.max_file_size_bytes,
+        connect_timeout=settings.MEDIA_CONNECT_TIMEOUT_SECS,
+        read_timeout=settings.MEDIA_READ_TIMEOUT_SECS,
+        allowed_hosts=tuple(settings.MEDIA_ALLOWED_HOSTS),
+        max_pixels=settings.MEDIA_MAX_PIXELS,
+    )
+    shared = SharedImageCache(config, stats=stats) if config.enabled else None
+    return EngineImageLoader(
+        fetch=lambda url, headers: fetch_bytes(url, policy, headers=headers),
+        shared_cache=shared,
+        local_capacity=settings.IMAGE_LOCAL_CACHE_ENTRIES,
+        session_scoped=config.session_scoped,
+        max_bytes=config.max_file_size_bytes,
+        max_pixels=settings.MEDIA_MAX_PIXELS,
+        stats=stats,
+        worker=worker,
+    )
 
 
 def _image_input(image_input_class, image: dict[str, Any]):

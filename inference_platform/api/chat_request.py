@@ -51,7 +51,9 @@ def _invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="invalid_value", param=param)
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open=False) -> float:
+def _number(
+    body: dict[str, Any], name: str, default: float, low: float, high: float, *, low_open=False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -84,7 +86,9 @@ def _content(message_index: int, content: Any, images: list[ImagePart]) -> str |
             if isinstance(image, str):
                 image = {"url": image}
             if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
-                raise _invalid(f"{part_param}.image_url", f"'{part_param}.image_url.url' must be a non-empty string.")
+                raise _invalid(
+                    f"{part_param}.image_url", f"'{part_param}.image_url.url' must be a non-empty string."
+                )
             detail = image.get("detail")
             if detail is not None and detail not in ("auto", "low", "high"):
                 raise _invalid(f"{part_param}.image_url.detail", "'detail' must be one of auto, low, high.")
@@ -92,7 +96,10 @@ def _content(message_index: int, content: Any, images: list[ImagePart]) -> str |
             parts.append({"type": "image_url", "image_url": {"url": image["url"]}})
         else:
             raise ApiError(
-                400, f"Content part type '{kind}' is not supported here.", code="unsupported_content", param=part_param
+                400,
+                f"Content part type '{kind}' is not supported here.",
+                code="unsupported_content",
+                param=part_param,
             )
     return parts
 
@@ -100,7 +107,9 @@ def _content(message_index: int, content: Any, images: list[ImagePart]) -> str |
 def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' is required and must be a string.", code="missing_required_parameter", param="model")
+        raise ApiError(
+            400, "'model' is required and must be a string.", code="missing_required_parameter", param="model"
+        )
 
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
@@ -114,11 +123,15 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
             raise _invalid(f"messages[{index}]", f"'messages[{index}]' must be an object.")
         role = message.get("role")
         if role not in ROLES:
-            raise _invalid(f"messages[{index}].role", f"'messages[{index}].role' must be one of {sorted(ROLES)}.")
+            raise _invalid(
+                f"messages[{index}].role", f"'messages[{index}].role' must be one of {sorted(ROLES)}."
+            )
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
-        messages.append({"role": "system" if role == "developer" else role, "content": _content(index, content, images)})
+        messages.append(
+            {"role": "system" if role == "developer" else role, "content": _content(index, content, images)}
+        )
 
     n = body.get("n", 1)
     if n != 1:
@@ -128,7 +141,11 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
         max_tokens = min(256, max_tokens_limit)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
+    if (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or not 1 <= max_tokens <= max_tokens_limit
+    ):
         raise _invalid(param, f"'{param}' must be an integer from 1 to {max_tokens_limit}.")
 
     seed = body.get("seed")
@@ -145,7 +162,9 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         or len(stop) > MAX_STOP_SEQUENCES
         or not all(isinstance(s, str) and s for s in stop)
     ):
-        raise _invalid("stop", f"'stop' must be a non-empty string or a list of up to {MAX_STOP_SEQUENCES} of them.")
+        raise _invalid(
+            "stop", f"'stop' must be a non-empty string or a list of up to {MAX_STOP_SEQUENCES} of them."
+        )
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

@@ -39,7 +39,9 @@ class ApiError(Exception):
 
 def error_response(error: ApiError, request_id: str | None = None) -> JsonResponse:
     level = logging.WARNING if error.status >= 500 else logging.INFO
-    logger.log(level, "request %s failed with %s %s: %s", request_id or "-", error.status, error.code, error.message)
+    logger.log(
+        level, "request %s failed with %s %s: %s", request_id or "-", error.status, error.code, error.message
+    )
     response = JsonResponse(error.body(), status=error.status)
     if request_id:
         response["X-Request-Id"] = request_id

@@ -35,7 +35,10 @@ def list_models(request: Request) -> Response:
     view = served_model()
     created = int(view.path.stat().st_mtime) if view.path.exists() else 0
     return Response(
-        {"object": "list", "data": [{"id": view.name, "object": "model", "created": created, "owned_by": "platform"}]}
+        {
+            "object": "list",
+            "data": [{"id": view.name, "object": "model", "created": created, "owned_by": "platform"}],
+        }
     )
 
 
@@ -69,7 +72,9 @@ def _worker_error(data: dict[str, Any], dispatch: Dispatch) -> ApiError:
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     request_id = new_request_id()
     if request.method != "POST":
-        return error_response(ApiError(405, "Use POST for /v1/chat/completions.", code="method_not_allowed"), request_id)
+        return error_response(
+            ApiError(405, "Use POST for /v1/chat/completions.", code="method_not_allowed"), request_id
+        )
     try:
         chat = parse_chat_request(parse_json_body(request.body), max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         dispatch = await plan_request(chat, request_id, dict(request.headers))
@@ -77,7 +82,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         return error_response(error, request_id)
     except Exception:
         logger.exception("request %s failed before dispatch", request_id)
-        return error_response(ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id)
+        return error_response(
+            ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id
+        )
 
     if chat.stream:
         response = StreamingHttpResponse(_stream(chat, dispatch), content_type="text/event-stream")
@@ -132,7 +139,9 @@ async def route(request: HttpRequest) -> HttpResponse:
         return error_response(error, request_id)
     except Exception:
         logger.exception("route inspection %s failed", request_id)
-        return error_response(ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id)
+        return error_response(
+            ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id
+        )
     response = JsonResponse(description)
     response["X-Request-Id"] = request_id
     return response
@@ -162,8 +171,14 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]
             elif event.type == DONE:
                 yield _chunk(rid, chat.model, {}, event.data["finish_reason"])
                 if chat.include_usage:
-                    usage = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                             "model": chat.model, "choices": [], "usage": _usage(event.data)}
+                    usage = {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": int(time.time()),
+                        "model": chat.model,
+                        "choices": [],
+                        "usage": _usage(event.data),
+                    }
                     yield f"data: {json.dumps(usage)}\n\n".encode()
         finished = True
     except ApiError as error:
@@ -179,7 +194,9 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """API clients get OpenAI-style JSON for unknown paths; everyone else Django's page."""
     if request.path.startswith("/v1/"):
-        return error_response(ApiError(404, f"No route for {request.method} {request.path}.", code="not_found"))
+        return error_response(
+            ApiError(404, f"No route for {request.method} {request.path}.", code="not_found")
+        )
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)

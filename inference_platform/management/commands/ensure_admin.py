@@ -23,6 +23,7 @@ class Command(BaseCommand):
         users.objects.create_superuser(options["username"], email="", password=password)
         self.stdout.write(
             self.style.SUCCESS(
-                f"Created the admin login (shown only this once): user {options['username']!r}, password {password!r}"
+                f"Created the admin login (shown only this once): "
+                f"user {options['username']!r}, password {password!r}"
             )
         )

@@ -16,7 +16,9 @@ class Command(BaseCommand):
     help = "Print the routing token view of a chat request (a JSON file; its model may be omitted)."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("file", type=Path, help="A chat completion request body, or - for standard input.")
+        parser.add_argument(
+            "file", type=Path, help="A chat completion request body, or - for standard input."
+        )
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
 
     def handle(self, *args, **options) -> None:
@@ -38,9 +40,13 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(description))
             return
         self.stdout.write(f"model          {description['model']} ({description['model_type']})")
-        self.stdout.write(f"prompt tokens  {description['prompt_tokens']} (routed on {description['routed_tokens']})")
-        self.stdout.write(f"block size     {description['block_size']}, {description['total_blocks']} blocks, "
-                          f"{len(description['block_hashes'])} full")
+        self.stdout.write(
+            f"prompt tokens  {description['prompt_tokens']} (routed on {description['routed_tokens']})"
+        )
+        self.stdout.write(
+            f"block size     {description['block_size']}, {description['total_blocks']} blocks, "
+            f"{len(description['block_hashes'])} full"
+        )
         self.stdout.write(f"fallback       {description['fallback'] or 'none: exact image routing'}")
         for image in description["images"]:
             self.stdout.write(

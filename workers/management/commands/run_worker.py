@@ -20,6 +20,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from routing.cache_stats import CacheStats
+from routing.index import KvIndex
+from routing.kv_events import KvEventPublisher
 from routing.models import Worker, worker_queue
 from routing.redis_keys import redact_url, sync_client
 from routing.registry import Heartbeat, WorkerRegistry
@@ -35,11 +38,15 @@ class Command(BaseCommand):
         parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu).")
         parser.add_argument("--model-path", default=None, help="Model directory (default: MODEL_PATH).")
         parser.add_argument(
-            "--concurrency", type=int, default=settings.WORKER_CONCURRENCY,
+            "--concurrency",
+            type=int,
+            default=settings.WORKER_CONCURRENCY,
             help="Requests accepted at once (threads); the model itself runs one forward at a time.",
         )
         parser.add_argument(
-            "--threads", type=int, default=int(os.environ.get("WORKER_TORCH_THREADS", "0")),
+            "--threads",
+            type=int,
+            default=int(os.environ.get("WORKER_TORCH_THREADS", "0")),
             help="torch CPU threads (0: torch's default). Use 1 when several workers share a CPU.",
         )
 
@@ -55,7 +62,7 @@ class Command(BaseCommand):
             )
 
         from workers.engine import Engine  # torch is imported here, in the worker process only
-        from workers.runtime import WorkerRuntime, install_runtime
+        from workers.runtime import WorkerRuntime, build_image_loader, install_runtime
 
         if options["threads"] > 0:
             import torch
@@ -63,16 +70,35 @@ class Command(BaseCommand):
             torch.set_num_threads(options["threads"])
 
         client = sync_client(settings.REDIS_URL)
+        namespace = settings.REDIS_KEY_PREFIX
+        stats = CacheStats(client, namespace, name)
+        image_loader = build_image_loader(name, stats)
+        publisher = KvEventPublisher(client, namespace, index=KvIndex(client, namespace))
         started = time.monotonic()
         engine = Engine.load(
             model_path,
             device=options["device"],
             block_size=settings.KV_BLOCK_SIZE,
+            kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
+            embedding_cache_bytes=int(settings.EMBEDDING_CACHE_MB * 1024 * 1024),
+            load_image=image_loader.load_for_engine,
+            publish_events=publisher.publish,
             worker_name=name,
         )
         model_name = settings.MODEL_NAME or model_path.resolve().name
-        self.stdout.write(f"worker {name}: loaded {model_path} on {options['device']} in {time.monotonic() - started:.1f} s")
-        install_runtime(WorkerRuntime(name=name, engine=engine, client=client, namespace=settings.REDIS_KEY_PREFIX))
+        self.stdout.write(
+            f"worker {name}: loaded {model_path} on {options['device']} in {time.monotonic() - started:.1f} s"
+        )
+        install_runtime(
+            WorkerRuntime(
+                name=name,
+                engine=engine,
+                client=client,
+                namespace=namespace,
+                session_scoped=image_loader.session_scoped,
+                stats=stats,
+            )
+        )
 
         heartbeat = Heartbeat(
             name=name,
@@ -81,6 +107,7 @@ class Command(BaseCommand):
             device=options["device"],
             pid=os.getpid(),
             host=socket.gethostname(),
+            kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
         )
         Worker.objects.update_or_create(
             name=name,
@@ -125,6 +152,8 @@ class Command(BaseCommand):
         finally:
             beats.stop()
             registry.remove(name)
+            stats.close()
+            image_loader.close()
             Worker.objects.filter(name=name).update(deregistered_at=timezone.now())
             self.stdout.write(f"worker {name}: deregistered")
 
