@@ -51,8 +51,8 @@ class PlatformProcesses:
         }
         self.env.pop("PYTEST_CURRENT_TEST", None)
         self.workers: dict[str, subprocess.Popen] = {}
-        self.server: subprocess.Popen | None = None
-        self.base_url = ""
+        self.servers: list[subprocess.Popen] = []
+        self.base_url = ""  # the first server's
         self._logs: list[Path] = []
         subprocess.run(
             [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
@@ -92,9 +92,11 @@ class PlatformProcesses:
         time.sleep(1.0)
 
     def start_server(self, timeout: float = 60.0) -> str:
+        """Start one more frontend process; returns its base URL (the first is also `base_url`)."""
         port = free_port()
-        self.server = self._spawn(
-            "server",
+        label = "server" if not self.servers else f"server-{len(self.servers)}"
+        server = self._spawn(
+            label,
             [
                 sys.executable,
                 "-m",
@@ -107,22 +109,28 @@ class PlatformProcesses:
                 "--no-access-log",
             ],
         )
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.servers.append(server)
+        base_url = f"http://127.0.0.1:{port}"
+        self.base_url = self.base_url or base_url
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.server.poll() is not None:
-                raise AssertionError(f"server exited early:\n{self.log_tail('server')}")
+            if server.poll() is not None:
+                raise AssertionError(f"server exited early:\n{self.log_tail(label)}")
             try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2).status_code == 200:
-                    return self.base_url
+                if httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
+                    return base_url
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise AssertionError(f"server did not answer:\n{self.log_tail('server')}")
+        raise AssertionError(f"server did not answer:\n{self.log_tail(label)}")
 
     def stop_worker(self, name: str, sig: int = signal.SIGTERM, wait: bool = True) -> int | None:
         process = self.workers[name]
         process.send_signal(sig)
         return process.wait(timeout=60) if wait else None
+
+    def log(self, label: str) -> str:
+        path = self.tmp / f"{label}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def log_tail(self, label: str, lines: int = 40) -> str:
         path = self.tmp / f"{label}.log"
@@ -131,7 +139,7 @@ class PlatformProcesses:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def close(self) -> None:
-        processes = [*self.workers.values(), *([self.server] if self.server else [])]
+        processes = [*self.workers.values(), *self.servers]
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -1,0 +1,106 @@
+"""KV-aware routing across real processes: the seed's example, and frontends that agree.
+
+Real `run_worker` processes publish their KV events to Redis; real uvicorn frontends route on
+the shared index; a local image server stands in for the image's origin.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.image_server import ImageServer
+
+pytestmark = pytest.mark.integration
+
+
+def picture(seed: int, size: tuple[int, int] = (336, 280)) -> bytes:
+    image = Image.effect_noise(size, 40 + seed).convert("RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_request(url: str, question: str = "Describe this image.") -> dict:
+    return {
+        "model": "demo",
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": url}}],
+            }
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+
+
+@pytest.fixture
+def origin():
+    with ImageServer() as server:
+        yield server
+
+
+def overlap_of(response: httpx.Response) -> tuple[int, int]:
+    done, total = response.headers["X-Routing-Overlap"].split("/")
+    return int(done), int(total)
+
+
+def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_processes, origin):
+    platform = platform_processes(LOG_LEVELS="routing=debug", MEDIA_ALLOWED_HOSTS="127.0.0.1")
+    for name in ("a", "b", "c"):
+        platform.start_worker(name)
+    platform.wait_for_workers("a", "b", "c")
+    base_url = platform.start_server()
+    url = origin.add("/demo.png", picture(1), content_type="image/png")
+
+    first = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    second = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    assert first.status_code == 200, first.text
+    assert second.status_code == 200, second.text
+
+    worker = first.headers["X-Routed-Worker"]
+    assert second.headers["X-Routed-Worker"] == worker
+    (first_overlap, total), (second_overlap, second_total) = overlap_of(first), overlap_of(second)
+    assert second_total == total
+    assert second_overlap > first_overlap
+    assert second_overlap == total - 1 or second_overlap == total  # all full blocks of the prompt
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= second_overlap * 16
+
+    # The routing log says the same, as the seed's [ROUTING] line.
+    best = re.findall(r"\[ROUTING\] Best: worker_(\w+) with (\d+)/(\d+) blocks overlap", platform.log("server"))
+    assert best[-2:] == [(worker, str(first_overlap), str(total)), (worker, str(second_overlap), str(total))]
+    assert len(re.findall(r"\[ROUTING\] Formula for worker_", platform.log("server"))) >= 6
+
+    # A different image under the same question shares only the text before it.
+    other = origin.add("/other.png", picture(2), content_type="image/png")
+    third = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(other), timeout=60)
+    assert overlap_of(third)[0] < second_overlap
+
+
+def test_two_frontend_processes_make_identical_choices(platform_processes, origin):
+    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
+    platform.start_worker("left")
+    platform.start_worker("right")
+    platform.wait_for_workers("left", "right")
+    first_frontend = platform.start_server()
+    second_frontend = platform.start_server()
+    url = origin.add("/shared.png", picture(3), content_type="image/png")
+
+    served = httpx.post(f"{first_frontend}/v1/chat/completions", json=image_request(url), timeout=60)
+    assert served.status_code == 200
+
+    body = image_request(url, "Describe this image.")
+    seen = [httpx.post(f"{frontend}/v1/route", json=body, timeout=30).json() for frontend in (first_frontend, second_frontend)]
+    assert seen[0]["choice"] == seen[1]["choice"]
+    assert seen[0]["candidates"] == seen[1]["candidates"]
+    assert seen[0]["choice"]["worker"] == served.headers["X-Routed-Worker"]
+    assert seen[0]["choice"]["overlap"] > 0
+    # The second frontend never served anything, yet routes the repeat to the worker holding it.
+    repeat = httpx.post(f"{second_frontend}/v1/chat/completions", json=body, timeout=60)
+    assert repeat.headers["X-Routed-Worker"] == served.headers["X-Routed-Worker"]
