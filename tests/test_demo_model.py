@@ -1,0 +1,123 @@
+"""The demo checkpoint builds offline and loads back with transformers' Auto classes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from django.core.management import CommandError, call_command
+from PIL import Image
+
+from workers.demo_model import MAX_PIXELS, SPECIAL_TOKENS, VOCAB_SIZE, load_processor
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("demo") / "model"
+    call_command("build_demo_model", str(path), "--seed", "3")
+    return path
+
+
+def test_auto_classes_load_the_checkpoint_offline(demo_dir: Path) -> None:
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(demo_dir)
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    image_processor = AutoImageProcessor.from_pretrained(demo_dir)
+
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    text = model.config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads) == (256, 4, 4)
+    assert (text.num_key_value_heads, text.vocab_size) == (2, VOCAB_SIZE)
+    assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    assert model.config.vision_config.hidden_size == text.hidden_size
+    assert len(tokenizer) == VOCAB_SIZE
+    assert image_processor.size["longest_edge"] == MAX_PIXELS
+    assert (image_processor.patch_size, image_processor.merge_size, image_processor.temporal_patch_size) == (
+        14,
+        2,
+        2,
+    )
+
+
+def test_config_token_ids_are_the_tokenizers_ids(demo_dir: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(demo_dir)
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)), strict=True))
+
+    assert config.image_token_id == ids["<|image_pad|>"]
+    assert config.video_token_id == ids["<|video_pad|>"]
+    assert config.vision_start_token_id == ids["<|vision_start|>"]
+    assert config.vision_end_token_id == ids["<|vision_end|>"]
+    assert config.text_config.eos_token_id == tokenizer.eos_token_id == ids["<|im_end|>"]
+    assert config.text_config.pad_token_id == tokenizer.pad_token_id == ids["<|endoftext|>"]
+    # Each special token is one token, never split into bytes.
+    assert tokenizer("<|vision_start|><|image_pad|><|vision_end|>")["input_ids"] == [
+        ids["<|vision_start|>"],
+        ids["<|image_pad|>"],
+        ids["<|vision_end|>"],
+    ]
+
+
+def test_chat_template_renders_an_image_message_like_qwen2_vl(demo_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.test/cat.png"}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ]
+
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the picture?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert (demo_dir / "chat_template.jinja").read_text() == tokenizer.chat_template
+
+
+def test_processor_without_torchvision_expands_the_image_placeholder(demo_dir: Path) -> None:
+    processor = load_processor(demo_dir)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>Describe it."
+
+    encoded = processor(text=[prompt], images=[Image.new("RGB", (640, 480), "red")], return_tensors="pt")
+
+    grid = encoded["image_grid_thw"][0].tolist()
+    image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    placeholders = int((encoded["input_ids"][0] == image_token_id).sum())
+    assert grid[0] == 1 and grid[1] * grid[2] * 14 * 14 <= MAX_PIXELS
+    assert placeholders == grid[0] * grid[1] * grid[2] // 4
+    assert encoded["mm_token_type_ids"][0].sum() == placeholders
+
+
+def test_weights_are_readable_by_other_users(demo_dir: Path) -> None:
+    mode = stat.S_IMODE((demo_dir / "model.safetensors").stat().st_mode)
+    assert mode == 0o644
+
+
+def test_preprocessor_config_carries_qwen_pixel_bounds(demo_dir: Path) -> None:
+    fields = json.loads((demo_dir / "preprocessor_config.json").read_text())
+    assert (fields["min_pixels"], fields["max_pixels"]) == (56 * 56, 448 * 448)
+    assert (fields["patch_size"], fields["merge_size"], fields["temporal_patch_size"]) == (14, 2, 2)
+
+
+def test_command_refuses_to_overwrite_without_force(demo_dir: Path) -> None:
+    before = (demo_dir / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(CommandError, match="--force"):
+        call_command("build_demo_model", str(demo_dir))
+    assert (demo_dir / "model.safetensors").stat().st_mtime_ns == before

@@ -1,0 +1,346 @@
+"""The demo checkpoint: a small, randomly initialised Qwen2-VL with a locally trained tokenizer,
+built offline, plus the one function that loads a Qwen2-VL family processor without torchvision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+# Qwen2-VL's special tokens, in Qwen's order (their ids follow the trained vocabulary there; here
+# they come first, which is all the config needs: it records whatever ids the tokenizer gives).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+VOCAB_SIZE = 4096
+# Qwen2-VL's default is 1280 * 28 * 28 (1,280 image tokens). The demo caps an image at 448x448
+# (256 image tokens) so a prefill with an image stays cheap on a CPU.
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 448 * 448
+
+# The Jinja chat template of Qwen/Qwen2-VL-2B-Instruct.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2's pre-tokenizer split (contractions, letters, single digits, punctuation, spaces).
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_WORD_ROOTS_TEXT = """
+time year people way day man woman child world school state family student group country
+problem hand part place case week company system program question work government number
+night point home water room mother area money story fact month lot right study book eye job
+word business issue side kind head house service friend father power hour game line end
+member law car city community name president team minute idea kid body information back
+parent face others level office door health person art war history party result change
+morning reason research girl guy moment air teacher force education foot boy age policy
+process music market sense nation plan college interest death experience effect use class
+control care field development role effort rate heart drug show leader light voice wife
+police mind price report decision son view relationship town road arm difference value
+building action model season society tax director position player record paper space
+ground form event official matter center couple site project activity star table need court
+oil situation cost industry figure street image phone data picture practice piece land
+product doctor wall patient worker news test movie north love support technology step baby
+computer type attention film tree source organization hair window evidence population site
+camera cat dog bird horse river mountain garden kitchen flower apple bread coffee bottle
+window chair shirt shoe ticket train plane boat bridge tower castle forest island beach
+desert ocean cloud storm snow rain summer winter spring autumn color shape circle square
+triangle red green blue yellow orange purple black white brown gray pattern texture surface
+corner edge shadow reflection label sign letter screen keyboard lamp clock mirror glass cup
+plate bowl spoon fork knife box bag basket jacket hat glove scarf sock ring necklace watch
+walk talk look see find give tell ask feel try leave call keep begin seem help turn start
+hold bring write sit stand lose pay meet include continue set learn lead understand watch
+follow stop create speak read allow add spend grow open offer remember consider appear buy
+wait serve die send expect build stay fall cut reach kill remain suggest raise pass sell
+require decide return explain hope develop carry break receive agree support hit produce
+eat cover catch draw choose describe count paint print measure compare notice answer
+small large good new first last long great little own other old big high different local
+early young important public bad same able clear late hard major better economic strong
+possible whole free military true federal international full special easy certain real
+quiet bright dark warm cold soft heavy light sharp round flat smooth rough empty clean
+quick slow happy sad careful simple recent natural similar central common general single
+"""
+_WORD_ROOTS = _WORD_ROOTS_TEXT.split()
+
+_SUFFIXES = ("", "", "", "s", "ed", "ing", "er", "ers", "ly", "ness", "ful", "less", "able", "ment")
+
+_SENTENCE_FRAMES = (
+    "The {a} {n} near the {n2} looks {a2} in this picture.",
+    "Describe the {n} and the {n2} shown in the image.",
+    "What {n} is on the left side of the {n2}?",
+    "A {a} {n} stands beside a {a2} {n2}.",
+    "We {v} the {n} every {n2} because it is {a}.",
+    "Please {v} how many {n}s are in the photo.",
+    "In the {n}, a {a} {n2} was {v}ed by the {n3}.",
+    "Is there a {a} {n} behind the {n2}? Answer yes or no.",
+    "The {n} of the {n2} is {a}, and the {n3} is {a2}.",
+    "They said the {n}'s {n2} would {v} before {n3} time.",
+    "Count the {a} {n}s, then {v} the {n2}.",
+    "I've seen {num} {n}s and {num2} {n2}s today.",
+)
+
+
+def demo_corpus(seed: int = 0, sentences: int = 30_000) -> list[str]:
+    """A deterministic English-like corpus: frames filled with common words and their inflections."""
+    rng = random.Random(seed)
+    words = [root + suffix for root in _WORD_ROOTS for suffix in _SUFFIXES]
+    lines: list[str] = []
+    for _ in range(sentences):
+        frame = rng.choice(_SENTENCE_FRAMES)
+        lines.append(
+            frame.format(
+                a=rng.choice(words),
+                a2=rng.choice(words),
+                n=rng.choice(words),
+                n2=rng.choice(words),
+                n3=rng.choice(words),
+                v=rng.choice(_WORD_ROOTS),
+                num=rng.randint(0, 999),
+                num2=rng.randint(0, 99),
+            )
+        )
+    # Every word on its own too, so common inflections become single tokens.
+    lines.extend(" ".join(words[i : i + 12]) for i in range(0, len(words), 12))
+    return lines
+
+
+def train_demo_tokenizer(seed: int = 0) -> Any:
+    """Trains a Qwen2-style byte-level BPE (``tokenizers.Tokenizer``) of VOCAB_SIZE tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=False))
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(demo_corpus(seed), trainer=trainer)
+    return tokenizer
+
+
+def _demo_config(token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen2VLConfig
+
+    hidden = 256
+    return Qwen2VLConfig(
+        text_config={
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": hidden,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            # mrope_section covers head_dim / 2 = 32 rotary frequencies (temporal, height, width).
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [8, 12, 12],
+            },
+            "bos_token_id": token_ids["<|endoftext|>"],
+            "eos_token_id": token_ids["<|im_end|>"],
+            "pad_token_id": token_ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 128,
+            # The merger projects into the language model: this is the text hidden size.
+            "hidden_size": hidden,
+            "num_heads": 4,
+            "mlp_ratio": 4,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def build_demo_model(path: Path, *, seed: int = 0) -> None:
+    """Writes the demo checkpoint (weights, config, tokenizer, chat template, image processor)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    backend = train_demo_tokenizer(seed)
+    token_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    config = _demo_config(token_ids)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
+        pad_token_id=token_ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(path)
+
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+    image_processor.save_pretrained(path)
+    _write_qwen_preprocessor_fields(path / "preprocessor_config.json")
+    (path / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+
+    # save_pretrained writes weights 0600; workers may run as another user (ENGINE-NOTES trap 9).
+    for weights in path.glob("*.safetensors"):
+        weights.chmod(0o644)
+
+
+def _write_qwen_preprocessor_fields(preprocessor_config: Path) -> None:
+    # Qwen's published preprocessor_config.json carries min/max_pixels and the slow class name;
+    # readers of the file (routing.layouts) look for those, and the PIL class accepts both.
+    fields = json.loads(preprocessor_config.read_text())
+    fields.update(
+        {
+            "min_pixels": MIN_PIXELS,
+            "max_pixels": MAX_PIXELS,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+        }
+    )
+    preprocessor_config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+def replace_demo_model(path: Path, *, seed: int = 0) -> None:
+    """Builds into a sibling directory and swaps it in, so readers never see a half-written model."""
+    path = Path(path)
+    staging = path.with_name(path.name + ".building")
+    shutil.rmtree(staging, ignore_errors=True)
+    build_demo_model(staging, seed=seed)
+    if path.exists():
+        shutil.rmtree(path)
+    staging.rename(path)
+
+
+def load_processor(model_dir: Path) -> Any:
+    """The Qwen2-VL family processor of a checkpoint directory, built without torchvision.
+
+    ``AutoProcessor`` needs the video processor, which needs torchvision; without it it silently
+    returns only the tokenizer (ENGINE-NOTES trap 1). Images only: the PIL image processor and the
+    tokenizer in the family's processor class, with no video processor.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    processor_class = _processor_class(config.get("model_type", ""))
+    return processor_class(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+
+
+def _processor_class(model_type: str) -> Any:
+    from transformers import Qwen2VLProcessor
+
+    if model_type == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor
+
+        base = Qwen2_5_VLProcessor
+    elif model_type == "qwen2_vl":
+        base = Qwen2VLProcessor
+    else:
+        raise ValueError(f"no image processor known for model type {model_type!r}")
+    return _images_only(base)
+
+
+_IMAGES_ONLY_CLASSES: dict[type, type] = {}
+
+
+def _images_only(base: type) -> type:
+    """The family's processor class without a video processor.
+
+    ProcessorMixin takes its sub-processors from the ``__init__`` signature, so a subclass whose
+    ``__init__`` names only the image processor and the tokenizer needs no torchvision.
+    """
+    if base not in _IMAGES_ONLY_CLASSES:
+
+        def __init__(
+            self: Any,
+            image_processor: Any = None,
+            tokenizer: Any = None,
+            chat_template: Any = None,
+            **kwargs: Any,
+        ) -> None:
+            base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        _IMAGES_ONLY_CLASSES[base] = type(f"{base.__name__}ImagesOnly", (base,), {"__init__": __init__})
+    return _IMAGES_ONLY_CLASSES[base]

@@ -1,0 +1,586 @@
+"""The worker's inference engine: a transformers Qwen2-VL family model that reuses cached prefix KV
+(images included) and cached image embeddings, and generates one request at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+from PIL import Image
+
+from routing.hashing import MediaPlacement, chain_sequence_hashes, local_block_hashes
+from routing.kv_events import KvEvent
+from routing.media import MediaPolicy, decode_data_url, decode_image, fetch_bytes, is_data_url, routing_hash
+from workers.demo_model import load_processor
+from workers.embedding_cache import EmbeddingCache, EmbeddingKey
+from workers.kv_cache import PrefixKvCache, PrefixLease, prefix_kv
+
+if TYPE_CHECKING:
+    import torch
+
+PublishEvents = Callable[[Sequence[KvEvent]], None]
+
+
+class PromptError(ValueError):
+    """A request the engine cannot run as sent; `status` is what the API answers with."""
+
+    status = 400
+    code = "invalid_prompt"
+
+
+@dataclass
+class ImageInput:
+    identity: str  # 32-hex identity from the frontend
+    url: str | None = None
+    data: bytes | None = None  # encoded bytes handed over when frontend decoding is on
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt: str  # chat-templated; one <|image_pad|> per image, between vision_start/end
+    images: list[ImageInput]
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    scope_key: str | None = None  # session scope hash when scoping is on
+    # False when scoping is on and the request has no scope: it must not read or fill shared caches.
+    use_embedding_cache: bool = True
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    total_ms: float
+    encoder_calls: int
+    embedding_cache_hits: int
+    embedding_cache_misses: int
+    block_hashes: list[int]  # of the prompt
+
+
+ImageLoader = Callable[[ImageInput, str | None], Image.Image]
+
+
+def load_image_directly(image: ImageInput, scope_key: str | None = None) -> Image.Image:
+    """The default loader: handed-over bytes, a data URL, or an http(s) fetch through the guard."""
+    policy = MediaPolicy()
+    if image.data is not None:
+        data = image.data
+    elif image.url is None:
+        raise PromptError(f"image {image.identity} has neither bytes nor a URL")
+    elif is_data_url(image.url):
+        data = decode_data_url(image.url, max_bytes=policy.max_bytes)
+    else:
+        data = fetch_bytes(image.url, policy)
+    return decode_image(data, policy)
+
+
+@dataclass
+class _PromptImage:
+    source: ImageInput
+    image: Image.Image
+    start: int  # first placeholder token
+    length: int  # placeholder tokens
+    grid_thw: tuple[int, int, int]  # vision patches (temporal, height, width) before merging
+
+
+@dataclass
+class _RequestCounters:
+    encoder_calls: int = 0
+    embedding_hits: int = 0
+    embedding_misses: int = 0
+
+
+class Engine:
+    """A loaded model with its processor, prefix KV cache and embedding cache."""
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        processor: Any,
+        model_name: str,
+        device: str,
+        kv_cache: PrefixKvCache,
+        embedding_cache: EmbeddingCache,
+        load_image: ImageLoader,
+    ) -> None:
+        import torch
+
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_processor = processor.image_processor
+        self.model_name = model_name
+        self.model_type: str = model.config.model_type
+        self.device = torch.device(device)
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.embedding_cache = embedding_cache
+        self._load_image = load_image
+        self._lock = threading.Lock()
+        self.image_token = processor.image_token
+        self.image_token_id: int = model.config.image_token_id
+        self._eos_ids = self._end_of_sequence_ids()
+        self.processor_fingerprint = self._fingerprint_image_processor()
+        # The index may still list blocks of this worker's previous life: say it holds nothing.
+        kv_cache.clear()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        *,
+        device: str = "cpu",
+        block_size: int = 16,
+        kv_capacity_blocks: int = 4096,
+        embedding_cache_bytes: int = 256 << 20,
+        load_image: ImageLoader | None = None,
+        publish_events: PublishEvents | None = None,
+        worker_name: str = "local",
+        model_name: str | None = None,
+    ) -> Engine:
+        """Loads a local checkpoint (no hub access) and announces an empty cache (`cleared`)."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        from transformers import AutoModelForImageTextToText
+
+        model_dir = Path(model_dir)
+        processor = load_processor(model_dir)
+        # float32 on CPU (bf16 matmuls are slow there); the checkpoint's own dtype on accelerators.
+        dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        kv_cache = PrefixKvCache(
+            capacity_blocks=kv_capacity_blocks,
+            block_size=block_size,
+            worker=worker_name,
+            publish_events=publish_events,
+        )
+        engine = cls(
+            model=model,
+            processor=processor,
+            model_name=model_name or model_dir.name,
+            device=device,
+            kv_cache=kv_cache,
+            embedding_cache=EmbeddingCache(embedding_cache_bytes),
+            load_image=load_image or load_image_directly,
+        )
+        return engine
+
+    # --- public ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        on_token: Callable[[str], None] | None = None,
+        on_first_token: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        """Prefills what the prefix cache lacks, then decodes; thread-safe (one request at a time)."""
+        if request.max_tokens < 1:
+            raise PromptError("max_tokens must be >= 1")
+        started = time.perf_counter()
+        # Images load outside the model lock: fetching must not hold up another request's decode.
+        images = [self._load_image(image, request.scope_key) for image in request.images]
+        with self._lock:
+            return self._generate(request, images, started, on_token, on_first_token, should_stop)
+
+    def clear_kv_cache(self) -> int:
+        return self.kv_cache.clear()
+
+    def kv_block_hashes(self) -> set[int]:
+        return self.kv_cache.block_hashes()
+
+    def prompt_token_ids(self, prompt: str, images: Sequence[Image.Image]) -> list[int]:
+        """The prompt's token ids with each image placeholder expanded, as the model sees them."""
+        return self._expand_prompt(prompt, [ImageInput(identity="0" * 32)] * len(images), images)[0]
+
+    # --- prompt --------------------------------------------------------------------------------------
+    def _expand_prompt(
+        self, prompt: str, inputs: Sequence[ImageInput], images: Sequence[Image.Image]
+    ) -> tuple[list[int], list[_PromptImage]]:
+        # Token counts come from the image size alone (the processor's own smart_resize), so an
+        # image covered by the cached prefix is never preprocessed (ENGINE-NOTES trap 7).
+        parts = prompt.split(self.image_token)
+        if len(parts) - 1 != len(images):
+            raise PromptError(f"the prompt has {len(parts) - 1} image placeholders for {len(images)} images")
+        if "<|video_pad|>" in prompt:
+            raise PromptError("video inputs are not supported by this engine")
+        ids: list[int] = []
+        placed: list[_PromptImage] = []
+        for index, part in enumerate(parts):
+            # Special tokens split the text before BPE runs, so tokenizing between them is exact.
+            ids.extend(self.tokenizer(part, add_special_tokens=False)["input_ids"])
+            if index < len(images):
+                grid = self._image_grid(images[index])
+                length = grid[0] * grid[1] * grid[2] // self.image_processor.merge_size**2
+                placed.append(_PromptImage(inputs[index], images[index], len(ids), length, grid))
+                ids.extend([self.image_token_id] * length)
+        return ids, placed
+
+    def _image_grid(self, image: Image.Image) -> tuple[int, int, int]:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        processor = self.image_processor
+        patch = processor.patch_size
+        height, width = smart_resize(
+            image.height,
+            image.width,
+            factor=patch * processor.merge_size,
+            min_pixels=processor.size["shortest_edge"],
+            max_pixels=processor.size["longest_edge"],
+        )
+        return (1, height // patch, width // patch)
+
+    # --- generation ----------------------------------------------------------------------------------
+    def _generate(
+        self,
+        request: GenerationRequest,
+        images: list[Image.Image],
+        started: float,
+        on_token: Callable[[str], None] | None,
+        on_first_token: Callable[[], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> GenerationResult:
+        import torch
+
+        counters = _RequestCounters()
+        input_ids, placed = self._expand_prompt(request.prompt, request.images, images)
+        media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
+        local_hashes = local_block_hashes(input_ids, self.block_size, media)
+        sequence_hashes = chain_sequence_hashes(local_hashes)
+        lease = self.kv_cache.acquire(sequence_hashes)
+        try:
+            with torch.inference_mode():
+                # Stale state from the previous request must never leak in (trap 2); the explicit
+                # positions below make it unused, the reset makes sure.
+                self.model.model.rope_deltas = None
+                logits, cache, reused, rope_delta = self._prefill(input_ids, placed, lease, request, counters)
+                prefill_done = time.perf_counter()
+                decoder = _Decoder(self, request, on_token)
+                token = decoder.choose(logits)
+                ttft = time.perf_counter()
+                if on_first_token is not None:
+                    on_first_token()
+
+                def store_prompt_blocks() -> None:
+                    if len(lease.blocks) < len(sequence_hashes):
+                        self.kv_cache.store(lease, sequence_hashes, local_hashes, _cache_layers(cache))
+
+                finish_reason = self._decode(
+                    decoder,
+                    token,
+                    cache,
+                    len(input_ids) + rope_delta,
+                    should_stop,
+                    request.max_tokens,
+                    after_first_token=store_prompt_blocks,
+                )
+        finally:
+            self.kv_cache.release(lease)
+        finished = time.perf_counter()
+        return GenerationResult(
+            text=decoder.text,
+            finish_reason=finish_reason,
+            prompt_tokens=len(input_ids),
+            completion_tokens=decoder.completion_tokens,
+            cached_tokens=reused,
+            ttft_ms=(ttft - started) * 1000,
+            prefill_ms=(prefill_done - started) * 1000,
+            total_ms=(finished - started) * 1000,
+            encoder_calls=counters.encoder_calls,
+            embedding_cache_hits=counters.embedding_hits,
+            embedding_cache_misses=counters.embedding_misses,
+            block_hashes=sequence_hashes,
+        )
+
+    def _prefill(
+        self,
+        input_ids: list[int],
+        placed: list[_PromptImage],
+        lease: PrefixLease,
+        request: GenerationRequest,
+        counters: _RequestCounters,
+    ) -> tuple[torch.Tensor, Any, int, int]:
+        """Runs the model on the prompt past the reused prefix; returns the last logits, the KV
+        cache of the whole prompt, the reused token count and the M-RoPE position delta."""
+        import torch
+        from transformers import DynamicCache
+
+        total = len(input_ids)
+        # At least the last token runs: its logits choose the first output token.
+        reused = min(lease.reused_blocks * self.block_size, total - 1)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        positions, rope_delta = self._positions(ids, placed)
+
+        embeds = self.model.get_input_embeddings()(ids[:, reused:])
+        for image in placed:
+            end = image.start + image.length
+            if end <= reused:
+                continue  # wholly inside the reused prefix: neither preprocessed nor encoded
+            embedding = self._image_embedding(image, request, counters)
+            # An image cut by the prefix boundary contributes only its rows past it (trap 5).
+            skip = max(0, reused - image.start)
+            embeds[0, image.start + skip - reused : end - reused] = embedding[skip:].to(embeds.dtype)
+
+        cache = None
+        if reused:
+            cache = DynamicCache([(k[:, :, :reused], v[:, :, :reused]) for k, v in prefix_kv(lease.blocks)])
+        output = self.model(
+            input_ids=None,
+            inputs_embeds=embeds,
+            # Positions of the whole prompt, sliced: never the 1-D fallback (traps 3 and 4).
+            position_ids=positions[:, :, reused:],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[0, -1], output.cache, reused, rope_delta
+
+    def _positions(self, ids: torch.Tensor, placed: list[_PromptImage]) -> tuple[torch.Tensor, int]:
+        import torch
+
+        mm_token_type_ids = (ids == self.image_token_id).to(torch.int)
+        grids = (
+            torch.tensor([image.grid_thw for image in placed], dtype=torch.long, device=self.device)
+            if placed
+            else None
+        )
+        positions, deltas = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grids
+        )
+        return positions, int(deltas.reshape(-1)[0])
+
+    def _image_embedding(
+        self, image: _PromptImage, request: GenerationRequest, counters: _RequestCounters
+    ) -> torch.Tensor:
+        key = EmbeddingKey(
+            request.scope_key, image.source.identity, self.model_name, self.processor_fingerprint
+        )
+        if request.use_embedding_cache:
+            cached = self.embedding_cache.get(key)
+            if cached is not None:
+                counters.embedding_hits += 1
+                return cached
+            counters.embedding_misses += 1
+        features = self.image_processor(images=[image.image], return_tensors="pt")
+        grid = tuple(int(n) for n in features["image_grid_thw"][0])
+        if grid != image.grid_thw:
+            raise RuntimeError(
+                f"image processor made grid {grid}, the prompt was laid out for {image.grid_thw}"
+            )
+        output = self.model.model.get_image_features(
+            features["pixel_values"].to(self.device),
+            features["image_grid_thw"].to(self.device),
+            return_dict=True,
+        )
+        counters.encoder_calls += 1
+        embedding = output.pooler_output[0]
+        if request.use_embedding_cache:
+            self.embedding_cache.put(key, embedding)
+        return embedding
+
+    def _decode(
+        self,
+        decoder: _Decoder,
+        token: int,
+        cache: Any,
+        next_position: int,
+        should_stop: Callable[[], bool] | None,
+        max_tokens: int,
+        after_first_token: Callable[[], None],
+    ) -> str:
+        import torch
+
+        # The prompt's blocks are stored once the first token's text is out (or generation ended):
+        # storing copies KV and publishes events, which the client need not wait for.
+        pending = after_first_token
+        try:
+            while True:
+                if token in self._eos_ids:
+                    decoder.finish()
+                    return "stop"
+                if decoder.accept(token):
+                    return "stop"  # a stop string
+                if pending is not None:
+                    pending()
+                    pending = None
+                if decoder.completion_tokens >= max_tokens:
+                    decoder.finish()
+                    return "length"
+                if should_stop is not None and should_stop():
+                    decoder.finish()
+                    return "stop"
+                # Decode steps sit at text positions shifted by the prompt's M-RoPE delta, on all axes.
+                position = torch.full((3, 1, 1), next_position, dtype=torch.long, device=self.device)
+                output = self.model(
+                    input_ids=torch.tensor([[token]], device=self.device),
+                    position_ids=position,
+                    cache=cache,
+                    use_cache=True,
+                )
+                cache = output.cache
+                next_position += 1
+                token = decoder.choose(output.logits[0, -1])
+        finally:
+            if pending is not None:
+                pending()
+
+    # --- model facts ---------------------------------------------------------------------------------
+    def _end_of_sequence_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.model.config.text_config.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        for token in ("<|im_end|>", "<|endoftext|>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
+                ids.add(token_id)
+        return frozenset(ids)
+
+    def _fingerprint_image_processor(self) -> str:
+        settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
+        return xxhash.xxh3_64_hexdigest(settings.encode())
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text pieces as they arrive.
+
+    It decodes a short window of ids: a multi-byte character split across byte-level BPE pieces
+    decodes to U+FFFD until its last piece arrives, and is only emitted then.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, token: int) -> str:
+        """Adds a token; returns the text it completes (often empty for a partial character)."""
+        self.ids.append(token)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self.ids))
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self.ids))
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+
+
+class _Decoder:
+    """Chooses tokens (greedy or seeded sampling) and turns them into text pieces, holding back
+    text that could still become a stop string."""
+
+    def __init__(
+        self, engine: Engine, request: GenerationRequest, on_token: Callable[[str], None] | None
+    ) -> None:
+        import torch
+
+        self._temperature = request.temperature
+        self._top_p = request.top_p
+        self._generator: torch.Generator | None = None
+        if request.temperature > 0:
+            self._generator = torch.Generator(device="cpu")
+            seed = request.seed if request.seed is not None else secrets.randbits(63)
+            self._generator.manual_seed(seed)
+        self._stops = [stop for stop in request.stop if stop]
+        self._on_token = on_token
+        self._detokenizer = IncrementalDetokenizer(engine.tokenizer)
+        self._text = ""  # decoded so far
+        self._sent = 0  # characters of _text given to on_token
+        self.text = ""  # the final text, set when finished
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self._detokenizer.ids)
+
+    def choose(self, logits: torch.Tensor) -> int:
+        import torch
+
+        if self._generator is None:
+            return int(torch.argmax(logits))
+        # On the CPU in float32, so a seed gives the same tokens whatever the device.
+        scaled = logits.float().cpu() / self._temperature
+        probabilities = torch.softmax(scaled, dim=-1)
+        if self._top_p < 1.0:
+            ordered, order = torch.sort(probabilities, descending=True)
+            # Keep the smallest head whose mass reaches top_p (the first token always stays).
+            outside = torch.cumsum(ordered, dim=-1) - ordered >= self._top_p
+            ordered[outside] = 0.0
+            probabilities = torch.zeros_like(probabilities).scatter_(0, order, ordered)
+        return int(torch.multinomial(probabilities, 1, generator=self._generator))
+
+    def accept(self, token: int) -> bool:
+        """Adds a generated token; True when a stop string has ended the text."""
+        self._text += self._detokenizer.push(token)
+        return self._check_stops()
+
+    def finish(self) -> None:
+        """The end of generation: sends what was held back."""
+        self._text += self._detokenizer.flush()
+        if not self._check_stops():
+            self._send(len(self._text))
+            self.text = self._text
+
+    def _check_stops(self) -> bool:
+        for stop in self._stops:
+            # Only a match reaching into unsent text is new; earlier text was already checked.
+            found = self._text.find(stop, max(0, self._sent - len(stop) + 1))
+            if found != -1:
+                self._text = self._text[:found]
+                self._send(len(self._text))
+                self.text = self._text
+                return True
+        self._send(len(self._text) - self._held_back())
+        return False
+
+    def _held_back(self) -> int:
+        """Length of the text's longest tail that starts some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+    def _send(self, upto: int) -> None:
+        if upto > self._sent:
+            piece = self._text[self._sent : upto]
+            self._sent = upto
+            if self._on_token is not None:
+                self._on_token(piece)
+
+
+def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
