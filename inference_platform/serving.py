@@ -22,7 +22,15 @@ from inference_platform.api.chat_request import ChatRequest
 from inference_platform.api.errors import ApiError
 from inference_platform.dispatch import Dispatch, eligible_workers, registry, router, send_to_worker
 from routing.layouts import ImageSizeRefused
-from routing.media import MediaError, MediaPolicy, ResolvedImage, resolve_images
+from routing.media import (
+    MediaError,
+    MediaPolicy,
+    ResolvedImage,
+    decode_image,
+    resolve_images,
+    routing_hash,
+    url_identity,
+)
 from routing.model_view import ModelDirectoryError, ModelView, model_view
 from routing.registry import Heartbeat
 from routing.router import RoutingDecision
@@ -71,6 +79,7 @@ class PreparedRequest:
     images: list[ResolvedImage]
     view: TokenView
     frontend_decoding: bool
+    processed: dict[str, Any] | None = None  # the processor path's model inputs, for the worker
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
@@ -84,6 +93,7 @@ class PreparedRequest:
             "block_hashes": self.view.block_hashes,
             "fallback": self.view.fallback,
             "frontend_decoding": self.frontend_decoding,
+            "chat_processor": "transformers" if self.processed is not None else "registry",
             "images": [
                 {
                     "index": image.index,
@@ -119,6 +129,8 @@ class PreparedRequest:
             # embedding caches by this keyed hash, and bypasses them for a request without one.
             "scope_key": scope_key,
             "block_hashes": self.view.block_hashes,
+            # Present on the processor path: the worker then skips its own preprocessing.
+            "processed": self.processed,
         }
 
 
@@ -143,12 +155,25 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
         ) from exc
 
     frontend_decoding = settings.DYN_MM_FRONTEND_DECODING
+    use_processor = settings.DYN_CHAT_PROCESSOR == "transformers" and bool(chat.images)
+    urls = [part.url for part in chat.images]
     try:
-        images = resolve_images(
-            [part.url for part in chat.images], media_policy(), frontend_decoding=frontend_decoding
-        )
+        # The processor needs the pixels, so that path fetches every image in full here.
+        images = resolve_images(urls, media_policy(), frontend_decoding=frontend_decoding or use_processor)
     except MediaError as exc:
         raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
+    if use_processor:
+        if not frontend_decoding:  # the identity stays the URL's, as on the default path
+            images = [
+                dataclasses.replace(
+                    i, identity=url_identity(i.url), routing_hash=routing_hash(url_identity(i.url))
+                )
+                for i in images
+            ]
+        processed = _processor_view(model, prompt, images)
+        if processed is not None:
+            view, inputs = processed
+            return PreparedRequest(chat, model, prompt, images, view, frontend_decoding, processed=inputs)
     try:
         view = build_token_view(
             prompt_ids,
@@ -157,6 +182,9 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
             placeholder_id=model.image_placeholder_id,
             block_size=settings.KV_BLOCK_SIZE,
             model_type=model.model_type,
+            text_prefix=_text_before_first_image(model, chat, prompt_ids)
+            if model.image_layout is None
+            else None,
         )
     except ImageSizeRefused as exc:
         raise ApiError(422, f"{exc}", code="image_size_refused", param="messages") from exc
@@ -201,6 +229,59 @@ def choose_worker(
     )
     chosen = next(score for score in decision.scores if score.worker == worker)
     return dataclasses.replace(decision, worker=worker, overlap=chosen.overlap, reason=mode)
+
+
+_IMAGE_SENTINEL = "\u2063IMAGE\u2063"  # invisible separators: no real prompt holds this
+
+
+def _text_before_first_image(model: ModelView, chat: ChatRequest, prompt_ids: list[int]) -> int | None:
+    """How many prompt tokens surely precede the first image, for routing on the text alone.
+
+    The template is rendered again with each image replaced by a sentinel text; the tokens of
+    what precedes the sentinel, as far as they agree with the real prompt's, are the prefix.
+    """
+    if not chat.images:
+        return None
+    messages = [
+        {
+            **message,
+            "content": [
+                {"type": "text", "text": _IMAGE_SENTINEL} if part.get("type") == "image" else part
+                for part in message["content"]
+            ]
+            if isinstance(message["content"], list)
+            else message["content"],
+        }
+        for message in chat.messages
+    ]
+    before, found, _ = model.render_prompt(messages).partition(_IMAGE_SENTINEL)
+    if not found:
+        return 0
+    prefix_ids = model.encode(before)
+    agreed = 0
+    for mine, real in zip(prefix_ids, prompt_ids, strict=False):
+        if mine != real:
+            break
+        agreed += 1
+    return agreed
+
+
+def _processor_view(
+    model: ModelView, prompt: str, images: list[ResolvedImage]
+) -> tuple[TokenView, dict] | None:
+    """The token view from the model's own processor; None (text-prefix routing) if it can't say."""
+    from routing.processor_view import UnsupportedProcessorLayout, processor_token_view
+
+    policy = media_policy()
+    pixels = [decode_image(image.data, policy) for image in images if image.data is not None]
+    try:
+        result = processor_token_view(model.path, prompt, pixels, images, block_size=settings.KV_BLOCK_SIZE)
+    except UnsupportedProcessorLayout as exc:
+        logger.info("the processor path cannot place these images (%s): routing on the text prefix", exc)
+        return None
+    except ValueError as exc:  # the processor refused the images (sizes, counts)
+        raise ApiError(422, f"The model's processor refused the images: {exc}", code="image_refused") from exc
+    return result.view, result.processed
 
 
 async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str, str]) -> Dispatch:

@@ -134,6 +134,12 @@ ROUTER_LOAD_ENTRY_TTL_SECS = env_float("ROUTER_LOAD_ENTRY_TTL_SECS", 300.0, posi
 
 # --- Media (names and defaults from Dynamo's documentation) ------------------------------------
 DYN_MM_FRONTEND_DECODING = env_bool("DYN_MM_FRONTEND_DECODING", False)
+# The seed's "Python chat processor" path: the frontend runs the model's own transformers
+# processor to find each image's tokens (any family transformers supports) and hands the
+# processed inputs to the worker. Off: the layout registry, with no torch in the web process.
+DYN_CHAT_PROCESSOR = (env_str("DYN_CHAT_PROCESSOR") or "").lower()
+if DYN_CHAT_PROCESSOR not in ("", "transformers"):
+    raise ValueError(f"DYN_CHAT_PROCESSOR={DYN_CHAT_PROCESSOR!r} must be empty or 'transformers'")
 DYN_MM_MAX_FILE_SIZE_MB = env_float("DYN_MM_MAX_FILE_SIZE_MB", 64.0, positive=True)
 DYN_MM_SHARED_IMAGE_CACHE_ENABLED = env_bool("DYN_MM_SHARED_IMAGE_CACHE_ENABLED", False)
 DYN_MM_SHARED_IMAGE_CACHE_URL = env_str("DYN_MM_SHARED_IMAGE_CACHE_URL")

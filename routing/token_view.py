@@ -69,8 +69,14 @@ def build_token_view(
     placeholder_id: int | None,
     block_size: int,
     model_type: str = "",
+    text_prefix: int | None = None,
 ) -> TokenView:
-    """Expand each image's single placeholder in `prompt_ids` into its token count."""
+    """Expand each image's single placeholder in `prompt_ids` into its token count.
+
+    `text_prefix`: for a family routed on text, how many leading tokens come before the first
+    image, when the caller knows better than the first placeholder token (a template that marks
+    images with other tokens). Nothing after an image may be routed on without its identity.
+    """
     if not images:
         tokens = list(prompt_ids)
         return TokenView(tokens=tokens, block_size=block_size, prompt_tokens=len(tokens))
@@ -85,7 +91,10 @@ def build_token_view(
             raise PlaceholderMismatch(
                 f"the prompt holds {len(positions)} image placeholders for {len(images)} images"
             )
-        first = positions[0] if positions else len(prompt_ids)
+        first = min(
+            positions[0] if positions else len(prompt_ids),
+            len(prompt_ids) if text_prefix is None else text_prefix,
+        )
         reason = (
             f"model family '{model_type or 'unknown'}' has no image token layout: routing on the text prefix"
         )

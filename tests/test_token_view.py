@@ -182,3 +182,35 @@ async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it():
     )
     assert response.status_code == 400
     assert json.loads(response.content)["error"]["message"].startswith("image 0")
+
+
+def test_the_processor_path_gives_the_registry_view_for_the_demo_model(settings):
+    first, second = png_data_url(640, 480), png_data_url(123, 457, (10, 200, 10))
+    chat = parse_chat_request(two_image_request("demo", first, second), max_tokens_limit=64)
+    registry_view = prepare(chat)
+    settings.DYN_CHAT_PROCESSOR = "transformers"
+    processor_view = prepare(chat)
+    assert processor_view.describe()["chat_processor"] == "transformers"
+    assert processor_view.view.tokens == registry_view.view.tokens
+    assert processor_view.view.block_hashes == registry_view.view.block_hashes
+    assert [i.identity for i in processor_view.view.images] == [i.identity for i in registry_view.view.images]
+    payload = processor_view.worker_payload("r1", None)
+    assert payload["processed"]["input_ids"] == registry_view.view.tokens
+    assert registry_view.worker_payload("r1", None)["processed"] is None
+
+
+def test_the_processor_path_routes_a_family_outside_the_registry_exactly(settings, tmp_path):
+    from tests.test_processor_view import build_gemma3_checkpoint
+
+    gemma = tmp_path / "gemma3-tiny"
+    build_gemma3_checkpoint(gemma)
+    settings.MODEL_PATH = gemma
+    body = two_image_request("gemma3-tiny", png_data_url(64, 64), png_data_url(96, 64, (1, 2, 3)))
+    body["messages"] = body["messages"][1:]  # Gemma's template folds system prompts differently
+    chat = parse_chat_request(body, max_tokens_limit=64)
+    assert prepare(chat).view.fallback is not None  # the registry alone routes on text
+    settings.DYN_CHAT_PROCESSOR = "transformers"
+    exact = prepare(chat).view
+    assert exact.fallback is None
+    assert [image.tokens > 0 for image in exact.images] == [True, True]
+    assert len(exact.tokens) == exact.prompt_tokens

@@ -93,7 +93,9 @@ def _content(message_index: int, content: Any, images: list[ImagePart]) -> str |
             if detail is not None and detail not in ("auto", "low", "high"):
                 raise _invalid(f"{part_param}.image_url.detail", "'detail' must be one of auto, low, high.")
             images.append(ImagePart(index=len(images), url=image["url"], detail=detail))
-            parts.append({"type": "image_url", "image_url": {"url": image["url"]}})
+            # transformers' chat templates know images as {"type": "image"}; Qwen's also
+            # accepts OpenAI's image_url form, most others (Gemma, LLaVA) do not.
+            parts.append({"type": "image", "url": image["url"]})
         else:
             raise ApiError(
                 400,
