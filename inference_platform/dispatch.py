@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db.models import BooleanField, ExpressionWrapper, Q
 
 from inference_platform.api.errors import ApiError
 from inference_platform.celery import GENERATE_TASK
@@ -91,20 +90,50 @@ def _purge_lapsed(rows: list[str], alive: dict[str, Heartbeat]) -> None:
             logger.info("worker %s missed its heartbeat: its blocks left the index", name)
 
 
+@dataclass(frozen=True)
+class WorkerState:
+    name: str
+    heartbeat: Heartbeat | None
+    ineligible_because: str | None  # None: eligible
+
+
+def _eligibility(
+    enabled: bool, draining: bool, beat: Heartbeat | None, model: str, block_size: int
+) -> str | None:
+    if not enabled:
+        return "disabled in the admin"
+    if draining:
+        return "draining"
+    if beat is None:
+        return "no heartbeat"
+    if beat.stopping:
+        return "shutting down"
+    if beat.model != model:
+        return f"serves {beat.model}"
+    if beat.block_size != block_size:
+        return f"block size {beat.block_size}, not {block_size}"
+    return None
+
+
+async def worker_states(model: str, block_size: int) -> list[WorkerState]:
+    """Every registered worker with whether it may take a request for this model, and if not why."""
+    rows = [row async for row in Worker.objects.values_list("name", "enabled", "draining")]
+    alive = await asyncio.to_thread(registry().alive, [name for name, _, _ in rows])
+    await asyncio.to_thread(_purge_lapsed, [name for name, _, _ in rows], alive)
+    return [
+        WorkerState(
+            name, alive.get(name), _eligibility(enabled, draining, alive.get(name), model, block_size)
+        )
+        for name, enabled, draining in rows
+    ]
+
+
 async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
     """Workers an operator allows (enabled, not draining) that are live and serve this model."""
-    rows = {
-        name: usable
-        async for name, usable in Worker.objects.annotate(
-            usable=ExpressionWrapper(Q(enabled=True, draining=False), output_field=BooleanField())
-        ).values_list("name", "usable")
-    }
-    alive = await asyncio.to_thread(registry().alive, list(rows))
-    await asyncio.to_thread(_purge_lapsed, list(rows), alive)
     return {
-        name: beat
-        for name, beat in alive.items()
-        if rows[name] and beat.model == model and beat.block_size == block_size and not beat.stopping
+        state.name: state.heartbeat
+        for state in await worker_states(model, block_size)
+        if state.ineligible_because is None and state.heartbeat is not None
     }
 
 

@@ -20,7 +20,14 @@ from django.conf import settings
 
 from inference_platform.api.chat_request import ChatRequest
 from inference_platform.api.errors import ApiError
-from inference_platform.dispatch import Dispatch, eligible_workers, registry, router, send_to_worker
+from inference_platform.dispatch import (
+    Dispatch,
+    eligible_workers,
+    registry,
+    router,
+    send_to_worker,
+    worker_states,
+)
 from routing.layouts import ImageSizeRefused
 from routing.media import (
     MediaError,
@@ -161,7 +168,14 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
         # The processor needs the pixels, so that path fetches every image in full here.
         images = resolve_images(urls, media_policy(), frontend_decoding=frontend_decoding or use_processor)
     except MediaError as exc:
-        raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
+        # An origin that fails or times out is still a problem with the request's image: a 4xx
+        # naming it, never a 5xx that would blame the platform.
+        raise ApiError(
+            400 if exc.status >= 500 else exc.status,
+            exc.message,
+            code=exc.code,
+            param="messages",
+        ) from exc
     if use_processor:
         if not frontend_decoding:  # the identity stays the URL's, as on the default path
             images = [
@@ -326,24 +340,33 @@ async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[
     session_scope_hash(headers)  # a malformed scope is refused here as in a real request
     prepared = await asyncio.to_thread(prepare, chat)
     description = prepared.describe()
-    workers = await eligible_workers(prepared.model.name, prepared.view.block_size)
-    description["candidates"] = []
+    states = await worker_states(prepared.model.name, prepared.view.block_size)
+    workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
+    scores = {}
     if workers:
         decision = await asyncio.to_thread(choose_worker, prepared, workers, None)
-        description["candidates"] = [
-            {
-                "worker": score.worker,
-                "eligible": True,
-                "overlap": score.overlap,
-                "prefill_blocks": score.prefill_blocks,
-                "decode_blocks": score.decode_blocks,
-                "cost": score.cost,
-            }
-            for score in decision.scores
-        ]
+        scores = {score.worker: score for score in decision.scores}
         description["choice"] = {
             "worker": decision.worker,
             "overlap": decision.overlap,
             "reason": decision.reason,
         }
+    description["candidates"] = [
+        {
+            "worker": state.name,
+            "eligible": state.ineligible_because is None,
+            "ineligible_because": state.ineligible_because,
+            **(
+                {
+                    "overlap": scores[state.name].overlap,
+                    "prefill_blocks": scores[state.name].prefill_blocks,
+                    "decode_blocks": scores[state.name].decode_blocks,
+                    "cost": scores[state.name].cost,
+                }
+                if state.name in scores
+                else {}
+            ),
+        }
+        for state in states
+    ]
     return description

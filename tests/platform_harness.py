@@ -47,6 +47,11 @@ class PlatformProcesses:
             "WORKER_HEARTBEAT_INTERVAL_SECS": "0.4",
             "WORKER_TORCH_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            # Nothing may be downloaded at run time: any attempt to leave the machine goes to a
+            # closed port and fails, so every test that passes here proves it needed nothing.
+            "HTTP_PROXY": "http://127.0.0.1:9",
+            "HTTPS_PROXY": "http://127.0.0.1:9",
+            "NO_PROXY": "127.0.0.1,localhost",
             **(env or {}),
         }
         self.env.pop("PYTEST_CURRENT_TEST", None)

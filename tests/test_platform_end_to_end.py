@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from routing.index import KvIndex
 from tests.platform_harness import REPO
 
 pytestmark = pytest.mark.integration
@@ -120,14 +121,20 @@ def test_sigkill_leaves_the_live_set_after_the_heartbeat_ttl(platform_processes)
     base_url = platform.start_server()
     assert ask(base_url, "Hello").status_code == 200
 
+    index = KvIndex(platform.redis, platform.namespace)
+    assert index.worker_blocks("doomed"), "the worker's KV events reached the index"
+
     platform.stop_worker("doomed", signal.SIGKILL)
     killed_at = time.monotonic()
     while platform.redis.exists(platform.heartbeat_key("doomed")):
         assert time.monotonic() - killed_at < 2 + 1.5, "heartbeat outlived its 2 s TTL"
         time.sleep(0.1)
+    time.sleep(2.0)  # the frontend sweeps lapsed workers at most every 2 s
     response = ask(base_url, "Anyone there?")
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "no_live_worker"
+    # What it had cached left the index with it: nobody will be routed there for its blocks.
+    assert index.worker_blocks("doomed") == set()
 
 
 def test_a_worker_killed_mid_request_is_a_502_with_the_request_id(platform_processes):
