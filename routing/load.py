@@ -1,0 +1,207 @@
+"""Active load per worker in Redis, shared by every frontend process: prefill tokens, decode blocks.
+
+Lifecycle (Dynamo's): `add` when a request is dispatched, `prefill_done` at its first token,
+`free` on completion, failure or cancellation. A request counts its prefill tokens until its
+first token, and all of its blocks until it is freed: like Dynamo's potential decode blocks,
+the prompt's blocks stay resident for the whole decode, so a request in prefill already weighs
+on decode capacity. Entries left by a frontend or worker that died expire after entry_ttl_s.
+
+Layout:
+- `load:req:<worker>`: hash, request id -> "<prefill tokens still to do> <blocks>".
+- `load:prefill`, `load:blocks`, `load:requests`: running sums, hashes keyed by worker, so a
+  snapshot reads three small hashes whatever the number of requests in flight. A worker's
+  fields go when it has no request left.
+- `load:expiry`: sorted set, `<worker>\\n<request id>` scored by expiry (Redis server time, ms),
+  swept by a Lua script right before every snapshot (the router's decision script runs it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import redis
+
+from routing.index import LuaScript, check_worker_name, execute_pipeline
+
+REQUESTS_FAMILY = "load:req:"
+TOTAL_FAMILIES = ("load:prefill", "load:blocks", "load:requests")
+EXPIRY_KEY = "load:expiry"
+
+DEFAULT_ENTRY_TTL_S = 300.0  # Dynamo sweeps stale load after five minutes
+_SWEEP_BATCH = 256  # expired entries released per snapshot; the rest go at the next one
+
+
+class WorkerLoad(NamedTuple):
+    active_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    active_requests: int = 0
+
+
+IDLE = WorkerLoad()
+
+
+_LOAD_LUA_FUNCTIONS = """
+local function server_time_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function adjust(ns, worker, prefill, blocks, requests)
+  -- Skipping zeros also keeps Lua's "-0" away from HINCRBY, which refuses it.
+  if prefill ~= 0 then redis.call('HINCRBY', ns .. 'load:prefill', worker, prefill) end
+  if blocks ~= 0 then redis.call('HINCRBY', ns .. 'load:blocks', worker, blocks) end
+  if redis.call('HINCRBY', ns .. 'load:requests', worker, requests) <= 0 then
+    redis.call('HDEL', ns .. 'load:prefill', worker)
+    redis.call('HDEL', ns .. 'load:blocks', worker)
+    redis.call('HDEL', ns .. 'load:requests', worker)
+  end
+end
+
+local function entry_of(ns, worker, request_id)
+  local raw = redis.call('HGET', ns .. 'load:req:' .. worker, request_id)
+  if not raw then return nil end
+  local space = string.find(raw, ' ', 1, true)
+  return tonumber(string.sub(raw, 1, space - 1)), tonumber(string.sub(raw, space + 1))
+end
+
+local function release(ns, worker, request_id)
+  redis.call('ZREM', ns .. 'load:expiry', worker .. '\\n' .. request_id)
+  local prefill, blocks = entry_of(ns, worker, request_id)
+  if not prefill then return 0 end
+  redis.call('HDEL', ns .. 'load:req:' .. worker, request_id)
+  adjust(ns, worker, -prefill, -blocks, -1)
+  return 1
+end
+"""
+
+_ADD_LUA = (
+    _LOAD_LUA_FUNCTIONS
+    + """
+-- ARGV: ns, worker, request id, prefill tokens, blocks, ttl ms
+local ns, worker, request_id = ARGV[1], ARGV[2], ARGV[3]
+local prefill, blocks = tonumber(ARGV[4]), tonumber(ARGV[5])
+release(ns, worker, request_id)  -- a re-add replaces, never double counts
+redis.call('HSET', ns .. 'load:req:' .. worker, request_id, prefill .. ' ' .. blocks)
+adjust(ns, worker, prefill, blocks, 1)
+redis.call('ZADD', ns .. 'load:expiry', server_time_ms() + tonumber(ARGV[6]), worker .. '\\n' .. request_id)
+return 1
+"""
+)
+
+_PREFILL_DONE_LUA = (
+    _LOAD_LUA_FUNCTIONS
+    + """
+-- ARGV: ns, worker, request id, ttl ms
+local ns, worker, request_id = ARGV[1], ARGV[2], ARGV[3]
+local prefill, blocks = entry_of(ns, worker, request_id)
+if not prefill then return 0 end
+if prefill > 0 then
+  redis.call('HSET', ns .. 'load:req:' .. worker, request_id, '0 ' .. blocks)
+  adjust(ns, worker, -prefill, 0, 0)
+end
+-- Decoding has begun: the request is alive, so its expiry starts again.
+local member = worker .. '\\n' .. request_id
+redis.call('ZADD', ns .. 'load:expiry', 'XX', server_time_ms() + tonumber(ARGV[4]), member)
+return 1
+"""
+)
+
+_FREE_LUA = _LOAD_LUA_FUNCTIONS + "return release(ARGV[1], ARGV[2], ARGV[3])\n"
+
+# The sweep of expired entries, as a Lua function the router's decision script embeds too.
+SWEEP_LUA_FUNCTIONS = (
+    _LOAD_LUA_FUNCTIONS
+    + """
+local function load_sweep(ns)
+  local expired = redis.call('ZRANGEBYSCORE', ns .. 'load:expiry', '-inf', server_time_ms(),
+    'LIMIT', 0, {sweep_batch})
+  for _, member in ipairs(expired) do
+    local cut = string.find(member, '\\n', 1, true)
+    release(ns, string.sub(member, 1, cut - 1), string.sub(member, cut + 1))
+  end
+  return #expired
+end
+""".replace("{sweep_batch}", str(_SWEEP_BATCH))
+)
+
+_SWEEP_LUA = SWEEP_LUA_FUNCTIONS + "return load_sweep(ARGV[1])\n"
+
+
+class LoadTracker:
+    """Prefill and decode load of each worker, as every frontend process sees it."""
+
+    def __init__(
+        self, client: redis.Redis, namespace: str, *, entry_ttl_s: float = DEFAULT_ENTRY_TTL_S
+    ) -> None:
+        self._namespace = namespace
+        self._ttl_ms = max(int(entry_ttl_s * 1000), 1)
+        self._add = LuaScript(client, _ADD_LUA)
+        self._prefill_done = LuaScript(client, _PREFILL_DONE_LUA)
+        self._free = LuaScript(client, _FREE_LUA)
+        self.sweep_script = LuaScript(client, _SWEEP_LUA)
+        self._client = client
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    def add(self, worker: str, request_id: str, prefill_tokens: int, blocks: int) -> None:
+        if prefill_tokens < 0 or blocks < 0:
+            raise ValueError("prefill_tokens and blocks must be >= 0")
+        self._add(
+            self._namespace,
+            check_worker_name(worker),
+            request_id,
+            int(prefill_tokens),
+            int(blocks),
+            self._ttl_ms,
+        )
+
+    def prefill_done(self, worker: str, request_id: str) -> bool:
+        """The first token came: the request leaves prefill. False if it is not tracked."""
+        return bool(self._prefill_done(self._namespace, check_worker_name(worker), request_id, self._ttl_ms))
+
+    def free(self, worker: str, request_id: str) -> bool:
+        """Completion, failure or cancellation. False if it was not tracked (already freed)."""
+        return bool(self._free(self._namespace, check_worker_name(worker), request_id))
+
+    def snapshot(self, workers: Sequence[str]) -> dict[str, WorkerLoad]:
+        """Load of each worker (one round trip), after sweeping entries whose time ran out."""
+        workers = list(dict.fromkeys(workers))
+        pipe = self._client.pipeline(transaction=False)
+        self.sweep_script.queue(pipe, self._namespace)
+        self.queue_totals(pipe)
+        replies = execute_pipeline(pipe, [self.sweep_script])
+        prefill, blocks, requests = self.totals_columns(replies[1:], workers)
+        return {
+            worker: WorkerLoad(prefill[i], blocks[i], requests[i]) if requests[i] else IDLE
+            for i, worker in enumerate(workers)
+        }
+
+    def queue_totals(self, pipe: redis.client.Pipeline, *, with_requests: bool = True) -> int:
+        """Queue reads of the running sums (after a sweep); returns how many replies they add.
+
+        HGETALL rather than HMGET: these hashes are small listpacks, which HMGET scans once per
+        asked field (64 workers: 64 x 64 compares) and HGETALL reads once.
+        """
+        families = TOTAL_FAMILIES if with_requests else TOTAL_FAMILIES[:2]
+        for family in families:
+            pipe.hgetall(f"{self._namespace}{family}")
+        return len(families)
+
+    @staticmethod
+    def totals_columns(replies: Sequence[dict[Any, Any]], workers: Sequence[str]) -> list[list[int]]:
+        """Each queued total as a list of integers in the workers' order (0: idle)."""
+        columns = []
+        encoded: list[bytes] | None = None
+        for totals in replies:
+            if totals and isinstance(next(iter(totals)), bytes):
+                # Look the names up as bytes rather than decode every key the hash holds.
+                encoded = encoded or [worker.encode() for worker in workers]
+                names: Sequence[Any] = encoded
+            else:
+                names = workers
+            get = totals.get
+            columns.append([int(get(name) or 0) for name in names])
+        return columns

@@ -1,0 +1,123 @@
+"""Scoring and selection of a worker for one request: cache overlap weighed against load.
+
+Pure (no Redis, no Django): the cost formula of DESIGN.md "Router", which is Dynamo's
+(`lib/kv-router/src/scheduling/selector.rs`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    overlap_credit: float = 1.0  # blocks of prefill saved per cached block
+    prefill_load_scale: float = 1.0  # weight of prefill work against decode blocks
+    temperature: float = 0.0  # 0: always the cheapest; > 0: softmax sampling over costs
+
+    def __post_init__(self) -> None:
+        if self.overlap_credit < 0 or self.prefill_load_scale < 0 or self.temperature < 0:
+            raise ValueError(f"routing policy values must be >= 0: {self}")
+
+
+# Candidates and scores are built for every worker on every decision: slots make a frozen
+# dataclass about twice as quick to create.
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker: str
+    overlap: int  # leading blocks of the request the worker holds
+    active_prefill_tokens: int
+    active_decode_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    worker: str
+    overlap: int
+    prefill_blocks: float
+    decode_blocks: float
+    cost: float
+
+
+# A frozen dataclass sets each field through object.__setattr__ in __init__; the router builds
+# one Score per worker on every decision, and writing the slots directly halves that cost
+# (about 0.8 us per Score here). Same object, same equality and hash as Score(...).
+_new_object = object.__new__
+_SET_SCORE_FIELDS = tuple(
+    Score.__dict__[name].__set__ for name in ("worker", "overlap", "prefill_blocks", "decode_blocks", "cost")
+)
+
+
+def _new_score(worker: str, overlap: int, prefill_blocks: float, decode_blocks: float, cost: float) -> Score:
+    score = _new_object(Score)
+    set_worker, set_overlap, set_prefill, set_decode, set_cost = _SET_SCORE_FIELDS
+    set_worker(score, worker)
+    set_overlap(score, overlap)
+    set_prefill(score, prefill_blocks)
+    set_decode(score, decode_blocks)
+    set_cost(score, cost)
+    return score
+
+
+def score_candidates(
+    candidates: Sequence[Candidate], isl: int, block_size: int, policy: RoutingPolicy
+) -> list[Score]:
+    """The cost of sending a request of `isl` prompt tokens to each candidate, in their order."""
+    return score_workers(
+        [c.worker for c in candidates],
+        [c.overlap for c in candidates],
+        [c.active_prefill_tokens for c in candidates],
+        [c.active_decode_blocks for c in candidates],
+        isl,
+        block_size,
+        policy,
+    )
+
+
+def score_workers(
+    workers: Sequence[str],
+    overlaps: Sequence[int],
+    active_prefill_tokens: Sequence[int],
+    active_decode_blocks: Sequence[int],
+    isl: int,
+    block_size: int,
+    policy: RoutingPolicy,
+) -> list[Score]:
+    """`score_candidates` on parallel columns: the router's hot path builds no Candidate."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if isl < 0:
+        raise ValueError(f"isl must be >= 0, got {isl}")
+    n_blocks = -(-isl // block_size)
+    credit, scale = policy.overlap_credit, policy.prefill_load_scale
+    scores = []
+    for worker, overlap, prefill_tokens, decode in zip(
+        workers, overlaps, active_prefill_tokens, active_decode_blocks, strict=True
+    ):
+        prefill_blocks = max((prefill_tokens + isl) / block_size - credit * overlap, 0.0)
+        decode_blocks = float(decode + n_blocks - overlap)
+        scores.append(
+            _new_score(worker, overlap, prefill_blocks, decode_blocks, scale * prefill_blocks + decode_blocks)
+        )
+    return scores
+
+
+def select_worker(scores: Sequence[Score], policy: RoutingPolicy, rng: random.Random) -> Score:
+    """Lowest cost, ties at random; with temperature T > 0, p ∝ exp(-(cost-min)/((max-min)·T))."""
+    if not scores:
+        raise ValueError("no scores to select from")
+    costs = [s.cost for s in scores]
+    lowest, highest = min(costs), max(costs)
+    if policy.temperature <= 0:
+        # Equal up to float rounding: costs come from sums of the same kinds of terms.
+        tied_below = lowest + 1e-9 * max(1.0, abs(lowest))
+        best = [s for s in scores if s.cost <= tied_below]
+        return best[0] if len(best) == 1 else rng.choice(best)
+    spread = highest - lowest
+    if spread <= 0:
+        return rng.choice(list(scores))
+    weights = [math.exp(-(cost - lowest) / (spread * policy.temperature)) for cost in costs]
+    return rng.choices(list(scores), weights=weights, k=1)[0]
