@@ -57,6 +57,9 @@ class GenerationRequest:
     scope_key: str | None = None  # session scope hash when scoping is on
     # False when scoping is on and the request has no scope: it must not read or fill shared caches.
     use_embedding_cache: bool = True
+    # The frontend processor's model inputs (routing.processor_view.decode_processed): input_ids,
+    # pixel_values, image_grid_thw. When present the engine neither loads nor preprocesses images.
+    processed: dict[str, Any] | None = None
 
 
 @dataclass
@@ -95,10 +98,14 @@ def load_image_directly(image: ImageInput, scope_key: str | None = None) -> Imag
 @dataclass
 class _PromptImage:
     source: ImageInput
-    image: Image.Image
     start: int  # first placeholder token
     length: int  # placeholder tokens
     grid_thw: tuple[int, int, int]  # vision patches (temporal, height, width) before merging
+    image: Image.Image | None = None  # decoded, for the worker's own preprocessing
+    # Or the frontend's preprocessing: all of the request's pixel_values and this image's rows.
+    # Sliced only when the image is encoded, so an image inside the reused prefix stays untouched.
+    pixel_values: torch.Tensor | None = None
+    pixel_rows: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -197,8 +204,11 @@ class Engine:
         if request.max_tokens < 1:
             raise PromptError("max_tokens must be >= 1")
         started = time.perf_counter()
-        # Images load outside the model lock: fetching must not hold up another request's decode.
-        images = [self._load_image(image, request.scope_key) for image in request.images]
+        if request.processed is not None:
+            images: list[Image.Image] = []  # the frontend's processor already turned them into pixels
+        else:
+            # Images load outside the model lock: fetching must not hold up another request's decode.
+            images = [self._load_image(image, request.scope_key) for image in request.images]
         with self._lock:
             return self._generate(request, images, started, on_token, on_first_token, should_stop)
 
@@ -231,9 +241,89 @@ class Engine:
             if index < len(images):
                 grid = self._image_grid(images[index])
                 length = grid[0] * grid[1] * grid[2] // self.image_processor.merge_size**2
-                placed.append(_PromptImage(inputs[index], images[index], len(ids), length, grid))
+                placed.append(_PromptImage(inputs[index], len(ids), length, grid, image=images[index]))
                 ids.extend([self.image_token_id] * length)
         return ids, placed
+
+    def _processed_prompt(self, request: GenerationRequest) -> tuple[list[int], list[_PromptImage]]:
+        """The frontend processor's input ids and image spans, checked against the request's
+        images and their grids: a payload that disagrees with itself is refused, not run."""
+        import torch
+
+        processed = request.processed or {}
+        if "pixel_values_videos" in processed or "video_grid_thw" in processed:
+            raise PromptError("video inputs are not supported by this engine")
+        try:
+            ids = torch.as_tensor(processed["input_ids"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise PromptError("the processed inputs carry no usable input_ids") from exc
+        if ids.is_floating_point() or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise PromptError(f"processed input_ids must be one prompt's integer ids, not {tuple(ids.shape)}")
+        input_ids = [int(i) for i in ids.reshape(-1).tolist()]
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if not input_ids or min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise PromptError(
+                f"processed input_ids must be non-empty and inside the vocabulary (0..{vocab - 1})"
+            )
+        if self.model.config.video_token_id in input_ids:
+            raise PromptError("video inputs are not supported by this engine")
+
+        spans = _token_runs(input_ids, self.image_token_id)
+        if len(spans) != len(request.images):
+            raise PromptError(
+                f"the processed input ids hold {len(spans)} image spans for {len(request.images)} images"
+            )
+        if not spans:
+            return input_ids, []
+        grids, pixel_values = processed.get("image_grid_thw"), processed.get("pixel_values")
+        if not isinstance(grids, torch.Tensor) or not isinstance(pixel_values, torch.Tensor):
+            raise PromptError("processed inputs with images need pixel_values and image_grid_thw tensors")
+        if grids.is_floating_point() or tuple(grids.shape) != (len(spans), 3):
+            raise PromptError(
+                f"image_grid_thw must be {len(spans)} rows of (t, h, w), not {tuple(grids.shape)}"
+            )
+        processor = self.image_processor
+        patch_values = 3 * processor.temporal_patch_size * processor.patch_size**2
+        if (
+            not pixel_values.is_floating_point()
+            or pixel_values.dim() != 2
+            or pixel_values.shape[1] != patch_values
+        ):
+            raise PromptError(
+                f"pixel_values must be (patches, {patch_values}) floats, not {tuple(pixel_values.shape)}"
+            )
+
+        merge = processor.merge_size
+        placed: list[_PromptImage] = []
+        row = 0
+        for index, (source, (start, end), grid) in enumerate(
+            zip(request.images, spans, grids.tolist(), strict=True)
+        ):
+            t, h, w = (int(n) for n in grid)
+            if min(t, h, w) < 1 or h % merge or w % merge:
+                raise PromptError(f"image {index}'s grid {(t, h, w)} does not merge by {merge}")
+            patches = t * h * w
+            if end - start != patches // merge**2:
+                raise PromptError(
+                    f"image {index} has {end - start} placeholder tokens, its grid {(t, h, w)} "
+                    f"makes {patches // merge**2}"
+                )
+            placed.append(
+                _PromptImage(
+                    source,
+                    start,
+                    end - start,
+                    (t, h, w),
+                    pixel_values=pixel_values,
+                    pixel_rows=(row, row + patches),
+                )
+            )
+            row += patches
+        if row != pixel_values.shape[0]:
+            raise PromptError(
+                f"the image grids cover {row} pixel patches, pixel_values has {pixel_values.shape[0]}"
+            )
+        return input_ids, placed
 
     def _image_grid(self, image: Image.Image) -> tuple[int, int, int]:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
@@ -262,7 +352,10 @@ class Engine:
         import torch
 
         counters = _RequestCounters()
-        input_ids, placed = self._expand_prompt(request.prompt, request.images, images)
+        if request.processed is not None:
+            input_ids, placed = self._processed_prompt(request)
+        else:
+            input_ids, placed = self._expand_prompt(request.prompt, request.images, images)
         media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
         local_hashes = local_block_hashes(input_ids, self.block_size, media)
         sequence_hashes = chain_sequence_hashes(local_hashes)
@@ -380,22 +473,30 @@ class Engine:
                 counters.embedding_hits += 1
                 return cached
             counters.embedding_misses += 1
-        features = self.image_processor(images=[image.image], return_tensors="pt")
-        grid = tuple(int(n) for n in features["image_grid_thw"][0])
-        if grid != image.grid_thw:
-            raise RuntimeError(
-                f"image processor made grid {grid}, the prompt was laid out for {image.grid_thw}"
-            )
+        pixel_values, grid_thw = self._image_pixels(image)
         output = self.model.model.get_image_features(
-            features["pixel_values"].to(self.device),
-            features["image_grid_thw"].to(self.device),
-            return_dict=True,
+            pixel_values.to(self.device), grid_thw.to(self.device), return_dict=True
         )
         counters.encoder_calls += 1
         embedding = output.pooler_output[0]
         if request.use_embedding_cache:
             self.embedding_cache.put(key, embedding)
         return embedding
+
+    def _image_pixels(self, image: _PromptImage) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image's patches and grid: the frontend's rows when it sent them, else preprocessed here."""
+        import torch
+
+        if image.pixel_values is not None:
+            first, last = image.pixel_rows
+            return image.pixel_values[first:last], torch.tensor([image.grid_thw], dtype=torch.long)
+        features = self.image_processor(images=[image.image], return_tensors="pt")
+        grid = tuple(int(n) for n in features["image_grid_thw"][0])
+        if grid != image.grid_thw:
+            raise RuntimeError(
+                f"image processor made grid {grid}, the prompt was laid out for {image.grid_thw}"
+            )
+        return features["pixel_values"], features["image_grid_thw"]
 
     def _decode(
         self,
@@ -580,6 +681,22 @@ class _Decoder:
             self._sent = upto
             if self._on_token is not None:
                 self._on_token(piece)
+
+
+def _token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of `token`: one per image in a Qwen2-VL prompt, where
+    vision_start/vision_end tokens separate even adjacent images."""
+    runs: list[tuple[int, int]] = []
+    start: int | None = None
+    for position, value in enumerate(ids):
+        if value == token and start is None:
+            start = position
+        elif value != token and start is not None:
+            runs.append((start, position))
+            start = None
+    if start is not None:
+        runs.append((start, len(ids)))
+    return runs
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -64,6 +64,7 @@ class WorkerRuntime:
                 scope_key=payload.get("scope_key"),
                 # With scoping on, a request without a scope shares no cache with anyone.
                 use_embedding_cache=not (self.session_scoped and not payload.get("scope_key")),
+                processed=_processed_inputs(payload.get("processed")),
             )
             result = self.engine.generate(
                 request,
@@ -153,6 +154,20 @@ def _image_input(image_input_class, image: dict[str, Any]):
     return image_input_class(
         identity=image["identity"], url=image.get("url"), data=base64.b64decode(data) if data else None
     )
+
+
+def _processed_inputs(processed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The frontend processor's inputs as tensors (the processor path), or None (preprocess here)."""
+    if processed is None:
+        return None
+    from routing.processor_view import decode_processed
+    from workers.engine import PromptError
+
+    try:
+        return decode_processed(processed)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        # A payload that does not decode is this request's fault, not the worker's.
+        raise PromptError(f"the processed inputs do not decode: {exc}") from exc
 
 
 def _throttled(check, interval_s: float):
