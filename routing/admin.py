@@ -37,8 +37,11 @@ class WorkerAdmin(admin.ModelAdmin):
     actions = ("drain", "enable")
 
     def get_queryset(self, request):
-        self._alive = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX).all_alive()
-        return super().get_queryset(request)
+        queryset = super().get_queryset(request)
+        # By name: a SCAN for heartbeats would walk every KV index key in the database.
+        registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+        self._alive = registry.alive(queryset.values_list("name", flat=True))
+        return queryset
 
     @admin.display(boolean=True, description="Live")
     def live(self, worker: Worker) -> bool:

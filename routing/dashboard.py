@@ -1,0 +1,237 @@
+"""One read of the deployment's live state for operators: the admin dashboard, /metrics and
+`manage.py routing_stats` all show this snapshot, so they never disagree.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import redis
+
+from routing.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
+from routing.index import KvIndex, execute_pipeline
+from routing.load import IDLE, LoadTracker
+from routing.registry import Heartbeat, WorkerRegistry
+
+DEFAULT_MINUTES = 30
+MAX_MINUTES = 24 * 60  # the per-minute series is kept for a day (cache_stats.SERIES_TTL_SECS)
+
+Counts = dict[str, int]
+Snapshot = dict[str, Any]
+
+
+class WorkerRow(Protocol):
+    """What the dashboard needs of an operator's worker row (routing.models.Worker has it)."""
+
+    name: str
+    enabled: bool
+    draining: bool
+    device: str
+    model_name: str
+
+
+def hit_rate(cache: str, counts: Counts) -> float | None:
+    """The share of lookups the cache answered; None before the first lookup.
+
+    The KV cache is measured in tokens (cached over prompt tokens, as its users see it), the
+    others in lookups; bypasses were never lookups, so they count on neither side.
+    """
+    if cache == "kv":
+        hits, total = counts["cached_tokens"], counts["prompt_tokens"]
+    else:
+        hits, total = counts["hits"], counts["hits"] + counts["misses"]
+    return hits / total if total else None
+
+
+def worker_state(*, live: bool, registered: bool, enabled: bool, draining: bool, stopping: bool) -> str:
+    """One word for the operator, in the order the dispatcher refuses a worker."""
+    if not live:
+        return "down"
+    if not registered:
+        return "unregistered"
+    if not enabled:
+        return "disabled"
+    if draining:
+        return "draining"
+    if stopping:
+        return "stopping"
+    return "serving"
+
+
+class DashboardReader:
+    """Reads a snapshot in four round trips whatever the number of workers and minutes: the
+    reporting workers, their heartbeats, their block counts, and one pipeline for load and
+    counters.
+
+    Build it once per Redis client and namespace (see `shared_reader`): the index and load
+    tracker load their Lua scripts when constructed.
+    """
+
+    def __init__(self, client: redis.Redis, namespace: str) -> None:
+        self._client = client
+        self._namespace = namespace
+        self._registry = WorkerRegistry(client, namespace)
+        self._index = KvIndex(client, namespace)
+        self._load = LoadTracker(client, namespace)
+
+    def snapshot(
+        self, rows: Iterable[WorkerRow], *, minutes: int = DEFAULT_MINUTES, now: float | None = None
+    ) -> Snapshot:
+        """Every worker that has a row or ever reported cache counters, live or not.
+
+        minutes: how many per-minute hit-rate points to read (0: totals only, as /metrics wants).
+        """
+        if not 0 <= minutes <= MAX_MINUTES:
+            raise ValueError(f"minutes must be between 0 and {MAX_MINUTES}")
+        now = time.time() if now is None else now
+        rows_by_name = {row.name: row for row in rows}
+        reported = {_text(name) for name in self._client.smembers(workers_key(self._namespace))}
+        names = sorted(rows_by_name.keys() | reported)
+        # Heartbeats of known names, not WorkerRegistry.all_alive: its SCAN walks the whole
+        # keyspace (every KV block is a key) on each 2 s poll. A worker process registers its
+        # row when it starts, so a live one without a row or counters is not missed for long.
+        beats = self._registry.alive(names)
+        cached_blocks = self._index.block_counts(names)
+
+        current_minute = int(now // 60)
+        minute_starts = [m * 60 for m in range(current_minute - minutes + 1, current_minute + 1)]
+        loads, totals, series = self._read_load_and_counters(names, minute_starts)
+
+        workers = [
+            _worker_entry(
+                name,
+                rows_by_name.get(name),
+                beats.get(name),
+                loads[i],
+                cached_blocks.get(name, 0),
+                totals[name],
+                series[name],
+            )
+            for i, name in enumerate(names)
+        ]
+        all_totals = {cache: _summed(totals[name][cache] for name in names) for cache in CACHES}
+        all_series = {
+            cache: [
+                hit_rate(cache, _summed(series[name][cache][i] for name in names))
+                for i in range(len(minute_starts))
+            ]
+            for cache in CACHES
+        }
+        return {
+            "generated_at": now,
+            "minutes": minutes,
+            "series_start": minute_starts[0] if minute_starts else None,
+            "workers": workers,
+            "caches": {cache: _with_rate(cache, all_totals[cache]) for cache in CACHES},
+            "series": all_series,
+        }
+
+    def _read_load_and_counters(
+        self, names: Sequence[str], minute_starts: Sequence[int]
+    ) -> tuple[list[tuple[int, int, int]], dict[str, dict[str, Counts]], dict[str, dict[str, list[Counts]]]]:
+        """Load, counter totals and per-minute counters of every worker, in one pipeline."""
+        pipe = self._client.pipeline(transaction=False)
+        # Sweep first, as LoadTracker.snapshot does, so requests of a dead frontend do not linger.
+        self._load.sweep_script.queue(pipe, self._namespace)
+        load_replies = self._load.queue_totals(pipe)
+        for name in names:
+            for cache in CACHES:
+                pipe.hgetall(totals_key(self._namespace, name, cache))
+        for name in names:
+            for cache in CACHES:
+                for start in minute_starts:
+                    pipe.hgetall(series_key(self._namespace, name, cache, start // 60))
+        replies = iter(execute_pipeline(pipe, [self._load.sweep_script])[1:])
+        prefill, blocks, requests = LoadTracker.totals_columns(
+            [next(replies) for _ in range(load_replies)], names
+        )
+        loads = list(zip(prefill, blocks, requests, strict=True))
+        totals = {name: {cache: _counts(next(replies)) for cache in CACHES} for name in names}
+        series = {
+            name: {cache: [_counts(next(replies)) for _ in minute_starts] for cache in CACHES}
+            for name in names
+        }
+        return loads, totals, series
+
+
+_readers: dict[tuple[redis.Redis, str], DashboardReader] = {}
+_readers_lock = threading.Lock()
+
+
+def shared_reader(client: redis.Redis, namespace: str) -> DashboardReader:
+    """One reader per client and namespace for the process (web requests poll every 2 s)."""
+    with _readers_lock:
+        reader = _readers.get((client, namespace))
+        if reader is None:
+            reader = _readers[(client, namespace)] = DashboardReader(client, namespace)
+        return reader
+
+
+def _worker_entry(
+    name: str,
+    row: WorkerRow | None,
+    beat: Heartbeat | None,
+    load: tuple[int, int, int],
+    cached_blocks: int,
+    totals: dict[str, Counts],
+    series: dict[str, list[Counts]],
+) -> dict[str, Any]:
+    prefill, decode_blocks, requests = load if load[2] else IDLE
+    live, registered = beat is not None, row is not None
+    # A worker with no row cannot be dispatched to, whatever its heartbeat says.
+    enabled = bool(row and row.enabled)
+    draining = bool(row and row.draining)
+    stopping = bool(beat and beat.stopping)
+    capacity = beat.kv_capacity_blocks if beat else 0
+    return {
+        "name": name,
+        "state": worker_state(
+            live=live, registered=registered, enabled=enabled, draining=draining, stopping=stopping
+        ),
+        "live": live,
+        "registered": registered,
+        "enabled": enabled,
+        "draining": draining,
+        "stopping": stopping,
+        # The heartbeat says what the process serves now; the row what it served last.
+        "model": beat.model if beat else (row.model_name if row else ""),
+        "device": beat.device if beat else (row.device if row else ""),
+        "block_size": beat.block_size if beat else None,
+        "active_requests": requests,
+        "active_prefill_tokens": prefill,
+        "active_decode_blocks": decode_blocks,
+        "cached_blocks": cached_blocks,
+        "capacity_blocks": capacity,
+        "cache_fill": cached_blocks / capacity if capacity else None,
+        "caches": {cache: _with_rate(cache, totals[cache]) for cache in CACHES},
+        "series": {cache: [hit_rate(cache, counts) for counts in series[cache]] for cache in CACHES},
+    }
+
+
+def _with_rate(cache: str, counts: Counts) -> dict[str, Any]:
+    return {**counts, "hit_rate": hit_rate(cache, counts)}
+
+
+def _summed(many: Iterable[Counts]) -> Counts:
+    total = dict.fromkeys(FIELDS, 0)
+    for counts in many:
+        for field, value in counts.items():
+            total[field] += value
+    return total
+
+
+def _counts(reply: dict[Any, Any]) -> Counts:
+    counts = dict.fromkeys(FIELDS, 0)
+    for field, value in reply.items():
+        name = _text(field)
+        # A field this version does not know (a newer worker's) must not break the dashboard.
+        if name in counts:
+            counts[name] = int(value)
+    return counts
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

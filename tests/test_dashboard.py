@@ -1,0 +1,407 @@
+"""The operators' live dashboard: the snapshot it reads from Redis, and its staff-only admin pages."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from django.test import Client
+
+from routing.cache_stats import CacheStats
+from routing.dashboard import DashboardReader, hit_rate
+from routing.index import KvIndex
+from routing.kv_events import KvEvent, KvEventPublisher
+from routing.load import LoadTracker
+from routing.models import Worker
+from routing.registry import Heartbeat, WorkerRegistry
+
+PASSWORD_IN_URL = "pw-never-shown-7f3c"
+
+
+@dataclass
+class Row:
+    """A worker row as the reader sees it, for the tests that need no database."""
+
+    name: str
+    enabled: bool = True
+    draining: bool = False
+    device: str = ""
+    model_name: str = ""
+
+
+# What `populate` writes, per worker: the numbers every view must show back.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "gpu0": {
+        "state": "serving",
+        "model": "demo",
+        "device": "cuda:0",
+        "active_requests": 2,
+        "active_prefill_tokens": 100,
+        "active_decode_blocks": 10,
+        "cached_blocks": 5,
+        "capacity_blocks": 1000,
+        "kv_hit_rate": 0.75,
+        "embedding_hit_rate": 0.5,
+    },
+    "gpu1": {
+        "state": "draining",
+        "model": "demo",
+        "device": "cuda:1",
+        "active_requests": 0,
+        "active_prefill_tokens": 0,
+        "active_decode_blocks": 0,
+        "cached_blocks": 2,
+        "capacity_blocks": 500,
+        "kv_hit_rate": 0.0,
+        "embedding_hit_rate": None,
+    },
+    "gpu2": {  # a row whose process is gone
+        "state": "down",
+        "model": "old-model",
+        "device": "cuda:2",
+        "active_requests": 0,
+        "active_prefill_tokens": 0,
+        "active_decode_blocks": 0,
+        "cached_blocks": 0,
+        "capacity_blocks": 0,
+        "kv_hit_rate": None,
+        "embedding_hit_rate": None,
+    },
+    "gpu3": {  # a process that beats and counts but that no operator registered
+        "state": "unregistered",
+        "model": "demo",
+        "device": "cpu",
+        "active_requests": 0,
+        "active_prefill_tokens": 0,
+        "active_decode_blocks": 0,
+        "cached_blocks": 0,
+        "capacity_blocks": 64,
+        "kv_hit_rate": None,
+        "embedding_hit_rate": None,
+    },
+}
+ROWS = [
+    Row("gpu0", device="cuda:0", model_name="demo"),
+    Row("gpu1", draining=True, device="cuda:1", model_name="demo"),
+    Row("gpu2", enabled=False, device="cuda:2", model_name="old-model"),
+]
+
+
+def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
+    """Write what running workers and frontends would, through the classes they use."""
+    registry = WorkerRegistry(client, namespace)
+    for name, device, capacity in (("gpu0", "cuda:0", 1000), ("gpu1", "cuda:1", 500), ("gpu3", "cpu", 64)):
+        beat = Heartbeat(name, "demo", block_size=16, device=device, kv_capacity_blocks=capacity)
+        registry.beat(beat, ttl_s=60)
+
+    index = KvIndex(client, namespace)
+    KvEventPublisher(client, namespace, index=index).publish(
+        [
+            KvEvent("stored", "gpu0", block_hashes=(11, 12, 13, 14, 15)),
+            KvEvent("stored", "gpu1", block_hashes=(21, 22, 23)),
+            KvEvent("removed", "gpu1", block_hashes=(23,)),
+        ]
+    )
+
+    load = LoadTracker(client, namespace)
+    load.add("gpu0", "r1", prefill_tokens=100, blocks=7)
+    load.add("gpu0", "r2", prefill_tokens=50, blocks=3)
+    load.prefill_done("gpu0", "r2")
+    load.add("gpu1", "r3", prefill_tokens=10, blocks=1)
+    load.free("gpu1", "r3")
+
+    # Two minutes ago gpu0 hit half its prompt tokens; this minute three quarters of them.
+    earlier = CacheStats(client, namespace, "gpu0", clock=lambda: now - 120)
+    earlier.incr("kv", "cached_tokens", 10)
+    earlier.incr("kv", "prompt_tokens", 20)
+    earlier.close()
+    gpu0 = CacheStats(client, namespace, "gpu0", clock=lambda: now)
+    gpu0.incr("kv", "cached_tokens", 20)
+    gpu0.incr("kv", "prompt_tokens", 20)
+    gpu0.incr("kv", "hits", 3)
+    gpu0.incr("kv", "misses", 1)
+    gpu0.incr("embedding", "hits", 2)
+    gpu0.incr("embedding", "misses", 2)
+    gpu0.incr("shared_image", "hits", 1)
+    gpu0.incr("shared_image", "bytes", 2048)
+    gpu0.incr("shared_image", "errors", 1)
+    gpu0.close()
+    gpu1 = CacheStats(client, namespace, "gpu1", clock=lambda: now)
+    gpu1.incr("kv", "prompt_tokens", 10)
+    gpu1.incr("local_image", "bypasses", 4)
+    gpu1.close()
+    gpu3 = CacheStats(client, namespace, "gpu3", clock=lambda: now)
+    gpu3.incr("shared_image", "bypasses", 1)
+    gpu3.close()
+
+
+def create_rows() -> None:
+    for row in ROWS:
+        Worker.objects.create(
+            name=row.name,
+            enabled=row.enabled,
+            draining=row.draining,
+            device=row.device,
+            model_name=row.model_name,
+        )
+
+
+def away_from_a_minute_boundary() -> float:
+    """Now, at least 3 s before the next minute, so the views read the minutes the test wrote."""
+    seconds_left = 60 - time.time() % 60
+    if seconds_left < 3:
+        time.sleep(seconds_left + 0.05)
+    return time.time()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def set_up_deployment(settings, client: redis.Redis, url: str, namespace: str) -> float:
+    """The platform's settings pointed at the test namespace, with workers' state written into it."""
+    settings.REDIS_URL = url
+    settings.REDIS_KEY_PREFIX = namespace
+    now = away_from_a_minute_boundary()
+    populate(client, namespace, now=now)
+    create_rows()
+    return now
+
+
+@pytest.fixture
+def deployment(settings, redis_client: redis.Redis, redis_url: str, key_namespace: str) -> float:
+    return set_up_deployment(settings, redis_client, redis_url, key_namespace)
+
+
+@pytest.fixture
+def staff_client(django_user_model) -> Client:
+    user = django_user_model.objects.create_user("operator", is_staff=True)
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def check_worker_entry(entry: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key in ("state", "model", "device", "active_requests", "active_prefill_tokens"):
+        assert entry[key] == expected[key], key
+    for key in ("active_decode_blocks", "cached_blocks", "capacity_blocks"):
+        assert entry[key] == expected[key], key
+    assert entry["caches"]["kv"]["hit_rate"] == expected["kv_hit_rate"]
+    assert entry["caches"]["embedding"]["hit_rate"] == expected["embedding_hit_rate"]
+
+
+# The snapshot itself (no database: rows are plain objects)
+
+
+def test_snapshot_shows_every_worker_with_what_it_wrote(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given
+    now = time.time()
+    populate(redis_client, key_namespace, now=now)
+    # when
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
+    # then
+    assert [w["name"] for w in snapshot["workers"]] == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    for entry in snapshot["workers"]:
+        check_worker_entry(entry, EXPECTED[entry["name"]])
+    gpu0 = snapshot["workers"][0]
+    assert gpu0["live"] and gpu0["enabled"] and not gpu0["draining"] and gpu0["registered"]
+    assert gpu0["cache_fill"] == 5 / 1000
+    assert gpu0["caches"]["kv"]["cached_tokens"] == 30 and gpu0["caches"]["kv"]["prompt_tokens"] == 40
+    assert gpu0["caches"]["shared_image"]["bytes"] == 2048
+    assert gpu0["caches"]["shared_image"]["errors"] == 1
+    assert not snapshot["workers"][2]["live"]
+    assert not snapshot["workers"][3]["registered"] and not snapshot["workers"][3]["enabled"]
+
+
+def test_snapshot_totals_add_up_the_workers(redis_client: redis.Redis, key_namespace: str) -> None:
+    now = time.time()
+    populate(redis_client, key_namespace, now=now)
+    caches = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=0, now=now)["caches"]
+    # 30 of gpu0's 40 prompt tokens and none of gpu1's 10 came from the prefix cache.
+    assert caches["kv"]["cached_tokens"] == 30 and caches["kv"]["prompt_tokens"] == 50
+    assert caches["kv"]["hit_rate"] == 30 / 50
+    assert caches["embedding"]["hit_rate"] == 0.5
+    assert caches["local_image"]["bypasses"] == 4
+    assert caches["local_image"]["hit_rate"] is None  # bypasses are not lookups
+    assert caches["shared_image"]["hit_rate"] == 1.0
+
+
+def test_series_has_one_point_a_minute_and_gaps_where_nothing_was_looked_up(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    now = time.time()
+    populate(redis_client, key_namespace, now=now)
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=4, now=now)
+    assert snapshot["series_start"] == (int(now // 60) - 3) * 60
+    gpu0, gpu1 = snapshot["workers"][0], snapshot["workers"][1]
+    assert gpu0["series"]["kv"] == [None, 0.5, None, 1.0]
+    assert gpu1["series"]["kv"] == [None, None, None, 0.0]
+    # All workers this minute: 20 cached of 30 prompt tokens.
+    assert snapshot["series"]["kv"] == [None, 0.5, None, 20 / 30]
+    assert snapshot["series"]["embedding"] == [None, None, None, 0.5]
+
+
+def test_snapshot_of_a_fresh_deployment_is_empty_not_an_error(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot([], minutes=3)
+    assert snapshot["workers"] == []
+    assert snapshot["caches"]["kv"]["hit_rate"] is None
+    assert snapshot["series"]["kv"] == [None, None, None]
+
+
+def test_snapshot_without_minutes_reads_no_series(redis_client: redis.Redis, key_namespace: str) -> None:
+    populate(redis_client, key_namespace, now=time.time())
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=0)
+    assert snapshot["series_start"] is None
+    assert all(rates == [] for rates in snapshot["workers"][0]["series"].values())
+
+
+def test_snapshot_refuses_more_minutes_than_redis_keeps(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    with pytest.raises(ValueError, match="minutes"):
+        DashboardReader(redis_client, key_namespace).snapshot([], minutes=24 * 60 + 1)
+
+
+def test_kv_hit_rate_is_cached_over_prompt_tokens_and_the_others_hits_over_lookups() -> None:
+    counts = {"hits": 1, "misses": 3, "bypasses": 9, "cached_tokens": 48, "prompt_tokens": 64}
+    assert hit_rate("kv", counts) == 0.75
+    assert hit_rate("embedding", counts) == 0.25
+    assert hit_rate("local_image", {**counts, "hits": 0, "misses": 0}) is None
+
+
+def test_load_left_by_a_dead_frontend_leaves_the_dashboard_when_it_expires(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    LoadTracker(redis_client, key_namespace, entry_ttl_s=0.05).add("gpu0", "lost", 100, 4)
+    time.sleep(0.1)
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot([Row("gpu0")], minutes=0)
+    assert snapshot["workers"][0]["active_requests"] == 0
+
+
+# The admin pages
+
+
+@pytest.mark.django_db
+def test_dashboard_page_sends_anonymous_visitors_to_the_login(deployment: float) -> None:
+    for url in ("/admin/dashboard/", "/admin/dashboard.json"):
+        response = Client().get(url)
+        assert response.status_code == 302
+        assert response["Location"].startswith("/admin/login/")
+
+
+@pytest.mark.django_db
+def test_dashboard_refuses_a_logged_in_user_who_is_not_staff(deployment: float, django_user_model) -> None:
+    client = Client()
+    client.force_login(django_user_model.objects.create_user("customer"))
+    for url in ("/admin/dashboard/", "/admin/dashboard.json"):
+        response = client.get(url)
+        assert response.status_code == 302
+        assert response["Location"].startswith("/admin/login/")
+
+
+@pytest.mark.django_db
+def test_dashboard_page_shows_each_worker_its_state_and_kv_hit_rate(
+    deployment: float, staff_client: Client
+) -> None:
+    response = staff_client.get("/admin/dashboard/")
+    assert response.status_code == 200
+    page = response.content.decode()
+    for name, expected in EXPECTED.items():
+        row = re.search(rf'<tr data-worker="{name}">(.*?)</tr>', page, re.S)
+        assert row, name
+        cells = [
+            re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<td[^>]*>(.*?)</td>", row[1], re.S)
+        ]
+        assert cells[0] == name
+        assert cells[1] == expected["state"]
+        rate = expected["kv_hit_rate"]
+        assert cells[8] == ("—" if rate is None else f"{rate * 100:.1f}%")
+    # The script starts from the same snapshot the table shows.
+    embedded = re.search(
+        r'<script id="dashboard-snapshot" type="application/json">(.*?)</script>', page, re.S
+    )
+    assert embedded and [w["name"] for w in json.loads(embedded[1])["workers"]] == list(EXPECTED)
+    assert "setTimeout(poll, pollMs)" in page
+
+
+@pytest.mark.django_db
+def test_dashboard_page_loads_nothing_from_outside(deployment: float, staff_client: Client) -> None:
+    page = staff_client.get("/admin/dashboard/").content.decode()
+    assert not re.search(r'(src|href)="(https?:)?//', page)
+
+
+@pytest.mark.django_db
+def test_dashboard_json_has_the_numbers_the_workers_wrote(deployment: float, staff_client: Client) -> None:
+    response = staff_client.get("/admin/dashboard.json?minutes=3")
+    assert response.status_code == 200
+    snapshot = response.json()
+    assert snapshot["minutes"] == 3
+    workers = {w["name"]: w for w in snapshot["workers"]}
+    assert set(workers) == set(EXPECTED)
+    for name, expected in EXPECTED.items():
+        check_worker_entry(workers[name], expected)
+    assert workers["gpu0"]["series"]["kv"] == [0.5, None, 1.0]
+    assert snapshot["caches"]["kv"]["hit_rate"] == 0.6
+
+
+@pytest.mark.django_db
+def test_dashboard_follows_an_operator_draining_a_worker(deployment: float, staff_client: Client) -> None:
+    Worker.objects.filter(name="gpu0").update(draining=True)
+    gpu0 = staff_client.get("/admin/dashboard.json").json()["workers"][0]
+    assert gpu0["name"] == "gpu0" and gpu0["state"] == "draining" and gpu0["draining"]
+
+
+@pytest.mark.django_db
+def test_dashboard_minutes_are_kept_within_what_redis_keeps(deployment: float, staff_client: Client) -> None:
+    assert staff_client.get("/admin/dashboard.json?minutes=999999").json()["minutes"] == 24 * 60
+    assert staff_client.get("/admin/dashboard.json?minutes=0").json()["minutes"] == 1
+    assert staff_client.get("/admin/dashboard.json?minutes=many").json()["minutes"] == 30
+
+
+@pytest.mark.django_db
+def test_dashboard_never_shows_the_redis_password(
+    deployment: float, staff_client: Client, settings, redis_url: str
+) -> None:
+    # given: the same Redis, reached with a password in the URL (its default user takes any)
+    settings.REDIS_URL = redis_url.replace("redis://", f"redis://default:{PASSWORD_IN_URL}@", 1)
+    # when
+    response = staff_client.get("/admin/dashboard/")
+    # then: the page works, names the Redis, and keeps the password out
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert 'data-worker="gpu0"' in page
+    assert "redis://default:***@127.0.0.1" in page
+    assert PASSWORD_IN_URL not in page
+    assert PASSWORD_IN_URL not in staff_client.get("/admin/dashboard.json").content.decode()
+
+
+@pytest.mark.django_db
+def test_dashboard_reports_an_unreachable_redis_without_its_password(
+    deployment: float, staff_client: Client, settings
+) -> None:
+    settings.REDIS_URL = f"redis://default:{PASSWORD_IN_URL}@127.0.0.1:{closed_port()}/0"
+    page = staff_client.get("/admin/dashboard/")
+    data = staff_client.get("/admin/dashboard.json")
+    assert page.status_code == 200
+    assert "Redis unavailable" in page.content.decode()
+    assert data.status_code == 503 and "Redis unavailable" in data.json()["error"]
+    assert PASSWORD_IN_URL not in page.content.decode() + data.content.decode()
+
+
+@pytest.mark.django_db
+def test_admin_index_links_to_the_dashboard(staff_client: Client) -> None:
+    page = staff_client.get("/admin/").content.decode()
+    assert 'href="/admin/dashboard/"' in page
+    assert "Site administration" in page  # still the stock index around it
