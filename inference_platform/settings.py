@@ -155,6 +155,8 @@ DYN_MM_SHARED_IMAGE_CACHE_CONNECT_TIMEOUT_SECS = env_float(
 DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS = env_float(
     "DYN_MM_SHARED_IMAGE_CACHE_IO_TIMEOUT_SECS", 2.0, positive=True
 )
+# Dynamo's key prefix; deployments sharing one cache service may separate themselves with another.
+SHARED_IMAGE_CACHE_KEY_PREFIX = env_str("SHARED_IMAGE_CACHE_KEY_PREFIX") or "dynamo:mm:image:"
 DYN_MM_IMAGE_CACHE_SESSION_SCOPED = env_bool("DYN_MM_IMAGE_CACHE_SESSION_SCOPED", False)
 MEDIA_ALLOWED_HOSTS = env_list("MEDIA_ALLOWED_HOSTS", [])  # SSRF allowlist: hosts or CIDRs
 MEDIA_MAX_PIXELS = env_int("MEDIA_MAX_PIXELS", 89_478_485, minimum=1)  # Pillow's bomb limit

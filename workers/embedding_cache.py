@@ -78,6 +78,13 @@ class EmbeddingCache:
                 self._bytes -= tensor_bytes(self._entries.pop(key))
             return len(doomed)
 
+    def count(self, scope_key: str | None = None) -> int:
+        """Entries held (all, or one session scope's)."""
+        with self._lock:
+            if scope_key is None:
+                return len(self._entries)
+            return sum(1 for key in self._entries if key.scope_key == scope_key)
+
     def clear(self) -> int:
         with self._lock:
             dropped = len(self._entries)

@@ -100,6 +100,12 @@ class _DecodedLru:
                 del self._entries[key]
             return len(doomed)
 
+    def count(self, scope_key: str | None = None) -> int:
+        with self._lock:
+            if scope_key is None:
+                return len(self._entries)
+            return sum(1 for key in self._entries if key.startswith(f"{scope_key}:"))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
@@ -141,6 +147,10 @@ class ImageLoader:
     def clear_local(self, scope_key: str | None = None) -> int:
         """Drop decoded images (all, or one scope's); returns how many went."""
         return self._local.clear(scope_key)
+
+    def local_count(self, scope_key: str | None = None) -> int:
+        """Decoded images held locally (all, or one scope's)."""
+        return self._local.count(scope_key)
 
     @property
     def local_size(self) -> int:

@@ -41,6 +41,39 @@ class WorkerRuntime:
     namespace: str
     session_scoped: bool = False
     stats: CacheStats | None = None
+    image_loader: ImageLoader | None = None
+
+    def flush(self, payload: dict[str, Any]) -> None:
+        """Drop this worker's caches (or one session scope's entries) and report what went.
+
+        The KV cache is content-based, never partitioned by scope: a scoped flush leaves it alone.
+        """
+        writer = ResponseWriter(self.client, self.namespace, payload["flush_id"])
+        scope_key, dry_run = payload.get("scope_key"), bool(payload.get("dry_run"))
+        report: dict[str, Any] = {"worker": self.name, "dry_run": dry_run}
+        try:
+            if payload.get("kv") and scope_key is None:
+                blocks = len(self.engine.kv_block_hashes())
+                report["kv_blocks"] = blocks if dry_run else self.engine.clear_kv_cache()
+            if payload.get("embeddings"):
+                cache = self.engine.embedding_cache
+                if dry_run:
+                    report["embeddings"] = cache.count(scope_key)
+                else:
+                    report["embeddings"] = (
+                        cache.clear() if scope_key is None else cache.discard_scope(scope_key)
+                    )
+            if payload.get("images") and self.image_loader is not None:
+                loader = self.image_loader
+                report["decoded_images"] = (
+                    loader.local_count(scope_key) if dry_run else loader.clear_local(scope_key)
+                )
+        except Exception as exc:
+            logger.exception("flush on worker %s failed", self.name)
+            writer.send(ERROR, status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}")
+            return
+        logger.info("caches flushed on worker %s: %s", self.name, report)
+        writer.send(DONE, **report)
 
     def serve(self, payload: dict[str, Any]) -> None:
         from workers.engine import GenerationRequest, ImageInput
@@ -135,7 +168,11 @@ def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoad
         allowed_hosts=tuple(settings.MEDIA_ALLOWED_HOSTS),
         max_pixels=settings.MEDIA_MAX_PIXELS,
     )
-    shared = SharedImageCache(config, stats=stats) if config.enabled else None
+    shared = (
+        SharedImageCache(config, stats=stats, key_prefix=settings.SHARED_IMAGE_CACHE_KEY_PREFIX)
+        if config.enabled
+        else None
+    )
     return EngineImageLoader(
         fetch=lambda url, headers: fetch_bytes(url, policy, headers=headers),
         shared_cache=shared,

@@ -153,10 +153,15 @@ def _check_url(url: str) -> None:
 
 
 def shared_cache_key(identity: str, scope_key: str | None = None, *, prefix: str = DEFAULT_KEY_PREFIX) -> str:
-    """The Redis key of an image: the sha256 of its identity (and scope hash) as hash tag."""
-    material = identity if scope_key is None else f"{scope_key}\x00{identity}"
-    digest = hashlib.sha256(material.encode()).hexdigest()
-    return f"{prefix}{{{digest}}}:bytes"
+    """The Redis key of an image: the sha256 of its identity (and scope hash) as hash tag.
+
+    A scoped key also names its scope hash (a keyed hash, no secret) in the clear, so a flush
+    of one session scope can find its entries with SCAN.
+    """
+    if scope_key is None:
+        return f"{prefix}{{{hashlib.sha256(identity.encode()).hexdigest()}}}:bytes"
+    digest = hashlib.sha256(f"{scope_key}\x00{identity}".encode()).hexdigest()
+    return f"{prefix}scope:{scope_key}:{{{digest}}}:bytes"
 
 
 def _client_url_and_mode(url: str) -> tuple[str, bool | None]:
@@ -225,6 +230,18 @@ class SharedImageCache:
 
     def __repr__(self) -> str:
         return f"SharedImageCache(url={self.config.redacted_url!r}, prefix={self.key_prefix!r})"
+
+    def flush(self, scope_key: str | None = None, *, dry_run: bool = False) -> int:
+        """Delete every cached image (or one scope's); returns how many keys were (or would be) removed.
+
+        Unlike the request path this raises on Redis errors: an operator asked for it.
+        """
+        pattern = f"{self.key_prefix}*" if scope_key is None else f"{self.key_prefix}scope:{scope_key}:*"
+        client = self._connected()
+        removed = 0
+        for key in client.scan_iter(match=pattern, count=1000):
+            removed += 1 if dry_run else int(client.delete(key))
+        return removed
 
     def key(self, identity: str, scope_key: str | None = None) -> str:
         return shared_cache_key(identity, scope_key, prefix=self.key_prefix)

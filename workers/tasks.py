@@ -16,3 +16,10 @@ def generate(payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 
     current_runtime().serve(payload)
+
+
+@shared_task(name="workers.flush_caches", ignore_result=True)
+def flush_caches(payload: dict[str, Any]) -> None:
+    from workers.runtime import current_runtime
+
+    current_runtime().flush(payload)

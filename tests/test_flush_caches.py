@@ -1,0 +1,109 @@
+"""`manage.py flush_caches` against a real worker process, its KV index and the shared image cache."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+from PIL import Image
+
+from routing.index import KvIndex
+from tests.image_server import ImageServer
+from tests.platform_harness import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def flush(platform, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "manage.py", "flush_caches", "--json", *args],
+        cwd=REPO,
+        env=platform.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_changes_nothing(
+    platform_processes, key_namespace
+):
+    shared_prefix = f"{key_namespace}img:"
+    platform = platform_processes(
+        MEDIA_ALLOWED_HOSTS="127.0.0.1",
+        DYN_MM_SHARED_IMAGE_CACHE_ENABLED="1",
+        DYN_MM_SHARED_IMAGE_CACHE_URL=platform_redis_url(),
+        SHARED_IMAGE_CACHE_KEY_PREFIX=shared_prefix,
+    )
+    platform.start_worker("keeper")
+    platform.wait_for_workers("keeper")
+    base_url = platform.start_server()
+    buffer = io.BytesIO()
+    Image.effect_noise((200, 150), 50).convert("RGB").save(buffer, format="PNG")
+    with ImageServer() as origin:
+        url = origin.add("/photo.png", buffer.getvalue(), content_type="image/png")
+        body = {
+            "model": "demo",
+            "max_tokens": 2,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this photo?"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+        }
+        assert httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+    index = KvIndex(platform.redis, platform.namespace)
+    blocks = index.worker_blocks("keeper")
+    assert blocks
+    assert list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
+
+    # given a dry run, then the scoped flush: nothing of the KV cache moves
+    dry = flush(platform, "--dry-run")
+    assert dry["workers"]["keeper"]["kv_blocks"] == len(blocks)
+    assert dry["workers"]["keeper"]["decoded_images"] == 1
+    assert dry["shared_images"] == 1
+    scoped = flush(platform, "--scope", "session-123")
+    assert "kv_blocks" not in scoped["workers"]["keeper"]
+    assert index.worker_blocks("keeper") == blocks
+    assert list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
+
+    # when flushed for real
+    flushed = flush(platform)
+
+    # then every cache of the worker is empty, and the index learnt it through the KV events
+    assert flushed["workers"]["keeper"]["kv_blocks"] == len(blocks)
+    assert flushed["workers"]["keeper"]["decoded_images"] == 1
+    assert flushed["shared_images"] == 1
+    assert index.worker_blocks("keeper") == set()
+    assert not list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
+
+
+def test_flush_caches_refuses_a_worker_that_is_not_live(platform_processes):
+    platform = platform_processes()
+    done = subprocess.run(
+        [sys.executable, "manage.py", "flush_caches", "--worker", "nobody"],
+        cwd=REPO,
+        env=platform.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "not live: nobody" in done.stderr
+
+
+def platform_redis_url() -> str:
+    from tests.conftest import TEST_REDIS_URL
+
+    return TEST_REDIS_URL

@@ -1,0 +1,143 @@
+"""`manage.py flush_caches`: drop cached KV blocks, embeddings and images, on every worker or some.
+
+Each worker's in-memory caches are flushed by the worker itself (a control task on its own
+queue, answered through a response stream); the shared image cache is flushed here, in Redis.
+A session scope limits the flush to that scope's entries (the KV cache, content-based and
+shared by every scope, is then left alone). `--dry-run` reports what would go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from inference_platform.celery import app as celery_app
+from routing.models import Worker, worker_queue
+from routing.redis_keys import redact_text, sync_client
+from routing.registry import WorkerRegistry
+from routing.responses import DONE, ERROR, parse_stream_entries, response_key
+from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
+from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
+
+FLUSH_TASK = "workers.flush_caches"
+CACHES = ("kv", "embeddings", "images", "shared-images")
+
+
+class Command(BaseCommand):
+    help = "Flush KV, embedding, decoded-image and shared image caches, by worker or session scope."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--worker", action="append", default=[], help="Only this worker (repeatable).")
+        parser.add_argument(
+            "--scope",
+            default=None,
+            help="Only this session scope's entries (the raw session id; never logged).",
+        )
+        parser.add_argument(
+            "--cache", action="append", choices=CACHES, default=[], help="Only these caches (default: all)."
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Report what would be flushed; change nothing."
+        )
+        parser.add_argument(
+            "--timeout", type=float, default=15.0, help="Seconds to wait for each worker's answer."
+        )
+        parser.add_argument("--json", action="store_true", help="Print one JSON object.")
+
+    def handle(self, *args, **options) -> None:
+        caches = set(options["cache"] or CACHES)
+        scope_key = self._scope_key(options["scope"])
+        client = sync_client(settings.REDIS_URL)
+        report: dict[str, Any] = {
+            "dry_run": options["dry_run"],
+            "scoped": scope_key is not None,
+            "workers": {},
+        }
+
+        names = options["worker"] or list(Worker.objects.values_list("name", flat=True))
+        alive = WorkerRegistry(client, settings.REDIS_KEY_PREFIX).alive(names)
+        unknown = sorted(set(options["worker"]) - set(alive))
+        if unknown:
+            raise CommandError(
+                f"not live: {', '.join(unknown)} (live workers: {', '.join(sorted(alive)) or 'none'})"
+            )
+
+        worker_caches = caches & {"kv", "embeddings", "images"}
+        if worker_caches:
+            pending = {}
+            for name in sorted(alive):
+                flush_id = f"flush-{uuid.uuid4().hex}"
+                celery_app.send_task(
+                    FLUSH_TASK,
+                    args=[
+                        {
+                            "flush_id": flush_id,
+                            "scope_key": scope_key,
+                            "dry_run": options["dry_run"],
+                            **{cache: cache in worker_caches for cache in ("kv", "embeddings", "images")},
+                        }
+                    ],
+                    queue=worker_queue(name),
+                    expires=options["timeout"],
+                )
+                pending[name] = flush_id
+            report["workers"] = self._answers(client, pending, options["timeout"])
+
+        if "shared-images" in caches:
+            report["shared_images"] = self._flush_shared(scope_key, options["dry_run"])
+
+        if options["json"]:
+            self.stdout.write(json.dumps(report))
+            return
+        verb = "would flush" if options["dry_run"] else "flushed"
+        for name, answer in sorted(report["workers"].items()):
+            details = ", ".join(f"{k} {v}" for k, v in answer.items() if k not in ("worker", "dry_run"))
+            self.stdout.write(f"{name}: {verb} {details or 'nothing'}")
+        if "shared_images" in report:
+            self.stdout.write(f"shared image cache: {verb} {report['shared_images']}")
+
+    def _scope_key(self, scope: str | None) -> str | None:
+        if scope is None:
+            return None
+        try:
+            resolved = resolve_session_scope({"x-dynamo-session-id": scope})
+        except SessionScopeError as exc:
+            raise CommandError(str(exc)) from exc
+        if resolved is None:
+            raise CommandError("--scope is blank")
+        return scope_hash(resolved, settings.SECRET_KEY.encode())
+
+    def _answers(self, client, pending: dict[str, str], timeout: float) -> dict[str, Any]:
+        answers: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for name, flush_id in list(pending.items()):
+                key = response_key(settings.REDIS_KEY_PREFIX, flush_id)
+                events = parse_stream_entries(client.xrange(key))
+                final = next((e for e in events if e.type in (DONE, ERROR)), None)
+                if final is not None:
+                    answers[name] = final.data if final.type == DONE else {"error": final.data.get("message")}
+                    client.delete(key)
+                    del pending[name]
+            time.sleep(0.05)
+        for name in pending:
+            answers[name] = {"error": f"no answer within {timeout:g} s"}
+        return answers
+
+    def _flush_shared(self, scope_key: str | None, dry_run: bool) -> int | str:
+        config = SharedImageCacheConfig.from_env(os.environ)
+        if not config.enabled:
+            return "not enabled"
+        cache = SharedImageCache(config, key_prefix=settings.SHARED_IMAGE_CACHE_KEY_PREFIX)
+        try:
+            return cache.flush(scope_key, dry_run=dry_run)
+        except Exception as exc:  # an operator's command: say what failed, without the URL's password
+            raise CommandError(f"shared image cache flush failed: {redact_text(str(exc))}") from exc
+        finally:
+            cache.close()
