@@ -11,9 +11,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import redis
 from django.conf import settings
 
 from inference_platform.api.errors import ApiError
@@ -23,7 +24,7 @@ from routing.affinity import SessionAffinity
 from routing.index import KvIndex
 from routing.load import LoadTracker
 from routing.models import Worker, worker_queue
-from routing.redis_keys import async_client, sync_client
+from routing.redis_keys import async_client, redact_text, sync_client
 from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
 from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseEvent, cancel_key, read_response_events
 from routing.router import KvRouter
@@ -40,10 +41,8 @@ class Dispatch:
 
     request_id: str
     worker: str
-    prompt_tokens_estimate: int
     total_blocks: int = 0
     overlap_blocks: int = 0
-    payload: dict[str, Any] = field(default_factory=dict)
     prefill_done: bool = False
 
 
@@ -177,9 +176,25 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
                 dispatch.prefill_done = True
                 await asyncio.to_thread(load.prefill_done, worker, rid)
             yield event
+    except redis.RedisError as exc:
+        raise state_unavailable(rid, exc) from exc
     finally:
-        # Done, failed, timed out or the client went away: the worker's load is freed.
-        await asyncio.shield(asyncio.to_thread(load.free, worker, rid))
+        # Done, failed, timed out or the client went away: the worker's load is freed (and
+        # if Redis is gone too, the entry expires on its own).
+        try:
+            await asyncio.shield(asyncio.to_thread(load.free, worker, rid))
+        except redis.RedisError:
+            logger.warning("could not free the load of request %s on worker %s", rid, worker)
+
+
+def state_unavailable(request_id: str, exc: Exception) -> ApiError:
+    """A Redis failure mid-request: the platform's shared state is out of reach."""
+    logger.error("request %s: Redis failed: %s", request_id, redact_text(str(exc)))
+    return ApiError(
+        503,
+        f"The platform's shared state (Redis) is unavailable; request {request_id} was not completed.",
+        code="state_unavailable",
+    )
 
 
 async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:

@@ -315,10 +315,8 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     dispatch = Dispatch(
         request_id=request_id,
         worker=decision.worker,
-        prompt_tokens_estimate=view.prompt_tokens,
         total_blocks=decision.total_blocks,
         overlap_blocks=decision.overlap,
-        payload=payload,
     )
     await send_to_worker(decision.worker, payload)
     # Counted only once the task is queued, so a refused send leaves no phantom load behind.

@@ -38,6 +38,11 @@ def redact_text(text: str) -> str:
     return _PASSWORD_IN_TEXT.sub(r"\1***\3", text)
 
 
+# Bounded waits: a Redis that stops answering must fail a request, never hang it. Blocking
+# reads (XREAD BLOCK) stay well under the socket timeout.
+CONNECT_TIMEOUT_S = 2.0
+SOCKET_TIMEOUT_S = 10.0
+
 _sync_clients: dict[str, object] = {}
 
 
@@ -47,7 +52,13 @@ def sync_client(url: str):  # -> redis.Redis
 
     client = _sync_clients.get(url)
     if client is None:
-        client = redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+        client = redis.Redis.from_url(
+            url,
+            health_check_interval=30,
+            socket_keepalive=True,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+        )
         _sync_clients[url] = client
     return client
 
@@ -65,6 +76,12 @@ def async_client(url: str):  # -> redis.asyncio.Redis
     key = (url, id(loop))
     client = _async_clients.get(key)
     if client is None:
-        client = redis.asyncio.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+        client = redis.asyncio.Redis.from_url(
+            url,
+            health_check_interval=30,
+            socket_keepalive=True,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+        )
         _async_clients[key] = client
     return client

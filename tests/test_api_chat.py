@@ -217,3 +217,31 @@ async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(
     assert_openai_error(body, code="worker_error")
     assert response["X-Request-Id"] in body["error"]["message"]
     assert "ghost" in body["error"]["message"]
+
+
+@pytest.fixture
+def silent_redis_url():
+    """A TCP server that accepts connections and never answers: a hung Redis (fault injection)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    yield f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    server.close()
+
+
+async def test_a_redis_that_never_answers_fault_injected_is_a_503_not_a_hang(
+    client, settings, served_demo_model, silent_redis_url, monkeypatch
+):
+    from routing import redis_keys
+
+    monkeypatch.setattr(redis_keys, "SOCKET_TIMEOUT_S", 0.5)
+    settings.REDIS_URL = silent_redis_url
+    await Worker.objects.acreate(name="unreachable", model_name=served_demo_model)
+    started = time.monotonic()
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 503
+    assert_openai_error(body, code="state_unavailable")
+    assert response["X-Request-Id"] in body["error"]["message"]
+    assert time.monotonic() - started < 5

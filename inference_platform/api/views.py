@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -19,7 +20,7 @@ from rest_framework.response import Response
 
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request, parse_json_body
 from inference_platform.api.errors import ApiError, error_response
-from inference_platform.dispatch import Dispatch, follow, request_cancel
+from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
 from inference_platform.serving import describe_route, plan_request, served_model
 from routing.responses import DONE, ERROR, TOKEN
 
@@ -80,11 +81,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         dispatch = await plan_request(chat, request_id, dict(request.headers))
     except ApiError as error:
         return error_response(error, request_id)
-    except Exception:
-        logger.exception("request %s failed before dispatch", request_id)
-        return error_response(
-            ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id
-        )
+    except Exception as exc:
+        return error_response(_unexpected(exc, request_id), request_id)
 
     if chat.stream:
         response = StreamingHttpResponse(_stream(chat, dispatch), content_type="text/event-stream")
@@ -137,14 +135,19 @@ async def route(request: HttpRequest) -> HttpResponse:
         description = await describe_route(chat, dict(request.headers))
     except ApiError as error:
         return error_response(error, request_id)
-    except Exception:
-        logger.exception("route inspection %s failed", request_id)
-        return error_response(
-            ApiError(500, f"Internal error in request {request_id}.", code="internal_error"), request_id
-        )
+    except Exception as exc:
+        return error_response(_unexpected(exc, request_id), request_id)
     response = JsonResponse(description)
     response["X-Request-Id"] = request_id
     return response
+
+
+def _unexpected(exc: Exception, request_id: str) -> ApiError:
+    """Anything unforeseen still answers in the API's format, with the request id."""
+    if isinstance(exc, redis.RedisError):
+        return state_unavailable(request_id, exc)
+    logger.exception("request %s failed", request_id)
+    return ApiError(500, f"Internal error in request {request_id}.", code="internal_error")
 
 
 def _chunk(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
