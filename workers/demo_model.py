@@ -1,5 +1,5 @@
-"""The demo checkpoint: a small, randomly initialised Qwen2-VL with a locally trained tokenizer,
-built offline, plus the one function that loads a Qwen2-VL family processor without torchvision.
+"""The demo checkpoints: a small, randomly initialised Qwen2-VL (and tiny LLaVA-1.5 / LLaVA-NeXT)
+with locally trained tokenizers, built offline, plus the one function that loads their processors.
 """
 
 from __future__ import annotations
@@ -288,11 +288,12 @@ def replace_demo_model(path: Path, *, seed: int = 0) -> None:
 
 
 def load_processor(model_dir: Path) -> Any:
-    """The Qwen2-VL family processor of a checkpoint directory, built without torchvision.
+    """The Qwen2-VL or LLaVA family processor of a checkpoint directory, built without torchvision.
 
-    ``AutoProcessor`` needs the video processor, which needs torchvision; without it it silently
-    returns only the tokenizer (ENGINE-NOTES trap 1). Images only: the PIL image processor and the
-    tokenizer in the family's processor class, with no video processor.
+    Qwen: ``AutoProcessor`` needs the video processor, which needs torchvision; without it it
+    silently returns only the tokenizer (ENGINE-NOTES trap 1). Images only: the PIL image processor
+    and the tokenizer in the family's processor class, with no video processor. LLaVA-1.5 and
+    LLaVA-NeXT processors have no video processor, and their image processors have PIL backends.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -300,6 +301,8 @@ def load_processor(model_dir: Path) -> Any:
 
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
+    if config.get("model_type") in _LLAVA_PROCESSORS:
+        return _load_llava_processor(model_dir, config["model_type"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     processor_class = _processor_class(config.get("model_type", ""))
@@ -320,6 +323,21 @@ def _processor_class(model_type: str) -> Any:
     else:
         raise ValueError(f"no image processor known for model type {model_type!r}")
     return _images_only(base)
+
+
+_LLAVA_PROCESSORS = {"llava": "LlavaProcessor", "llava_next": "LlavaNextProcessor"}
+
+
+def _load_llava_processor(model_dir: Path, model_type: str) -> Any:
+    import transformers
+
+    processor_class = getattr(transformers, _LLAVA_PROCESSORS[model_type])
+    # The family's class, not AutoProcessor: a checkpoint whose processor files are missing must
+    # fail here rather than serve with a bare tokenizer that cannot expand images.
+    processor = processor_class.from_pretrained(model_dir)
+    if getattr(processor, "image_processor", None) is None:
+        raise ValueError(f"{model_dir} has no image processor settings")
+    return processor
 
 
 _IMAGES_ONLY_CLASSES: dict[type, type] = {}
@@ -344,3 +362,158 @@ def _images_only(base: type) -> type:
 
         _IMAGES_ONLY_CLASSES[base] = type(f"{base.__name__}ImagesOnly", (base,), {"__init__": __init__})
     return _IMAGES_ONLY_CLASSES[base]
+
+
+# --- LLaVA families ----------------------------------------------------------------------------------
+LLAVA_SPECIAL_TOKENS: tuple[str, ...] = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+LLAVA_VOCAB_SIZE = 1024
+# One CLIP tile: 112 / 14 = 8x8 patches, so a LLaVA-1.5 image is 64 placeholder tokens.
+LLAVA_TILE = 112
+LLAVA_PATCH = 14
+# Anyres grids of up to 2x2 tiles for the LLaVA-NeXT variant, as (height, width).
+LLAVA_NEXT_PINPOINTS = [[112, 224], [224, 112], [224, 224]]
+
+# LLaVA-1.5's conversation format (llava-hf's template, trimmed): "USER: <image>\n... ASSISTANT:".
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }} "
+    "{% elif message['role'] == 'user' %}USER: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<image>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% else %}ASSISTANT: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{{ content['text'] }}{% endfor %}{% endif %}"
+    "{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def train_llava_tokenizer(seed: int = 0) -> Any:
+    """A small byte-level BPE with LLaVA's special tokens, `<image>` among them (no automatic BOS:
+    the chat template writes it, so the processor and the router tokenize the same text alike)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=LLAVA_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(LLAVA_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(demo_corpus(seed, sentences=3_000), trainer=trainer)
+    return tokenizer
+
+
+def _llava_config(token_ids: dict[str, int], *, next: bool) -> Any:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaNextConfig
+
+    vision = CLIPVisionConfig(
+        image_size=LLAVA_TILE,
+        patch_size=LLAVA_PATCH,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projection_dim=64,
+    )
+    text = LlamaConfig(
+        vocab_size=LLAVA_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=token_ids["<s>"],
+        eos_token_id=token_ids["</s>"],
+        pad_token_id=token_ids["<pad>"],
+        tie_word_embeddings=False,
+    )
+    common: dict[str, Any] = {
+        "vision_config": vision,
+        "text_config": text,
+        "image_token_id": token_ids["<image>"],
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "tie_word_embeddings": False,
+    }
+    if next:
+        return LlavaNextConfig(**common, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    return LlavaConfig(**common)
+
+
+def build_demo_llava(path: Path, *, next: bool = False, seed: int = 0) -> None:
+    """Writes a tiny random LLaVA-1.5 (or, with `next`, LLaVA-NeXT) checkpoint: a CLIP tower of
+    112-pixel tiles, a Llama text model, a locally trained tokenizer and the family's processor."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import (
+        GenerationConfig,
+        LlavaForConditionalGeneration,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    backend = train_llava_tokenizer(seed)
+    token_ids = {token: backend.token_to_id(token) for token in LLAVA_SPECIAL_TOKENS}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens=["<image>"],
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+    tile = {"height": LLAVA_TILE, "width": LLAVA_TILE}
+    if next:
+        image_processor: Any = LlavaNextImageProcessorPil(
+            size={"shortest_edge": LLAVA_TILE}, crop_size=tile, image_grid_pinpoints=LLAVA_NEXT_PINPOINTS
+        )
+        processor_class: Any = LlavaNextProcessor
+        model_class: Any = LlavaNextForConditionalGeneration
+    else:
+        image_processor = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_TILE}, crop_size=tile)
+        processor_class = LlavaProcessor
+        model_class = LlavaForConditionalGeneration
+    processor = processor_class(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        # CLIP prepends a CLS feature, which the "default" strategy drops again.
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+    torch.manual_seed(seed)
+    model = model_class(_llava_config(token_ids, next=next)).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=token_ids["<s>"],
+        eos_token_id=token_ids["</s>"],
+        pad_token_id=token_ids["<pad>"],
+        do_sample=False,
+    )
+    model.save_pretrained(path)
+    for weights in path.glob("*.safetensors"):
+        weights.chmod(0o644)

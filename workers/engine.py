@@ -1,5 +1,5 @@
-"""The worker's inference engine: a transformers Qwen2-VL family model that reuses cached prefix KV
-(images included) and cached image embeddings, and generates one request at a time.
+"""The worker's inference engine: a transformers Qwen2-VL or LLaVA family model that reuses cached
+prefix KV (images included) and cached image embeddings, and generates one request at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 PublishEvents = Callable[[Sequence[KvEvent]], None]
 
+# Families whose images are fixed tiles of a CLIP-like tower and whose positions are 1-D (no M-RoPE).
+LLAVA_MODEL_TYPES = frozenset({"llava", "llava_next"})
+
 
 class PromptError(ValueError):
     """A request the engine cannot run as sent; `status` is what the API answers with."""
@@ -47,7 +50,7 @@ class ImageInput:
 @dataclass
 class GenerationRequest:
     request_id: str
-    prompt: str  # chat-templated; one <|image_pad|> per image, between vision_start/end
+    prompt: str  # chat-templated; one image placeholder per image (<|image_pad|> or <image>)
     images: list[ImageInput]
     max_tokens: int = 64
     temperature: float = 0.0
@@ -58,7 +61,8 @@ class GenerationRequest:
     # False when scoping is on and the request has no scope: it must not read or fill shared caches.
     use_embedding_cache: bool = True
     # The frontend processor's model inputs (routing.processor_view.decode_processed): input_ids,
-    # pixel_values, image_grid_thw. When present the engine neither loads nor preprocesses images.
+    # pixel_values, and image_grid_thw (Qwen) or image_sizes (LLaVA-NeXT). When present the engine
+    # neither loads nor preprocesses images.
     processed: dict[str, Any] | None = None
 
 
@@ -100,12 +104,14 @@ class _PromptImage:
     source: ImageInput
     start: int  # first placeholder token
     length: int  # placeholder tokens
-    grid_thw: tuple[int, int, int]  # vision patches (temporal, height, width) before merging
+    # Qwen: vision patches (temporal, height, width) before merging; None for LLaVA's fixed tiles.
+    grid_thw: tuple[int, int, int] | None
     image: Image.Image | None = None  # decoded, for the worker's own preprocessing
     # Or the frontend's preprocessing: all of the request's pixel_values and this image's rows.
     # Sliced only when the image is encoded, so an image inside the reused prefix stays untouched.
     pixel_values: torch.Tensor | None = None
     pixel_rows: tuple[int, int] = (0, 0)
+    image_sizes: torch.Tensor | None = None  # LLaVA-NeXT: the request's (height, width) rows
 
 
 @dataclass
@@ -145,6 +151,8 @@ class Engine:
         self._lock = threading.Lock()
         self.image_token = processor.image_token
         self.image_token_id: int = model.config.image_token_id
+        # LLaVA runs the text model on 1-D positions; Qwen's M-RoPE needs the image grids.
+        self.uses_mrope = self.model_type not in LLAVA_MODEL_TYPES
         self._eos_ids = self._end_of_sequence_ids()
         self.processor_fingerprint = self._fingerprint_image_processor()
         # The index may still list blocks of this worker's previous life: say it holds nothing.
@@ -239,8 +247,7 @@ class Engine:
             # Special tokens split the text before BPE runs, so tokenizing between them is exact.
             ids.extend(self.tokenizer(part, add_special_tokens=False)["input_ids"])
             if index < len(images):
-                grid = self._image_grid(images[index])
-                length = grid[0] * grid[1] * grid[2] // self.image_processor.merge_size**2
+                length, grid = self._image_tokens(images[index])
                 placed.append(_PromptImage(inputs[index], len(ids), length, grid, image=images[index]))
                 ids.extend([self.image_token_id] * length)
         return ids, placed
@@ -265,8 +272,11 @@ class Engine:
             raise PromptError(
                 f"processed input_ids must be non-empty and inside the vocabulary (0..{vocab - 1})"
             )
-        if self.model.config.video_token_id in input_ids:
+        video_token_id = getattr(self.model.config, "video_token_id", None)
+        if video_token_id is not None and video_token_id in input_ids:
             raise PromptError("video inputs are not supported by this engine")
+        if not self.uses_mrope:
+            return input_ids, self._llava_processed_images(request, input_ids, processed)
 
         spans = _token_runs(input_ids, self.image_token_id)
         if len(spans) != len(request.images):
@@ -325,6 +335,89 @@ class Engine:
             )
         return input_ids, placed
 
+    def _llava_processed_images(
+        self, request: GenerationRequest, input_ids: list[int], processed: dict[str, Any]
+    ) -> list[_PromptImage]:
+        """LLaVA images in the frontend's input ids. Adjacent images make one run of `<image>`
+        tokens (nothing separates them), so runs are cut by each image's own token count."""
+        import torch
+
+        runs = _token_runs(input_ids, self.image_token_id)
+        count = len(request.images)
+        if not count:
+            if runs:
+                raise PromptError("the processed input ids hold image tokens but the request has no images")
+            return []
+        pixel_values, image_sizes = processed.get("pixel_values"), processed.get("image_sizes")
+        next_family = self.model_type == "llava_next"
+        if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
+            raise PromptError("processed inputs with images need a float pixel_values tensor")
+        rank = 5 if next_family else 4
+        if pixel_values.dim() != rank or pixel_values.shape[0] != count:
+            raise PromptError(
+                f"pixel_values must hold {count} images in {rank} dimensions, not {tuple(pixel_values.shape)}"
+            )
+        if next_family:
+            if (
+                not isinstance(image_sizes, torch.Tensor)
+                or image_sizes.is_floating_point()
+                or tuple(image_sizes.shape) != (count, 2)
+                or int(image_sizes.min()) < 1
+            ):
+                raise PromptError(
+                    f"LLaVA-NeXT processed inputs need image_sizes of {count} (height, width) rows"
+                )
+            sizes = [(int(h), int(w)) for h, w in image_sizes.tolist()]
+        else:
+            tile = self.image_processor.crop_size
+            if tuple(pixel_values.shape[-2:]) != (tile["height"], tile["width"]):
+                raise PromptError(
+                    f"pixel_values tiles must be {tile['height']}x{tile['width']}, "
+                    f"not {tuple(pixel_values.shape[-2:])}"
+                )
+            sizes = [(tile["height"], tile["width"])] * count  # LLaVA-1.5's count ignores the size
+        lengths = self.processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+
+        placed: list[_PromptImage] = []
+        runs_left = list(runs)
+        position = runs_left[0][0] if runs_left else 0
+        for index, (source, length) in enumerate(zip(request.images, lengths, strict=True)):
+            if not runs_left:
+                raise PromptError(f"the processed input ids have no image tokens left for image {index}")
+            run_end = runs_left[0][1]
+            if position + length > run_end:
+                raise PromptError(
+                    f"image {index} needs {length} image tokens, its run has {run_end - position}"
+                )
+            placed.append(
+                _PromptImage(
+                    source,
+                    position,
+                    int(length),
+                    None,
+                    pixel_values=pixel_values,
+                    pixel_rows=(index, index + 1),
+                    image_sizes=image_sizes if next_family else None,
+                )
+            )
+            position += length
+            if position == run_end:
+                runs_left.pop(0)
+                position = runs_left[0][0] if runs_left else position
+        if runs_left:
+            raise PromptError(f"the processed input ids hold more image tokens than the {count} images make")
+        return placed
+
+    def _image_tokens(self, image: Image.Image) -> tuple[int, tuple[int, int, int] | None]:
+        """Placeholder tokens of an image (and Qwen's patch grid), from its size alone."""
+        if self.uses_mrope:
+            grid = self._image_grid(image)
+            return grid[0] * grid[1] * grid[2] // self.image_processor.merge_size**2, grid
+        # The processor's own size-only count (the hook vLLM uses; no pixels, so an image inside the
+        # reused prefix is never preprocessed): LLaVA-1.5's fixed tile, LLaVA-NeXT's anyres grid.
+        counts = self.processor._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])
+        return int(counts["num_image_tokens"][0]), None
+
     def _image_grid(self, image: Image.Image) -> tuple[int, int, int]:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -364,7 +457,8 @@ class Engine:
             with torch.inference_mode():
                 # Stale state from the previous request must never leak in (trap 2); the explicit
                 # positions below make it unused, the reset makes sure.
-                self.model.model.rope_deltas = None
+                if self.uses_mrope:
+                    self.model.model.rope_deltas = None
                 logits, cache, reused, rope_delta = self._prefill(input_ids, placed, lease, request, counters)
                 prefill_done = time.perf_counter()
                 decoder = _Decoder(self, request, on_token)
@@ -413,7 +507,7 @@ class Engine:
         counters: _RequestCounters,
     ) -> tuple[torch.Tensor, Any, int, int]:
         """Runs the model on the prompt past the reused prefix; returns the last logits, the KV
-        cache of the whole prompt, the reused token count and the M-RoPE position delta."""
+        cache of the whole prompt, the reused token count and the M-RoPE position delta (0 for 1-D)."""
         import torch
         from transformers import DynamicCache
 
@@ -440,7 +534,7 @@ class Engine:
             input_ids=None,
             inputs_embeds=embeds,
             # Positions of the whole prompt, sliced: never the 1-D fallback (traps 3 and 4).
-            position_ids=positions[:, :, reused:],
+            position_ids=positions[..., reused:],
             cache=cache,
             use_cache=True,
             logits_to_keep=1,
@@ -448,8 +542,11 @@ class Engine:
         return output.logits[0, -1], output.cache, reused, rope_delta
 
     def _positions(self, ids: torch.Tensor, placed: list[_PromptImage]) -> tuple[torch.Tensor, int]:
+        """The prompt's position ids, sequence last: (3, 1, n) M-RoPE for Qwen, (1, n) for LLaVA."""
         import torch
 
+        if not self.uses_mrope:
+            return torch.arange(ids.shape[1], device=self.device).unsqueeze(0), 0
         mm_token_type_ids = (ids == self.image_token_id).to(torch.int)
         grids = (
             torch.tensor([image.grid_thw for image in placed], dtype=torch.long, device=self.device)
@@ -473,15 +570,42 @@ class Engine:
                 counters.embedding_hits += 1
                 return cached
             counters.embedding_misses += 1
-        pixel_values, grid_thw = self._image_pixels(image)
-        output = self.model.model.get_image_features(
-            pixel_values.to(self.device), grid_thw.to(self.device), return_dict=True
-        )
+        embedding = self._encode_image(image)
         counters.encoder_calls += 1
-        embedding = output.pooler_output[0]
+        if embedding.shape[0] != image.length:
+            raise RuntimeError(
+                f"the vision tower made {embedding.shape[0]} features for {image.length} placeholder tokens"
+            )
         if request.use_embedding_cache:
             self.embedding_cache.put(key, embedding)
         return embedding
+
+    def _encode_image(self, image: _PromptImage) -> torch.Tensor:
+        """The image's features as the language model takes them: one row per placeholder token."""
+        if self.uses_mrope:
+            pixel_values, grid_thw = self._image_pixels(image)
+            output = self.model.model.get_image_features(
+                pixel_values.to(self.device), grid_thw.to(self.device), return_dict=True
+            )
+            return output.pooler_output[0]
+        pixels = self._llava_pixels(image)
+        # The family's get_image_features selects the configured layer and strategy, projects, and
+        # (LLaVA-NeXT) unpads the anyres grid and adds its newline features.
+        output = self.model.model.get_image_features(
+            **{name: tensor.to(self.device) for name, tensor in pixels.items()}, return_dict=True
+        )
+        return output.pooler_output[0]
+
+    def _llava_pixels(self, image: _PromptImage) -> dict[str, torch.Tensor]:
+        """pixel_values (and LLaVA-NeXT's image_sizes) of one image: the frontend's, else made here."""
+        if image.pixel_values is not None:
+            first, last = image.pixel_rows
+            pixels = {"pixel_values": image.pixel_values[first:last]}
+            if image.image_sizes is not None:
+                pixels["image_sizes"] = image.image_sizes[first:last]
+            return pixels
+        features = self.image_processor(images=[image.image], return_tensors="pt")
+        return {name: features[name] for name in ("pixel_values", "image_sizes") if name in features}
 
     def _image_pixels(self, image: _PromptImage) -> tuple[torch.Tensor, torch.Tensor]:
         """The image's patches and grid: the frontend's rows when it sent them, else preprocessed here."""
@@ -530,7 +654,8 @@ class Engine:
                     decoder.finish()
                     return "stop"
                 # Decode steps sit at text positions shifted by the prompt's M-RoPE delta, on all axes.
-                position = torch.full((3, 1, 1), next_position, dtype=torch.long, device=self.device)
+                shape = (3, 1, 1) if self.uses_mrope else (1, 1)
+                position = torch.full(shape, next_position, dtype=torch.long, device=self.device)
                 output = self.model(
                     input_ids=torch.tensor([[token]], device=self.device),
                     position_ids=position,
