@@ -97,6 +97,7 @@ class Command(BaseCommand):
                 namespace=namespace,
                 session_scoped=image_loader.session_scoped,
                 stats=stats,
+                image_loader=image_loader,
             )
         )
 
