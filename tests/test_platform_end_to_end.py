@@ -70,6 +70,11 @@ def test_streaming_sends_chunks_then_done(platform_processes):
     platform.wait_for_workers("solo")
     base_url = platform.start_server()
 
+    # The same server serves the admin, styled: its static files come from the ASGI app itself.
+    assert httpx.get(f"{base_url}/admin/login/", timeout=10).status_code == 200
+    css = httpx.get(f"{base_url}/static/admin/css/base.css", timeout=10)
+    assert css.status_code == 200 and "text/css" in css.headers["content-type"]
+
     whole = ask(base_url, "Tell me about rivers.", max_tokens=12).json()["choices"][0]["message"]["content"]
     body = {
         "model": "demo",
