@@ -85,7 +85,6 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "var" / "static"
 WHITENOISE_USE_FINDERS = True  # straight from the apps' static folders: no collectstatic step
 
 # --- Redis, Celery -----------------------------------------------------------------------------
