@@ -90,11 +90,7 @@ _IMAGES_ONLY_CLASSES: dict[type, type] = {}
 
 
 def _images_only_processor_class(model_dir: Path) -> type:
-    """The family's processor class with its video processor left out.
-
-    ProcessorMixin takes its sub-processors from the `__init__` signature, so a subclass whose
-    `__init__` names only the image processor and the tokenizer loads without torchvision.
-    """
+    """The family's processor class (from the checkpoint's files) with its video processor left out."""
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
@@ -109,6 +105,16 @@ def _images_only_processor_class(model_dir: Path) -> type:
         raise UnsupportedProcessorLayout(
             f"transformers has no multimodal processor for model type {model_type!r}"
         )
+    return images_only(base)
+
+
+def images_only(base: type) -> type:
+    """`base`, a processor class, without its video processor.
+
+    ProcessorMixin takes its sub-processors from the `__init__` signature, so a subclass whose
+    `__init__` names only the image processor and the tokenizer loads without torchvision
+    (which cannot be installed beside the CPU torch wheel).
+    """
     if base not in _IMAGES_ONLY_CLASSES:
 
         def __init__(
@@ -155,7 +161,7 @@ def image_token_id(processor: Any, config: Mapping[str, Any]) -> int:
     )
 
 
-def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+def token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     """(start, end) of each maximal run of `token`."""
     runs: list[tuple[int, int]] = []
     start = None
@@ -207,7 +213,7 @@ def image_spans(
     if offsets is not None and len(images) == n_images:
         spans = _spans_from_replacements(ids, token, offsets, images)
     else:
-        runs = _runs(ids, token)
+        runs = token_runs(ids, token)
         if len(runs) != n_images:
             raise UnsupportedProcessorLayout(
                 f"model type {model_type!r}: the processor's input ids hold {len(runs)} runs of the "

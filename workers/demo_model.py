@@ -8,8 +8,11 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from routing.processor_view import images_only
 
 # Qwen2-VL's special tokens, in Qwen's order (their ids follow the trained vocabulary there; here
 # they come first, which is all the config needs: it records whatever ids the tokenizer gives).
@@ -140,12 +143,11 @@ def demo_corpus(seed: int = 0, sentences: int = 30_000) -> list[str]:
     return lines
 
 
-def train_demo_tokenizer(seed: int = 0) -> Any:
-    """Trains a Qwen2-style byte-level BPE (``tokenizers.Tokenizer``) of VOCAB_SIZE tokens."""
+def train_byte_level_bpe(vocab_size: int, special_tokens: Sequence[str], corpus: Iterable[str]) -> Any:
+    """A byte-level BPE (``tokenizers.Tokenizer``) with Qwen2's pre-tokenizer, trained on `corpus`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(byte_fallback=False))
-    tokenizer.normalizer = None
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
@@ -154,14 +156,19 @@ def train_demo_tokenizer(seed: int = 0) -> Any:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(demo_corpus(seed), trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
+
+
+def train_demo_tokenizer(seed: int = 0) -> Any:
+    """Trains a Qwen2-style byte-level BPE of VOCAB_SIZE tokens with Qwen2-VL's special tokens."""
+    return train_byte_level_bpe(VOCAB_SIZE, SPECIAL_TOKENS, demo_corpus(seed))
 
 
 def _demo_config(token_ids: dict[str, int]) -> Any:
@@ -322,7 +329,7 @@ def _processor_class(model_type: str) -> Any:
         base = Qwen2VLProcessor
     else:
         raise ValueError(f"no image processor known for model type {model_type!r}")
-    return _images_only(base)
+    return images_only(base)
 
 
 _LLAVA_PROCESSORS = {"llava": "LlavaProcessor", "llava_next": "LlavaNextProcessor"}
@@ -338,30 +345,6 @@ def _load_llava_processor(model_dir: Path, model_type: str) -> Any:
     if getattr(processor, "image_processor", None) is None:
         raise ValueError(f"{model_dir} has no image processor settings")
     return processor
-
-
-_IMAGES_ONLY_CLASSES: dict[type, type] = {}
-
-
-def _images_only(base: type) -> type:
-    """The family's processor class without a video processor.
-
-    ProcessorMixin takes its sub-processors from the ``__init__`` signature, so a subclass whose
-    ``__init__`` names only the image processor and the tokenizer needs no torchvision.
-    """
-    if base not in _IMAGES_ONLY_CLASSES:
-
-        def __init__(
-            self: Any,
-            image_processor: Any = None,
-            tokenizer: Any = None,
-            chat_template: Any = None,
-            **kwargs: Any,
-        ) -> None:
-            base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-        _IMAGES_ONLY_CLASSES[base] = type(f"{base.__name__}ImagesOnly", (base,), {"__init__": __init__})
-    return _IMAGES_ONLY_CLASSES[base]
 
 
 # --- LLaVA families ----------------------------------------------------------------------------------
@@ -393,25 +376,7 @@ LLAVA_CHAT_TEMPLATE = (
 def train_llava_tokenizer(seed: int = 0) -> Any:
     """A small byte-level BPE with LLaVA's special tokens, `<image>` among them (no automatic BOS:
     the chat template writes it, so the processor and the router tokenize the same text alike)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(byte_fallback=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=LLAVA_VOCAB_SIZE,
-        min_frequency=1,
-        special_tokens=list(LLAVA_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(demo_corpus(seed, sentences=3_000), trainer=trainer)
-    return tokenizer
+    return train_byte_level_bpe(LLAVA_VOCAB_SIZE, LLAVA_SPECIAL_TOKENS, demo_corpus(seed, sentences=3_000))
 
 
 def _llava_config(token_ids: dict[str, int], *, next: bool) -> Any:

@@ -20,6 +20,7 @@ from PIL import Image
 from routing.hashing import MediaPlacement, chain_sequence_hashes, local_block_hashes
 from routing.kv_events import KvEvent
 from routing.media import MediaPolicy, decode_data_url, decode_image, fetch_bytes, is_data_url, routing_hash
+from routing.processor_view import token_runs
 from workers.demo_model import load_processor
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.kv_cache import PrefixKvCache, PrefixLease, prefix_kv
@@ -278,7 +279,7 @@ class Engine:
         if not self.uses_mrope:
             return input_ids, self._llava_processed_images(request, input_ids, processed)
 
-        spans = _token_runs(input_ids, self.image_token_id)
+        spans = token_runs(input_ids, self.image_token_id)
         if len(spans) != len(request.images):
             raise PromptError(
                 f"the processed input ids hold {len(spans)} image spans for {len(request.images)} images"
@@ -342,7 +343,7 @@ class Engine:
         tokens (nothing separates them), so runs are cut by each image's own token count."""
         import torch
 
-        runs = _token_runs(input_ids, self.image_token_id)
+        runs = token_runs(input_ids, self.image_token_id)
         count = len(request.images)
         if not count:
             if runs:
@@ -806,22 +807,6 @@ class _Decoder:
             self._sent = upto
             if self._on_token is not None:
                 self._on_token(piece)
-
-
-def _token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
-    """(start, end) of each maximal run of `token`: one per image in a Qwen2-VL prompt, where
-    vision_start/vision_end tokens separate even adjacent images."""
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    for position, value in enumerate(ids):
-        if value == token and start is None:
-            start = position
-        elif value != token and start is not None:
-            runs.append((start, position))
-            start = None
-    if start is not None:
-        runs.append((start, len(ids)))
-    return runs
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
