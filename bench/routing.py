@@ -22,15 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from routing.hashing import MediaPlacement, block_hashes
 from routing.index import KvIndex
 from routing.kv_events import KvEvent, KvEventPublisher
+from routing.layouts import layout_for_config
 from routing.load import LoadTracker
 from routing.registry import Heartbeat, WorkerRegistry
 from routing.router import KvRouter
 from routing.selection import RoutingPolicy
+from routing.token_view import ImageFacts, build_token_view
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2_000
 SYSTEM_TOKENS = 480  # a system prompt shared by many prompts
 IMAGE_TOKENS = 400  # one 560x560 image on Qwen2-VL
+IMAGE_SIZE = (560, 560)
 N_WORKERS = 64
 N_SYSTEM_PROMPTS = 24
 N_IMAGES = 300
@@ -136,21 +139,33 @@ def run(client: redis.Redis, namespace: str, rng: random.Random) -> str:
         load.add(rng.choice(main_workers), f"inflight-{i}", rng.randrange(0, 2_000), 125)
 
     # --- whole decisions for ~2,000-token requests with one image ------------------------------
+    # Each request is what the frontend has after tokenizing the chat template's output: one
+    # placeholder per image. The timed decision starts there: the token view (placeholder
+    # expansion by the family's layout), block hashes, index query, load and selection.
+    layout = layout_for_config({"model_type": "qwen2_vl"}, None)
+    assert layout is not None and layout.image_tokens(*IMAGE_SIZE) == IMAGE_TOKENS
     requests = []
     for _ in range(N_DECISIONS):
         base_tokens, base_media, _ = prompts[zipf_choice(rng, N_PROMPTS, 0.8)]
         keep = rng.choice((SYSTEM_TOKENS, SYSTEM_TOKENS + IMAGE_TOKENS + 2, 1_200, 1_800))
         tokens = base_tokens[:keep] + [rng.randrange(5, VOCAB - 100) for _ in range(PROMPT_TOKENS - keep)]
-        requests.append((tokens, base_media))
+        start = base_media[0].start
+        prompt_ids = [*tokens[:start], IMAGE_PAD, *tokens[start + IMAGE_TOKENS :]]
+        image_hash = base_media[0].routing_hash
+        facts = ImageFacts(f"{image_hash:016x}{0:016x}", image_hash, *IMAGE_SIZE)
+        requests.append((prompt_ids, facts))
     decision_us, hashing_us, rtt_us, overlaps = [], [], [], []
-    for tokens, media in requests:
+    for prompt_ids, facts in requests:
         t = time.perf_counter_ns()
         client.ping()
         rtt_us.append((time.perf_counter_ns() - t) / 1_000)
         t = time.perf_counter_ns()
-        hashes = block_hashes(tokens, BLOCK_SIZE, media)
+        view = build_token_view(
+            prompt_ids, [facts], layout=layout, placeholder_id=IMAGE_PAD, block_size=BLOCK_SIZE
+        )
+        hashes = view.block_hashes
         t_hashed = time.perf_counter_ns()
-        decision = router.route(hashes, len(tokens), BLOCK_SIZE, main_workers, policy, rng=rng)
+        decision = router.route(hashes, view.prompt_tokens, BLOCK_SIZE, main_workers, policy, rng=rng)
         decision_us.append((time.perf_counter_ns() - t) / 1_000)
         hashing_us.append((t_hashed - t) / 1_000)
         overlaps.append(decision.overlap / decision.total_blocks)
@@ -197,7 +212,7 @@ def run(client: redis.Redis, namespace: str, rng: random.Random) -> str:
         ("redis used memory (MB)", f"{info['used_memory'] / 1e6:,.0f}"),
         ("decisions timed", f"{N_DECISIONS}"),
         ("decision p50 / p99 (us)", f"{d50:.0f} / {d99:.0f}"),
-        ("  of which block hashing p50 (us)", f"{percentile(hashing_us, 0.5):.0f}"),
+        ("  of which token view + block hashing p50 (us)", f"{percentile(hashing_us, 0.5):.0f}"),
         (
             "  of which route() p50 (us)",
             f"{percentile([d - h for d, h in zip(decision_us, hashing_us, strict=True)], 0.5):.0f}",
