@@ -13,6 +13,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from routing.index import KvIndex
 from tests.image_server import ImageServer
 
 pytestmark = pytest.mark.integration
@@ -31,7 +32,10 @@ def image_request(url: str, question: str = "Describe this image.") -> dict:
         "messages": [
             {
                 "role": "user",
-                "content": [{"type": "text", "text": question}, {"type": "image_url", "image_url": {"url": url}}],
+                "content": [
+                    {"type": "text", "text": question},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
             }
         ],
         "max_tokens": 4,
@@ -73,7 +77,9 @@ def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_pr
     assert cached >= second_overlap * 16
 
     # The routing log says the same, as the seed's [ROUTING] line.
-    best = re.findall(r"\[ROUTING\] Best: worker_(\w+) with (\d+)/(\d+) blocks overlap", platform.log("server"))
+    best = re.findall(
+        r"\[ROUTING\] Best: worker_(\w+) with (\d+)/(\d+) blocks overlap", platform.log("server")
+    )
     assert best[-2:] == [(worker, str(first_overlap), str(total)), (worker, str(second_overlap), str(total))]
     assert len(re.findall(r"\[ROUTING\] Formula for worker_", platform.log("server"))) >= 6
 
@@ -96,7 +102,10 @@ def test_two_frontend_processes_make_identical_choices(platform_processes, origi
     assert served.status_code == 200
 
     body = image_request(url, "Describe this image.")
-    seen = [httpx.post(f"{frontend}/v1/route", json=body, timeout=30).json() for frontend in (first_frontend, second_frontend)]
+    seen = [
+        httpx.post(f"{frontend}/v1/route", json=body, timeout=30).json()
+        for frontend in (first_frontend, second_frontend)
+    ]
     assert seen[0]["choice"] == seen[1]["choice"]
     assert seen[0]["candidates"] == seen[1]["candidates"]
     assert seen[0]["choice"]["worker"] == served.headers["X-Routed-Worker"]
@@ -104,3 +113,26 @@ def test_two_frontend_processes_make_identical_choices(platform_processes, origi
     # The second frontend never served anything, yet routes the repeat to the worker holding it.
     repeat = httpx.post(f"{second_frontend}/v1/chat/completions", json=body, timeout=60)
     assert repeat.headers["X-Routed-Worker"] == served.headers["X-Routed-Worker"]
+
+
+def test_a_worker_without_kv_events_is_routed_in_approximate_mode(platform_processes, origin):
+    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1", ROUTER_APPROXIMATE_TTL_SECS="60")
+    platform.start_worker("quiet", "--no-kv-events")
+    platform.wait_for_workers("quiet")
+    base_url = platform.start_server()
+    url = origin.add("/quiet.png", picture(7), content_type="image/png")
+    first = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    assert first.headers["X-Routed-Worker"] == "quiet"
+    assert not platform.redis.exists(f"{platform.namespace}kv:w:quiet"), "it published no events"
+
+    # A second worker comes up idle. The router remembered its own decision, so the repeat
+    # still goes to the worker that cached the prompt, credited with it, and it really hits.
+    platform.start_worker("chatty")
+    platform.wait_for_workers("chatty")
+    again = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    assert again.headers["X-Routed-Worker"] == "quiet"
+    assert overlap_of(again)[0] == overlap_of(first)[1] - 1 or overlap_of(again)[0] == overlap_of(first)[1]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert KvIndex(platform.redis, platform.namespace).worker_blocks("quiet"), (
+        "approximate blocks, with a TTL"
+    )

@@ -44,6 +44,12 @@ class Command(BaseCommand):
             help="Requests accepted at once (threads); the model itself runs one forward at a time.",
         )
         parser.add_argument(
+            "--no-kv-events",
+            action="store_true",
+            help="Publish no KV events; the router then credits this worker with what it routed there "
+            "(approximate mode, ROUTER_APPROXIMATE_TTL_SECS).",
+        )
+        parser.add_argument(
             "--threads",
             type=int,
             default=int(os.environ.get("WORKER_TORCH_THREADS", "0")),
@@ -73,7 +79,10 @@ class Command(BaseCommand):
         namespace = settings.REDIS_KEY_PREFIX
         stats = CacheStats(client, namespace, name)
         image_loader = build_image_loader(name, stats)
-        publisher = KvEventPublisher(client, namespace, index=KvIndex(client, namespace))
+        index = KvIndex(client, namespace)
+        publisher = None if options["no_kv_events"] else KvEventPublisher(client, namespace, index=index)
+        if publisher is None:
+            index.purge_worker(name)  # no `cleared` will come: forget what a previous life held
         started = time.monotonic()
         engine = Engine.load(
             model_path,
@@ -82,7 +91,7 @@ class Command(BaseCommand):
             kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
             embedding_cache_bytes=int(settings.EMBEDDING_CACHE_MB * 1024 * 1024),
             load_image=image_loader.load_for_engine,
-            publish_events=publisher.publish,
+            publish_events=publisher.publish if publisher is not None else None,
             worker_name=name,
         )
         model_name = settings.MODEL_NAME or model_path.resolve().name
@@ -109,6 +118,7 @@ class Command(BaseCommand):
             pid=os.getpid(),
             host=socket.gethostname(),
             kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
+            publishes_events=publisher is not None,
         )
         Worker.objects.update_or_create(
             name=name,
