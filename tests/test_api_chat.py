@@ -245,3 +245,37 @@ async def test_a_redis_that_never_answers_fault_injected_is_a_503_not_a_hang(
     assert_openai_error(body, code="state_unavailable")
     assert response["X-Request-Id"] in body["error"]["message"]
     assert time.monotonic() - started < 5
+
+
+async def test_a_malformed_session_header_is_a_400_naming_the_header(client, served_demo_model):
+    raw = json.dumps(chat_body(served_demo_model)).encode()
+    response = await client.post(
+        "/v1/chat/completions",
+        data=raw,
+        content_type="application/json",
+        headers={"x-dynamo-session-id": 'has spaces and "quotes"'},
+    )
+    assert response.status_code == 400
+    body = json.loads(response.content)
+    assert_openai_error(body, code="invalid_session_scope", param="x-dynamo-session-id")
+    assert "quotes" not in body["error"]["message"], "a scope is a secret: never echoed"
+
+
+async def test_a_session_scope_reaches_redis_only_as_a_keyed_hash(client, served_demo_model, ghost_worker):
+    secret = "sess-7f3a-very-secret"
+    raw = json.dumps(chat_body(served_demo_model)).encode()
+    response = await client.post(
+        "/v1/chat/completions", data=raw, content_type="application/json", headers={"x-session-id": secret}
+    )
+    assert response.status_code == 504  # the ghost never answers; the dispatch itself happened
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
+    message = conn.lindex(f"{prefix}worker.ghost", 0)
+    args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(message)["body"]))
+    scope_key = args[0]["scope_key"]
+    assert scope_key and len(scope_key) == 32 and secret not in scope_key
+    everything = b"".join(
+        key + (conn.dump(key) or b"") for key in conn.scan_iter(match=f"{prefix}*", count=1000)
+    )
+    assert secret.encode() not in everything
+    assert conn.exists(f"{prefix}aff:{scope_key}"), "affinity remembers the session by its hash"
