@@ -17,12 +17,13 @@ install: $(STAMP)
 run: install
 	@bash scripts/run_platform.sh
 
-test: install
+test: install lint
 	@bash scripts/ensure_redis.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: install
 	$(PY) bench/media.py
