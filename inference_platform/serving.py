@@ -225,6 +225,7 @@ def choose_worker(
     """The KV router's decision; the round-robin and random modes (baselines) override its choice."""
     view = prepared.view
     names = sorted(workers)
+    approximate = {name for name, beat in workers.items() if not beat.publishes_events}
     decision = router().route(
         view.block_hashes,
         view.prompt_tokens,
@@ -233,7 +234,7 @@ def choose_worker(
         routing_policy(),
         session_key=scope_key,
         affinity_enabled=settings.ROUTER_SESSION_AFFINITY,
-        approximate_workers={name for name, beat in workers.items() if not beat.publishes_events},
+        approximate_workers=approximate,
     )
     mode = settings.ROUTER_MODE
     if mode == "kv":
@@ -242,7 +243,9 @@ def choose_worker(
         names[registry().next_round_robin() % len(names)] if mode == "round_robin" else random.choice(names)
     )
     chosen = next(score for score in decision.scores if score.worker == worker)
-    return dataclasses.replace(decision, worker=worker, overlap=chosen.overlap, reason=mode)
+    return dataclasses.replace(
+        decision, worker=worker, overlap=chosen.overlap, reason=mode, approximate=worker in approximate
+    )
 
 
 _IMAGE_SENTINEL = "\u2063IMAGE\u2063"  # invisible separators: no real prompt holds this
