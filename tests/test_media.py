@@ -296,8 +296,9 @@ def test_a_body_streaming_forever_is_cut_off_with_413_just_past_the_cap(server: 
     sent = server.bytes_sent("/forever.png")
     time.sleep(0.2)
     assert server.bytes_sent("/forever.png") == sent  # the client hung up: the origin stopped sending
-    # what the kernel buffered (about 64 KiB sent + the receiver's window) on top of the cap
-    assert cap < sent < cap + 1024 * 1024
+    # what the kernel buffered (about 64 KiB sent + the receiver's window) on top of the cap; the
+    # server counts a chunk once its write returns, so the one cut off mid-write is not counted
+    assert cap <= sent < cap + 1024 * 1024
 
 
 def test_an_origin_that_never_answers_times_out_with_504(server: ImageServer) -> None:
