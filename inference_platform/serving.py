@@ -28,6 +28,7 @@ from inference_platform.dispatch import (
     send_to_worker,
     worker_states,
 )
+from inference_platform.policy import current_policy
 from routing.layouts import ImageSizeRefused
 from routing.media import (
     MediaError,
@@ -41,7 +42,6 @@ from routing.media import (
 from routing.model_view import ModelDirectoryError, ModelView, model_view
 from routing.registry import Heartbeat
 from routing.router import RoutingDecision
-from routing.selection import RoutingPolicy
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
 from routing.token_view import PlaceholderMismatch, TokenView, build_token_view
 
@@ -161,7 +161,7 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
             400, f"The model's chat template refused these messages: {exc}", code="invalid_messages"
         ) from exc
 
-    frontend_decoding = settings.DYN_MM_FRONTEND_DECODING
+    frontend_decoding = current_policy().frontend_decoding
     use_processor = settings.DYN_CHAT_PROCESSOR == "transformers" and bool(chat.images)
     urls = [part.url for part in chat.images]
     try:
@@ -211,14 +211,6 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
     return PreparedRequest(chat, model, prompt, images, view, frontend_decoding)
 
 
-def routing_policy() -> RoutingPolicy:
-    return RoutingPolicy(
-        overlap_credit=settings.ROUTER_OVERLAP_CREDIT,
-        prefill_load_scale=settings.ROUTER_PREFILL_LOAD_SCALE,
-        temperature=settings.ROUTER_TEMPERATURE,
-    )
-
-
 def choose_worker(
     prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None
 ) -> RoutingDecision:
@@ -226,17 +218,18 @@ def choose_worker(
     view = prepared.view
     names = sorted(workers)
     approximate = {name for name, beat in workers.items() if not beat.publishes_events}
+    policy = current_policy()
     decision = router().route(
         view.block_hashes,
         view.prompt_tokens,
         view.block_size,
         names,
-        routing_policy(),
+        policy.routing,
         session_key=scope_key,
-        affinity_enabled=settings.ROUTER_SESSION_AFFINITY,
+        affinity_enabled=policy.session_affinity,
         approximate_workers=approximate,
     )
-    mode = settings.ROUTER_MODE
+    mode = policy.mode
     if mode == "kv":
         return decision
     worker = (

@@ -1,11 +1,14 @@
-"""Operators' admin for workers: live state from the heartbeat beside the row they edit."""
+"""Operators' admin: workers (live state from the heartbeat beside the row they edit) and the
+live routing policy."""
 
 from __future__ import annotations
 
 from django.conf import settings
 from django.contrib import admin
+from django.http import HttpResponseRedirect
+from django.urls import reverse
 
-from routing.models import Worker
+from routing.models import RoutingPolicySettings, Worker
 from routing.redis_keys import sync_client
 from routing.registry import WorkerRegistry
 
@@ -13,27 +16,14 @@ from routing.registry import WorkerRegistry
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
     list_display = (
-        "name",
-        "live",
-        "enabled",
-        "draining",
-        "device",
-        "model_name",
-        "block_size",
-        "host",
-        "pid",
-    )
+        "name", "live", "enabled", "draining", "device", "model_name", "block_size",
+        "session_scoped", "shared_image_cache", "host", "pid",
+    )  # fmt: skip
     list_editable = ("enabled", "draining")
     list_filter = ("enabled", "draining", "device")
     readonly_fields = (
-        "device",
-        "model_name",
-        "block_size",
-        "host",
-        "pid",
-        "registered_at",
-        "deregistered_at",
-    )
+        "device", "model_name", "block_size", "host", "pid", "registered_at", "deregistered_at",
+    )  # fmt: skip
     actions = ("drain", "enable")
 
     def get_queryset(self, request):
@@ -47,6 +37,16 @@ class WorkerAdmin(admin.ModelAdmin):
     def live(self, worker: Worker) -> bool:
         return worker.name in getattr(self, "_alive", {})
 
+    @admin.display(boolean=True, description="Session-scoped caches")
+    def session_scoped(self, worker: Worker) -> bool | None:
+        beat = getattr(self, "_alive", {}).get(worker.name)
+        return None if beat is None else beat.session_scoped
+
+    @admin.display(description="Shared image cache")
+    def shared_image_cache(self, worker: Worker) -> str:
+        beat = getattr(self, "_alive", {}).get(worker.name)
+        return "" if beat is None else beat.shared_image_cache  # already redacted by the worker
+
     @admin.action(description="Drain: finish current work, take nothing new")
     def drain(self, request, queryset) -> None:
         queryset.update(draining=True)
@@ -54,3 +54,32 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.action(description="Enable and stop draining")
     def enable(self, request, queryset) -> None:
         queryset.update(enabled=True, draining=False)
+
+
+@admin.register(RoutingPolicySettings)
+class RoutingPolicyAdmin(admin.ModelAdmin):
+    """One row: the list page opens it, created from the environment's settings the first time."""
+
+    fields = (
+        "mode", "overlap_credit", "prefill_load_scale", "temperature", "session_affinity",
+        "frontend_decoding", "updated_at",
+    )  # fmt: skip
+    readonly_fields = ("updated_at",)
+
+    def changelist_view(self, request, extra_context=None):
+        from inference_platform.policy import environment_defaults
+
+        policy, _ = RoutingPolicySettings.objects.get_or_create(pk=1, defaults=environment_defaults())
+        return HttpResponseRedirect(reverse("admin:routing_routingpolicysettings_change", args=[policy.pk]))
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def save_model(self, request, obj, form, change) -> None:
+        from inference_platform.policy import forget_cached_policy
+
+        super().save_model(request, obj, form, change)
+        forget_cached_policy()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.core.validators import MinValueValidator
 from django.db import models
 
 
@@ -37,3 +38,48 @@ class Worker(models.Model):
 def worker_queue(name: str) -> str:
     """The Celery queue a worker consumes, and the only one it consumes."""
     return f"worker.{name}"
+
+
+class RoutingPolicySettings(models.Model):
+    """The live routing and media policy: one row, edited in the admin, picked up by every
+    frontend process within a second, without a restart. Until an operator saves it, the
+    environment's settings (ROUTER_*, DYN_MM_FRONTEND_DECODING) apply."""
+
+    MODES = [("kv", "KV-aware (cache and load)"), ("round_robin", "Round robin"), ("random", "Random")]
+
+    mode = models.CharField(max_length=16, choices=MODES, default="kv")
+    overlap_credit = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="Blocks of prefill saved per cached block.",
+    )
+    prefill_load_scale = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="Weight of prefill work against decode blocks.",
+    )
+    temperature = models.FloatField(
+        default=0.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="0 always picks the cheapest worker; above 0 samples workers by a softmax over costs.",
+    )
+    session_affinity = models.BooleanField(
+        default=True, help_text="Send a session back to its last worker while that worker is eligible."
+    )
+    frontend_decoding = models.BooleanField(
+        default=False,
+        help_text="Identify images by their decoded pixels (stable across URLs); the frontend fetches them "
+        "and workers never fetch the origin again.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "routing policy"
+        verbose_name_plural = "routing policy"
+
+    def __str__(self) -> str:
+        return "Routing policy"
+
+    def save(self, *args, **kwargs) -> None:
+        self.pk = 1  # one row: the deployment's policy
+        super().save(*args, **kwargs)

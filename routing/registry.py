@@ -30,6 +30,8 @@ class Heartbeat:
     publishes_events: bool = True
     kv_capacity_blocks: int = 0
     stopping: bool = False  # SIGTERM received: finishing current work, taking nothing new
+    session_scoped: bool = False  # DYN_MM_IMAGE_CACHE_SESSION_SCOPED on this worker
+    shared_image_cache: str = "off"  # its shared image cache URL, password redacted, or "off"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -76,3 +76,13 @@ def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: 
     yield start
     for processes in started:
         processes.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_live_policy():
+    """Each test sees the policy its own settings make (processes cache it for a second)."""
+    from inference_platform.policy import forget_cached_policy
+
+    forget_cached_policy()
+    yield
+    forget_cached_policy()

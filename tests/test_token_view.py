@@ -20,6 +20,10 @@ from routing.media import routing_hash, url_identity
 from routing.model_view import model_view
 
 
+# The frontend reads the live policy (the admin's row, if any) from the database.
+pytestmark = pytest.mark.django_db
+
+
 def png_data_url(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> str:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), colour).save(buffer, format="PNG")

@@ -148,6 +148,11 @@ class WorkerRuntime:
 class EngineImageLoader(ImageLoader):
     """The worker's image loader, in the shape the engine calls it."""
 
+    @property
+    def shared_cache_description(self) -> str:
+        """What the admin shows of the shared cache: its URL without the password, or "off"."""
+        return "off" if self._shared is None else self._shared.config.redacted_url
+
     def load_for_engine(self, image: Any, scope_key: str | None) -> Image.Image:
         if image.data is not None:
             return self.load_bytes(image.identity, image.data, scope_key=scope_key).image

@@ -119,6 +119,8 @@ class Command(BaseCommand):
             host=socket.gethostname(),
             kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
             publishes_events=publisher is not None,
+            session_scoped=image_loader.session_scoped,
+            shared_image_cache=image_loader.shared_cache_description,
         )
         Worker.objects.update_or_create(
             name=name,
