@@ -19,7 +19,6 @@ from routing.hashing import MediaPlacement, block_hashes
 from routing.media import routing_hash, url_identity
 from routing.model_view import model_view
 
-
 # The frontend reads the live policy (the admin's row, if any) from the database.
 pytestmark = pytest.mark.django_db
 
