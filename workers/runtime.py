@@ -18,7 +18,7 @@ import redis
 from PIL import Image
 
 from routing.cache_stats import CacheStats
-from routing.media import MediaPolicy, fetch_bytes
+from routing.media import MediaError, MediaPolicy, fetch_bytes
 from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseWriter
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
@@ -106,6 +106,10 @@ class WorkerRuntime:
             )
         except Exception as exc:
             status = getattr(exc, "status", None)
+            if isinstance(exc, MediaError | ImageLoadError) and isinstance(status, int) and status >= 500:
+                # The origin failed or timed out when the worker fetched the image: still a
+                # problem with the request's image, answered as the frontend answers it (a 4xx).
+                status = 400
             if isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
                 writer.send(

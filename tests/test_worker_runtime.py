@@ -1,0 +1,53 @@
+"""The worker's side of one task: what reaches the response stream when an image fails there."""
+
+from __future__ import annotations
+
+import pytest
+
+from routing.responses import ERROR, parse_stream_entries, response_key
+from tests.image_server import ImageServer
+
+
+@pytest.fixture(scope="module")
+def engine_and_loader(demo_model_dir):
+    from django.conf import settings as django_settings
+
+    from workers.engine import Engine
+    from workers.runtime import build_image_loader
+
+    django_settings.MEDIA_ALLOWED_HOSTS = ["127.0.0.1"]  # read once, when the loader is built
+    try:
+        loader = build_image_loader("w", stats=None)
+    finally:
+        django_settings.MEDIA_ALLOWED_HOSTS = []
+    engine = Engine.load(demo_model_dir, load_image=loader.load_for_engine, worker_name="w")
+    yield engine, loader
+    loader.close()
+
+
+def test_an_origin_failing_when_the_worker_fetches_is_a_4xx_naming_the_image(
+    engine_and_loader, redis_client, key_namespace
+):
+    from workers.runtime import WorkerRuntime
+
+    engine, loader = engine_and_loader
+    runtime = WorkerRuntime(
+        name="w", engine=engine, client=redis_client, namespace=key_namespace, image_loader=loader
+    )
+    with ImageServer() as origin:
+        url = origin.url("/gone.png")  # the origin answers 404: the image went away since routing
+        runtime.serve(
+            {
+                "request_id": "r-gone",
+                "prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n",
+                "images": [{"identity": "0" * 32, "url": url}],
+                "max_tokens": 2,
+                "temperature": 0.0,
+                "top_p": 1.0,
+            }
+        )
+    events = parse_stream_entries(redis_client.xrange(response_key(key_namespace, "r-gone")))
+    error = next(event for event in events if event.type == ERROR)
+    assert error.data["status"] == 400
+    assert error.data["code"] == "origin_error"
+    assert "404" in error.data["message"]
