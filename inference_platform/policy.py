@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 
@@ -25,44 +26,29 @@ class LivePolicy:
     source: str  # "admin" or "environment"
 
 
-def _from_environment() -> LivePolicy:
-    return LivePolicy(
-        mode=settings.ROUTER_MODE,
-        routing=RoutingPolicy(
-            overlap_credit=settings.ROUTER_OVERLAP_CREDIT,
-            prefill_load_scale=settings.ROUTER_PREFILL_LOAD_SCALE,
-            temperature=settings.ROUTER_TEMPERATURE,
-        ),
-        session_affinity=settings.ROUTER_SESSION_AFFINITY,
-        frontend_decoding=settings.DYN_MM_FRONTEND_DECODING,
-        source="environment",
-    )
-
-
-def environment_defaults() -> dict[str, object]:
+def environment_defaults() -> dict[str, Any]:
     """Field values of a first policy row: what applies until an operator saves one."""
-    policy = _from_environment()
     return {
-        "mode": policy.mode,
-        "overlap_credit": policy.routing.overlap_credit,
-        "prefill_load_scale": policy.routing.prefill_load_scale,
-        "temperature": policy.routing.temperature,
-        "session_affinity": policy.session_affinity,
-        "frontend_decoding": policy.frontend_decoding,
+        "mode": settings.ROUTER_MODE,
+        "overlap_credit": settings.ROUTER_OVERLAP_CREDIT,
+        "prefill_load_scale": settings.ROUTER_PREFILL_LOAD_SCALE,
+        "temperature": settings.ROUTER_TEMPERATURE,
+        "session_affinity": settings.ROUTER_SESSION_AFFINITY,
+        "frontend_decoding": settings.DYN_MM_FRONTEND_DECODING,
     }
 
 
-def _from_row(row: RoutingPolicySettings) -> LivePolicy:
+def _policy(values: dict[str, Any], source: str) -> LivePolicy:
     return LivePolicy(
-        mode=row.mode,
+        mode=values["mode"],
         routing=RoutingPolicy(
-            overlap_credit=row.overlap_credit,
-            prefill_load_scale=row.prefill_load_scale,
-            temperature=row.temperature,
+            overlap_credit=values["overlap_credit"],
+            prefill_load_scale=values["prefill_load_scale"],
+            temperature=values["temperature"],
         ),
-        session_affinity=row.session_affinity,
-        frontend_decoding=row.frontend_decoding,
-        source="admin",
+        session_affinity=values["session_affinity"],
+        frontend_decoding=values["frontend_decoding"],
+        source=source,
     )
 
 
@@ -77,8 +63,8 @@ def current_policy() -> LivePolicy:
     with _lock:
         if _cached is not None and now < _cached[0]:
             return _cached[1]
-    row = RoutingPolicySettings.objects.filter(pk=1).first()
-    policy = _from_row(row) if row is not None else _from_environment()
+    row = RoutingPolicySettings.objects.filter(pk=1).values(*environment_defaults()).first()
+    policy = _policy(row, "admin") if row is not None else _policy(environment_defaults(), "environment")
     with _lock:
         _cached = (now + REFRESH_S, policy)
     return policy

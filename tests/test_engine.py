@@ -20,7 +20,7 @@ from PIL import Image
 from routing.hashing import MediaPlacement, block_hashes
 from routing.kv_events import KvEvent
 from routing.media import routing_hash, url_identity
-from workers.demo_model import build_demo_model, load_processor
+from workers.demo_model import load_processor
 from workers.embedding_cache import EmbeddingCache
 from workers.engine import (
     Engine,
@@ -33,18 +33,8 @@ from workers.engine import (
 )
 from workers.kv_cache import PrefixKvCache
 
-REPO_DEMO = Path(__file__).resolve().parent.parent / "var" / "models" / "demo"
 BLOCK = 16
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-
-
-@pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if (REPO_DEMO / "model.safetensors").exists():
-        return REPO_DEMO
-    path = tmp_path_factory.mktemp("engine-demo")
-    build_demo_model(path)
-    return path
 
 
 @pytest.fixture(scope="module")
