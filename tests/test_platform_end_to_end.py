@@ -187,3 +187,32 @@ def test_stdlib_platform_module_works_in_each_process(platform_processes):
     import platform as stdlib_platform
 
     assert stdlib_platform.system()
+
+
+def test_the_official_openai_client_works_against_the_platform(platform_processes):
+    import openai
+
+    platform = platform_processes()
+    platform.start_worker("compat")
+    platform.wait_for_workers("compat")
+    base_url = platform.start_server()
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+    assert [model.id for model in client.models.list()] == ["demo"]
+    completion = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0
+    )
+    assert completion.choices[0].message.content
+    assert completion.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == completion.choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}])
+    assert missing.value.code == "model_not_found"
