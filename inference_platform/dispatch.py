@@ -26,7 +26,16 @@ from routing.load import LoadTracker
 from routing.models import Worker, worker_queue
 from routing.redis_keys import async_client, redact_text, sync_client
 from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
-from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseEvent, cancel_key, read_response_events
+from routing.responses import (
+    DONE,
+    ERROR,
+    STARTED,
+    TOKEN,
+    ResponseEvent,
+    cancel_key,
+    read_response_events,
+    response_key,
+)
 from routing.router import KvRouter
 
 logger = logging.getLogger("inference_platform.dispatch")
@@ -215,9 +224,13 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
                 started = True
                 timeout = settings.REQUEST_TOKEN_TIMEOUT_SECS
                 deadline = time.monotonic() + timeout
-            yield event
             if event.type in (DONE, ERROR):
+                # Read to the end: the stream has served its purpose (its TTL covers a frontend
+                # that dies before getting here).
+                await client.delete(response_key(namespace, rid))
+                yield event
                 return
+            yield event
         if events:
             continue
         if time.monotonic() > deadline:

@@ -59,6 +59,8 @@ def test_two_worker_processes_answer_requests_with_the_model(platform_processes)
     assert answers["alpha"] and answers["beta"]
     assert len({*answers["alpha"], *answers["beta"]}) == 1
     assert answers["alpha"][0].strip()
+    # Answered requests leave no response stream behind in Redis.
+    assert not list(platform.redis.scan_iter(match=f"{platform.namespace}resp:*"))
     # A different prompt makes the model say something else: the text comes from the model.
     other = ask(base_url, "What is the capital of a country made of glass?", max_tokens=8).json()
     assert other["choices"][0]["message"]["content"] != answers["alpha"][0]
