@@ -118,7 +118,14 @@ class PreparedRequest:
     def worker_payload(self, request_id: str, scope_key: str | None) -> dict[str, Any]:
         images = []
         for resolved in self.images:
-            image: dict[str, Any] = {"identity": resolved.identity, "url": resolved.url}
+            # The size lets the worker lay the prompt out before loading anything, and skip
+            # loading the images its cached prefix covers.
+            image: dict[str, Any] = {
+                "identity": resolved.identity,
+                "url": resolved.url,
+                "width": resolved.width,
+                "height": resolved.height,
+            }
             if resolved.data is not None:  # frontend decoding: the worker must not fetch the origin again
                 image["url"] = None
                 image["data_b64"] = base64.b64encode(resolved.data).decode("ascii")

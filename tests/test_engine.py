@@ -4,6 +4,7 @@ output, skip the vision encoder, and the KV events describe the cache exactly.""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import os
 import threading
@@ -506,3 +507,38 @@ def test_a_qwen2_5_vl_checkpoint_loads_and_reuses_its_prefix(demo_model_dir: Pat
     assert (warm.encoder_calls, cold.encoder_calls) == (0, 1)
     assert warm.cached_tokens >= 3 * BLOCK
     assert warm.text == cold.text
+
+
+def test_with_declared_sizes_an_image_inside_the_cached_prefix_is_never_loaded(make_engine) -> None:
+    # given an engine counting its image loads, and images whose size the frontend declared
+    engine = make_engine()
+    loads: list[str] = []
+
+    def counting_loader(image: ImageInput, scope_key: str | None) -> Image.Image:
+        loads.append(image.identity)
+        return load_image_directly(image, scope_key)
+
+    engine._load_image = counting_loader
+    sized = dataclasses.replace(image_input(4, 224, 168), width=224, height=168)
+    undeclared = image_input(4, 224, 168)
+    prompt = chat("Count the birds in the picture.", images=1, before="Look closely. ")
+
+    # when the same prompt comes twice
+    cold = engine.generate(request(prompt, [sized]))
+    warm = engine.generate(request(prompt, [sized]))
+
+    # then the image was loaded for the cold request only, and the answers agree with an
+    # engine that loads every image to learn its size
+    assert len(loads) == 1
+    assert warm.cached_tokens > warm.prompt_tokens - BLOCK - 1
+    reference = make_engine().generate(request(prompt, [undeclared]))
+    assert (cold.text, cold.prompt_tokens, cold.block_hashes) == (
+        reference.text, reference.prompt_tokens, reference.block_hashes,
+    )  # fmt: skip
+
+
+def test_an_image_whose_size_changed_since_routing_is_refused(make_engine) -> None:
+    engine = make_engine()
+    lying = dataclasses.replace(image_input(4, 224, 168), width=100, height=100)
+    with pytest.raises(PromptError, match="changed at its origin"):
+        engine.generate(request(chat("What is this?", images=1), [lying]))

@@ -46,6 +46,16 @@ class ImageInput:
     identity: str  # 32-hex identity from the frontend
     url: str | None = None
     data: bytes | None = None  # encoded bytes handed over when frontend decoding is on
+    # The size the frontend read from the image's header. With it, the prompt is laid out before
+    # any image is loaded, and an image inside the cached prefix is never fetched at all.
+    width: int | None = None
+    height: int | None = None
+
+
+@dataclass(frozen=True)
+class _DeclaredSize:
+    width: int
+    height: int
 
 
 @dataclass
@@ -213,13 +223,37 @@ class Engine:
         if request.max_tokens < 1:
             raise PromptError("max_tokens must be >= 1")
         started = time.perf_counter()
-        if request.processed is not None:
-            images: list[Image.Image] = []  # the frontend's processor already turned them into pixels
-        else:
-            # Images load outside the model lock: fetching must not hold up another request's decode.
-            images = [self._load_image(image, request.scope_key) for image in request.images]
-        with self._lock:
-            return self._generate(request, images, started, on_token, on_first_token, should_stop)
+        input_ids, placed = self._prompt(request)
+        media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
+        local_hashes = local_block_hashes(input_ids, self.block_size, media)
+        sequence_hashes = chain_sequence_hashes(local_hashes)
+        # The lease pins the cached prefix, so what it covers stays covered until we are done.
+        lease = self.kv_cache.acquire(sequence_hashes)
+        try:
+            reused = min(lease.reused_blocks * self.block_size, len(input_ids) - 1)
+            # Images load outside the model lock (fetching must not hold up another request's
+            # decode), and only those the prefix does not wholly cover.
+            for image in placed:
+                if image.image is None and image.pixel_values is None and image.start + image.length > reused:
+                    image.image = self._load_declared(image.source, request.scope_key)
+            with self._lock:
+                # A request that held the lock meanwhile may have stored more of this prompt.
+                lease = self._longer_lease(lease, sequence_hashes)
+                return self._generate(
+                    request, input_ids, placed, local_hashes, sequence_hashes, lease, started,
+                    on_token, on_first_token, should_stop,
+                )  # fmt: skip
+        finally:
+            self.kv_cache.release(lease)
+
+    def _longer_lease(self, lease: PrefixLease, sequence_hashes: list[int]) -> PrefixLease:
+        """`lease`, or a fresh one if the cache now holds a longer prefix (covering more images)."""
+        fresh = self.kv_cache.acquire(sequence_hashes)
+        if fresh.reused_blocks > lease.reused_blocks:
+            self.kv_cache.release(lease)
+            return fresh
+        self.kv_cache.release(fresh)
+        return lease
 
     def clear_kv_cache(self) -> int:
         return self.kv_cache.clear()
@@ -232,8 +266,28 @@ class Engine:
         return self._expand_prompt(prompt, [ImageInput(identity="0" * 32)] * len(images), images)[0]
 
     # --- prompt --------------------------------------------------------------------------------------
+    def _prompt(self, request: GenerationRequest) -> tuple[list[int], list[_PromptImage]]:
+        """The input ids and image spans; images are loaded here only if their size is unknown."""
+        if request.processed is not None:
+            return self._processed_prompt(request)
+        if all(image.width and image.height for image in request.images):
+            sizes = [_DeclaredSize(int(image.width), int(image.height)) for image in request.images]  # type: ignore[arg-type]
+            return self._expand_prompt(request.prompt, request.images, sizes)
+        loaded = [self._load_image(image, request.scope_key) for image in request.images]
+        return self._expand_prompt(request.prompt, request.images, loaded)
+
+    def _load_declared(self, source: ImageInput, scope_key: str | None) -> Image.Image:
+        """An image laid out from its declared size, loaded now; it must still have that size."""
+        image = self._load_image(source, scope_key)
+        if (image.width, image.height) != (source.width, source.height):
+            raise PromptError(
+                f"image {source.identity} is {image.width}x{image.height} now but was "
+                f"{source.width}x{source.height} when the request was routed: it changed at its origin"
+            )
+        return image
+
     def _expand_prompt(
-        self, prompt: str, inputs: Sequence[ImageInput], images: Sequence[Image.Image]
+        self, prompt: str, inputs: Sequence[ImageInput], images: Sequence[Image.Image | _DeclaredSize]
     ) -> tuple[list[int], list[_PromptImage]]:
         # Token counts come from the image size alone (the processor's own smart_resize), so an
         # image covered by the cached prefix is never preprocessed (ENGINE-NOTES trap 7).
@@ -249,7 +303,9 @@ class Engine:
             ids.extend(self.tokenizer(part, add_special_tokens=False)["input_ids"])
             if index < len(images):
                 length, grid = self._image_tokens(images[index])
-                placed.append(_PromptImage(inputs[index], len(ids), length, grid, image=images[index]))
+                image = images[index]
+                loaded = image if isinstance(image, Image.Image) else None
+                placed.append(_PromptImage(inputs[index], len(ids), length, grid, image=loaded))
                 ids.extend([self.image_token_id] * length)
         return ids, placed
 
@@ -409,7 +465,7 @@ class Engine:
             raise PromptError(f"the processed input ids hold more image tokens than the {count} images make")
         return placed
 
-    def _image_tokens(self, image: Image.Image) -> tuple[int, tuple[int, int, int] | None]:
+    def _image_tokens(self, image: Image.Image | _DeclaredSize) -> tuple[int, tuple[int, int, int] | None]:
         """Placeholder tokens of an image (and Qwen's patch grid), from its size alone."""
         if self.uses_mrope:
             grid = self._image_grid(image)
@@ -419,7 +475,7 @@ class Engine:
         counts = self.processor._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])
         return int(counts["num_image_tokens"][0]), None
 
-    def _image_grid(self, image: Image.Image) -> tuple[int, int, int]:
+    def _image_grid(self, image: Image.Image | _DeclaredSize) -> tuple[int, int, int]:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         processor = self.image_processor
@@ -437,7 +493,11 @@ class Engine:
     def _generate(
         self,
         request: GenerationRequest,
-        images: list[Image.Image],
+        input_ids: list[int],
+        placed: list[_PromptImage],
+        local_hashes: list[int],
+        sequence_hashes: list[int],
+        lease: PrefixLease,
         started: float,
         on_token: Callable[[str], None] | None,
         on_first_token: Callable[[], None] | None,
@@ -446,43 +506,32 @@ class Engine:
         import torch
 
         counters = _RequestCounters()
-        if request.processed is not None:
-            input_ids, placed = self._processed_prompt(request)
-        else:
-            input_ids, placed = self._expand_prompt(request.prompt, request.images, images)
-        media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
-        local_hashes = local_block_hashes(input_ids, self.block_size, media)
-        sequence_hashes = chain_sequence_hashes(local_hashes)
-        lease = self.kv_cache.acquire(sequence_hashes)
-        try:
-            with torch.inference_mode():
-                # Stale state from the previous request must never leak in (trap 2); the explicit
-                # positions below make it unused, the reset makes sure.
-                if self.uses_mrope:
-                    self.model.model.rope_deltas = None
-                logits, cache, reused, rope_delta = self._prefill(input_ids, placed, lease, request, counters)
-                prefill_done = time.perf_counter()
-                decoder = _Decoder(self, request, on_token)
-                token = decoder.choose(logits)
-                ttft = time.perf_counter()
-                if on_first_token is not None:
-                    on_first_token()
+        with torch.inference_mode():
+            # Stale state from the previous request must never leak in (trap 2); the explicit
+            # positions below make it unused, the reset makes sure.
+            if self.uses_mrope:
+                self.model.model.rope_deltas = None
+            logits, cache, reused, rope_delta = self._prefill(input_ids, placed, lease, request, counters)
+            prefill_done = time.perf_counter()
+            decoder = _Decoder(self, request, on_token)
+            token = decoder.choose(logits)
+            ttft = time.perf_counter()
+            if on_first_token is not None:
+                on_first_token()
 
-                def store_prompt_blocks() -> None:
-                    if len(lease.blocks) < len(sequence_hashes):
-                        self.kv_cache.store(lease, sequence_hashes, local_hashes, _cache_layers(cache))
+            def store_prompt_blocks() -> None:
+                if len(lease.blocks) < len(sequence_hashes):
+                    self.kv_cache.store(lease, sequence_hashes, local_hashes, _cache_layers(cache))
 
-                finish_reason = self._decode(
-                    decoder,
-                    token,
-                    cache,
-                    len(input_ids) + rope_delta,
-                    should_stop,
-                    request.max_tokens,
-                    after_first_token=store_prompt_blocks,
-                )
-        finally:
-            self.kv_cache.release(lease)
+            finish_reason = self._decode(
+                decoder,
+                token,
+                cache,
+                len(input_ids) + rope_delta,
+                should_stop,
+                request.max_tokens,
+                after_first_token=store_prompt_blocks,
+            )
         finished = time.perf_counter()
         return GenerationResult(
             text=decoder.text,

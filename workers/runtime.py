@@ -198,7 +198,11 @@ def _image_input(image_input_class, image: dict[str, Any]):
     """An ImageInput from the task payload; bytes the frontend fetched travel base64-encoded."""
     data = image.get("data_b64")
     return image_input_class(
-        identity=image["identity"], url=image.get("url"), data=base64.b64decode(data) if data else None
+        identity=image["identity"],
+        url=image.get("url"),
+        data=base64.b64decode(data) if data else None,
+        width=image.get("width"),
+        height=image.get("height"),
     )
 
 
