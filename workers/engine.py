@@ -227,33 +227,34 @@ class Engine:
         media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
         local_hashes = local_block_hashes(input_ids, self.block_size, media)
         sequence_hashes = chain_sequence_hashes(local_hashes)
-        # The lease pins the cached prefix, so what it covers stays covered until we are done.
-        lease = self.kv_cache.acquire(sequence_hashes)
-        try:
-            reused = min(lease.reused_blocks * self.block_size, len(input_ids) - 1)
-            # Images load outside the model lock (fetching must not hold up another request's
-            # decode), and only those the prefix does not wholly cover.
-            for image in placed:
-                if image.image is None and image.pixel_values is None and image.start + image.length > reused:
-                    image.image = self._load_declared(image.source, request.scope_key)
-            with self._lock:
-                # A request that held the lock meanwhile may have stored more of this prompt.
-                lease = self._longer_lease(lease, sequence_hashes)
+        # Images load outside the model lock (fetching must not hold up another request's
+        # decode), and only those the cached prefix does not wholly cover. The look is not a
+        # hold: pinning blocks while waiting for the lock would keep them from eviction.
+        self._load_uncovered(placed, self._cached_tokens(sequence_hashes, len(input_ids)), request.scope_key)
+        with self._lock:
+            lease = self.kv_cache.acquire(sequence_hashes)
+            try:
+                # Evicted meanwhile (rare): what the prefix no longer covers loads now.
+                self._load_uncovered(
+                    placed, min(lease.reused_blocks * self.block_size, len(input_ids) - 1), request.scope_key
+                )
                 return self._generate(
                     request, input_ids, placed, local_hashes, sequence_hashes, lease, started,
                     on_token, on_first_token, should_stop,
                 )  # fmt: skip
-        finally:
-            self.kv_cache.release(lease)
+            finally:
+                self.kv_cache.release(lease)
 
-    def _longer_lease(self, lease: PrefixLease, sequence_hashes: list[int]) -> PrefixLease:
-        """`lease`, or a fresh one if the cache now holds a longer prefix (covering more images)."""
-        fresh = self.kv_cache.acquire(sequence_hashes)
-        if fresh.reused_blocks > lease.reused_blocks:
-            self.kv_cache.release(lease)
-            return fresh
-        self.kv_cache.release(fresh)
-        return lease
+    def _cached_tokens(self, sequence_hashes: list[int], prompt_tokens: int) -> int:
+        """Prompt tokens the cache would reuse right now (at least the last token always runs)."""
+        lease = self.kv_cache.acquire(sequence_hashes)
+        self.kv_cache.release(lease)
+        return min(lease.reused_blocks * self.block_size, prompt_tokens - 1)
+
+    def _load_uncovered(self, placed: list[_PromptImage], reused: int, scope_key: str | None) -> None:
+        for image in placed:
+            if image.image is None and image.pixel_values is None and image.start + image.length > reused:
+                image.image = self._load_declared(image.source, scope_key)
 
     def clear_kv_cache(self) -> int:
         return self.kv_cache.clear()
