@@ -61,6 +61,15 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
+@pytest.fixture(scope="session")
+def shared_parts(demo_model_dir):
+    """The demo model and its processor, loaded once: each test builds engines around them."""
+    from workers.engine import Engine
+
+    engine = Engine.load(demo_model_dir)
+    return engine.model, engine.processor
+
+
 @pytest.fixture
 def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
     """A factory for the real platform (workers, server); everything it started is stopped after."""

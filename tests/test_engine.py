@@ -38,12 +38,6 @@ BLOCK = 16
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
 
-@pytest.fixture(scope="module")
-def shared_parts(demo_model_dir: Path) -> tuple[object, object]:
-    engine = Engine.load(demo_model_dir)
-    return engine.model, engine.processor
-
-
 class EventLog:
     """Replays KV events into the set of blocks the router's index would believe we hold."""
 

@@ -41,12 +41,6 @@ VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 LONG_TEXT = " ".join(["the red apple on the table near a quiet garden"] * 4)
 
 
-@pytest.fixture(scope="module")
-def shared_parts(demo_model_dir: Path) -> tuple[Any, Any]:
-    engine = Engine.load(demo_model_dir)
-    return engine.model, engine.processor
-
-
 class CountingLoader:
     """The engine's real image loader, counting its calls."""
 

@@ -37,12 +37,6 @@ SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 BEFORE_IMAGE = "Please look at this. "
 
 
-@pytest.fixture(scope="module")
-def shared_parts(demo_model_dir: Path) -> tuple[Any, Any]:
-    engine = Engine.load(demo_model_dir)
-    return engine.model, engine.processor
-
-
 @pytest.fixture
 def make_engine(shared_parts: tuple[Any, Any]) -> Iterator:
     model, processor = shared_parts
