@@ -43,6 +43,15 @@ def redact_text(text: str) -> str:
 CONNECT_TIMEOUT_S = 2.0
 SOCKET_TIMEOUT_S = 10.0
 
+def _client_options() -> dict[str, object]:
+    return {
+        "health_check_interval": 30,
+        "socket_keepalive": True,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_timeout": SOCKET_TIMEOUT_S,
+    }
+
+
 _sync_clients: dict[str, object] = {}
 
 
@@ -52,13 +61,7 @@ def sync_client(url: str):  # -> redis.Redis
 
     client = _sync_clients.get(url)
     if client is None:
-        client = redis.Redis.from_url(
-            url,
-            health_check_interval=30,
-            socket_keepalive=True,
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-            socket_timeout=SOCKET_TIMEOUT_S,
-        )
+        client = redis.Redis.from_url(url, **_client_options())
         _sync_clients[url] = client
     return client
 
@@ -76,12 +79,6 @@ def async_client(url: str):  # -> redis.asyncio.Redis
     key = (url, id(loop))
     client = _async_clients.get(key)
     if client is None:
-        client = redis.asyncio.Redis.from_url(
-            url,
-            health_check_interval=30,
-            socket_keepalive=True,
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-            socket_timeout=SOCKET_TIMEOUT_S,
-        )
+        client = redis.asyncio.Redis.from_url(url, **_client_options())
         _async_clients[key] = client
     return client
