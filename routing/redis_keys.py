@@ -43,6 +43,7 @@ def redact_text(text: str) -> str:
 CONNECT_TIMEOUT_S = 2.0
 SOCKET_TIMEOUT_S = 10.0
 
+
 def _client_options() -> dict[str, object]:
     return {
         "health_check_interval": 30,
