@@ -71,6 +71,31 @@ def shared_parts(demo_model_dir):
 
 
 @pytest.fixture
+def demo_engine(shared_parts):
+    """Builds engines around the shared demo model: each with fresh, empty caches."""
+    from workers.embedding_cache import EmbeddingCache
+    from workers.engine import Engine, load_image_directly
+    from workers.kv_cache import PrefixKvCache
+
+    model, processor = shared_parts
+
+    def build(*, capacity: int = 512, events=None, load_image=load_image_directly):
+        return Engine(
+            model=model,
+            processor=processor,
+            model_name="demo",
+            device="cpu",
+            kv_cache=PrefixKvCache(
+                capacity_blocks=capacity, block_size=16, worker="w", publish_events=events
+            ),
+            embedding_cache=EmbeddingCache(64 << 20),
+            load_image=load_image,
+        )
+
+    return build
+
+
+@pytest.fixture
 def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
     """A factory for the real platform (workers, server); everything it started is stopped after."""
     from tests.platform_harness import PlatformProcesses

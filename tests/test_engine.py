@@ -22,7 +22,6 @@ from routing.hashing import MediaPlacement, block_hashes
 from routing.kv_events import KvEvent
 from routing.media import routing_hash, url_identity
 from workers.demo_model import load_processor
-from workers.embedding_cache import EmbeddingCache
 from workers.engine import (
     Engine,
     GenerationRequest,
@@ -32,7 +31,6 @@ from workers.engine import (
     PromptError,
     load_image_directly,
 )
-from workers.kv_cache import PrefixKvCache
 
 BLOCK = 16
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -57,21 +55,9 @@ class EventLog:
 
 
 @pytest.fixture
-def make_engine(shared_parts: tuple[object, object]) -> Iterator:
-    model, processor = shared_parts
-
+def make_engine(demo_engine) -> Iterator:
     def make(capacity: int = 512, events: EventLog | None = None) -> Engine:
-        return Engine(
-            model=model,
-            processor=processor,
-            model_name="demo",
-            device="cpu",
-            kv_cache=PrefixKvCache(
-                capacity_blocks=capacity, block_size=BLOCK, worker="w", publish_events=events
-            ),
-            embedding_cache=EmbeddingCache(64 << 20),
-            load_image=load_image_directly,
-        )
+        return demo_engine(capacity=capacity, events=events)
 
     yield make
 

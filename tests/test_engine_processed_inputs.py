@@ -23,7 +23,6 @@ from routing.media import MediaPolicy, decode_image, routing_hash, url_identity
 from routing.processor_view import ProcessorView, decode_processed, processor_token_view
 from routing.responses import DONE, ERROR, parse_stream_entries, response_key
 from routing.token_view import ImageFacts
-from workers.embedding_cache import EmbeddingCache
 from workers.engine import (
     Engine,
     GenerationRequest,
@@ -32,7 +31,6 @@ from workers.engine import (
     PromptError,
     load_image_directly,
 )
-from workers.kv_cache import PrefixKvCache
 from workers.runtime import WorkerRuntime
 
 BLOCK = 16
@@ -53,21 +51,10 @@ class CountingLoader:
 
 
 @pytest.fixture
-def make_engine(shared_parts: tuple[Any, Any]) -> Iterator:
-    model, processor = shared_parts
-
+def make_engine(demo_engine) -> Iterator:
     def make() -> tuple[Engine, CountingLoader]:
         loader = CountingLoader()
-        engine = Engine(
-            model=model,
-            processor=processor,
-            model_name="demo",
-            device="cpu",
-            kv_cache=PrefixKvCache(capacity_blocks=512, block_size=BLOCK, worker="w"),
-            embedding_cache=EmbeddingCache(64 << 20),
-            load_image=loader,
-        )
-        return engine, loader
+        return demo_engine(load_image=loader), loader
 
     yield make
 

@@ -25,9 +25,7 @@ from routing.processor_view import processor_token_view
 from routing.responses import DONE, parse_stream_entries, response_key
 from routing.session_scope import scope_hash
 from routing.token_view import ImageFacts
-from workers.embedding_cache import EmbeddingCache
-from workers.engine import Engine, GenerationRequest, ImageInput, load_image_directly
-from workers.kv_cache import PrefixKvCache
+from workers.engine import Engine, GenerationRequest, ImageInput
 from workers.runtime import WorkerRuntime
 
 BLOCK = 16
@@ -38,19 +36,9 @@ BEFORE_IMAGE = "Please look at this. "
 
 
 @pytest.fixture
-def make_engine(shared_parts: tuple[Any, Any]) -> Iterator:
-    model, processor = shared_parts
-
+def make_engine(demo_engine) -> Iterator:
     def make() -> Engine:
-        return Engine(
-            model=model,
-            processor=processor,
-            model_name="demo",
-            device="cpu",
-            kv_cache=PrefixKvCache(capacity_blocks=512, block_size=BLOCK, worker="w"),
-            embedding_cache=EmbeddingCache(64 << 20),
-            load_image=load_image_directly,
-        )
+        return demo_engine()
 
     yield make
 
