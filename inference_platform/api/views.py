@@ -151,12 +151,20 @@ def _unexpected(exc: Exception, request_id: str) -> ApiError:
 
 
 def _chunk(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    return _event(
+        request_id, model, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    )
+
+
+def _event(request_id: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    """One server-sent event carrying a `chat.completion.chunk`."""
     payload = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": choices,
+        **extra,
     }
     return f"data: {json.dumps(payload)}\n\n".encode()
 
@@ -174,15 +182,7 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]
             elif event.type == DONE:
                 yield _chunk(rid, chat.model, {}, event.data["finish_reason"])
                 if chat.include_usage:
-                    usage = {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": int(time.time()),
-                        "model": chat.model,
-                        "choices": [],
-                        "usage": _usage(event.data),
-                    }
-                    yield f"data: {json.dumps(usage)}\n\n".encode()
+                    yield _event(rid, chat.model, [], usage=_usage(event.data))
         finished = True
     except ApiError as error:
         logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)
