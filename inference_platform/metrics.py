@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import redis
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from routing.cache_stats import CACHES
@@ -52,6 +53,7 @@ KV_TOKEN_COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 
+@csrf_exempt  # a scraper's POST is a 405, not the CSRF failure page
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
     try:

@@ -166,6 +166,13 @@ MEDIA_ALLOWED_HOSTS = env_list("MEDIA_ALLOWED_HOSTS", [])  # SSRF allowlist: hos
 MEDIA_MAX_PIXELS = env_int("MEDIA_MAX_PIXELS", 89_478_485, minimum=1)  # Pillow's bomb limit
 MEDIA_CONNECT_TIMEOUT_SECS = env_float("MEDIA_CONNECT_TIMEOUT_SECS", 5.0, positive=True)
 MEDIA_READ_TIMEOUT_SECS = env_float("MEDIA_READ_TIMEOUT_SECS", 20.0, positive=True)
+# The largest `/v1/*` request body, refused with a 413 while it is read. By default one image of
+# DYN_MM_MAX_FILE_SIZE_MB fits as a base64 data URL (4/3 of its size) with 1 MiB of JSON around it.
+API_MAX_BODY_BYTES = int(
+    env_float("API_MAX_BODY_MB", DYN_MM_MAX_FILE_SIZE_MB * 4 / 3 + 1, positive=True) * 1024 * 1024
+)
+# Django's own check on `request.body` must not fire first (it would be a 500).
+DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
 
 # --- Logging -----------------------------------------------------------------------------------
 # LOG_LEVELS="routing=debug,workers=info" raises or lowers single loggers, as Dynamo's DYN_LOG.

@@ -16,3 +16,4 @@ urlpatterns = [
 ]
 
 handler404 = "inference_platform.api.views.not_found"
+handler500 = "inference_platform.api.views.server_error"

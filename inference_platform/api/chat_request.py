@@ -14,6 +14,8 @@ from inference_platform.api.errors import ApiError
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 MAX_STOP_SEQUENCES = 4
+# Far deeper than any chat request needs, far shallower than the parser's recursion limit.
+MAX_JSON_DEPTH = 400
 
 
 @dataclass
@@ -38,13 +40,33 @@ class ChatRequest:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything else, nesting past MAX_JSON_DEPTH included."""
     try:
         body = json.loads(raw or b"")
+        too_deep = json_depth_exceeds(body, MAX_JSON_DEPTH)
+    except RecursionError:  # nested deeper than the parser's own stack allows
+        too_deep = True
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if too_deep:
+        raise ApiError(
+            400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json"
+        )
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
     return body
+
+
+def json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than `limit` (iterative: no recursion to overflow)."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def _invalid(param: str, message: str) -> ApiError:

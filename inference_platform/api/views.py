@@ -6,19 +6,15 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import redis
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
-from django.views.decorators.csrf import csrf_exempt
-from rest_framework.decorators import api_view
-from rest_framework.request import Request
-from rest_framework.response import Response
 
-from inference_platform.api.chat_request import ChatRequest, parse_chat_request, parse_json_body
+from inference_platform.api.boundary import is_api_path, json_endpoint, only_get
+from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
 from inference_platform.serving import describe_route, plan_request, served_model
@@ -27,15 +23,11 @@ from routing.responses import DONE, ERROR, TOKEN
 logger = logging.getLogger("inference_platform.api")
 
 
-def new_request_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-@api_view(["GET"])
-def list_models(request: Request) -> Response:
+@only_get
+def list_models(request: HttpRequest) -> HttpResponse:
     view = served_model()
     created = int(view.path.stat().st_mtime) if view.path.exists() else 0
-    return Response(
+    return JsonResponse(
         {
             "object": "list",
             "data": [{"id": view.name, "object": "model", "created": created, "owned_by": "platform"}],
@@ -69,15 +61,10 @@ def _worker_error(data: dict[str, Any], dispatch: Dispatch) -> ApiError:
     return ApiError(status, message, code=data.get("code") or "worker_error", param=data.get("param"))
 
 
-@csrf_exempt
-async def chat_completions(request: HttpRequest) -> HttpResponse:
-    request_id = new_request_id()
-    if request.method != "POST":
-        return error_response(
-            ApiError(405, "Use POST for /v1/chat/completions.", code="method_not_allowed"), request_id
-        )
+@json_endpoint
+async def chat_completions(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
     try:
-        chat = parse_chat_request(parse_json_body(request.body), max_tokens_limit=settings.MAX_TOKENS_LIMIT)
+        chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         dispatch = await plan_request(chat, request_id, dict(request.headers))
     except ApiError as error:
         return error_response(error, request_id)
@@ -122,14 +109,10 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     return _headers(JsonResponse(body), dispatch)
 
 
-@csrf_exempt
-async def route(request: HttpRequest) -> HttpResponse:
+@json_endpoint
+async def route(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
     """What the router sees of a chat request, without dispatching it."""
-    request_id = new_request_id()
-    if request.method != "POST":
-        return error_response(ApiError(405, "Use POST for /v1/route.", code="method_not_allowed"), request_id)
     try:
-        body = parse_json_body(request.body)
         body.setdefault("model", served_model().name)
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         description = await describe_route(chat, dict(request.headers))
@@ -196,10 +179,19 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """API clients get OpenAI-style JSON for unknown paths; everyone else Django's page."""
-    if request.path.startswith("/v1/"):
+    if is_api_path(request.path):
         return error_response(
             ApiError(404, f"No route for {request.method} {request.path}.", code="not_found")
         )
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """An unforeseen failure outside a view's own handling: API clients still get JSON."""
+    if is_api_path(request.path):
+        return error_response(ApiError(500, "Internal error.", code="internal_error"))
+    from django.views.defaults import server_error as html_server_error
+
+    return html_server_error(request)
