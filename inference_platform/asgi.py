@@ -14,4 +14,11 @@ from inference_platform.api.boundary import RequestBodyLimit
 
 django_asgi_app = get_asgi_application()
 
+from inference_platform.metrics import frontend_source  # noqa: E402  (needs the app set up)
+from routing import telemetry  # noqa: E402
+from routing.redis_keys import sync_client  # noqa: E402
+
+# This frontend's request metrics go to the deployment's Redis, where /metrics sums them.
+telemetry.attach(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, frontend_source())
+
 application = ProtocolTypeRouter({"http": RequestBodyLimit(django_asgi_app, settings.API_MAX_BODY_BYTES)})

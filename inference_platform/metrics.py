@@ -1,7 +1,15 @@
-"""GET /metrics: the dashboard's snapshot in Prometheus text exposition format (version 0.0.4)."""
+"""GET /metrics: the deployment's metrics for Prometheus, in its text format or OpenMetrics.
+
+Everything comes from Redis (the dashboard's snapshot for worker state and cache counters,
+`routing.telemetry` for the request histograms, counters and engine gauges), so every frontend
+process answers the same. prometheus_client renders it, and picks the format from the scraper's
+Accept header (OpenMetrics when asked for, Prometheus text 0.0.4 otherwise).
+"""
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Iterator
 
 import redis
@@ -9,13 +17,22 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 
+from routing import telemetry
 from routing.cache_stats import CACHES
 from routing.dashboard import Snapshot, shared_reader
+from routing.metric_catalog import CATALOG
 from routing.models import Worker
 from routing.redis_keys import redact_text, sync_client
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "mmr_"
 
 # (metric, key of the snapshot's worker entry, help); each a gauge labelled by worker.
@@ -56,70 +73,108 @@ KV_TOKEN_COUNTERS: tuple[tuple[str, str], ...] = (
 @csrf_exempt  # a scraper's POST is a 405, not the CSRF failure page
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     try:
-        snapshot = shared_reader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX).snapshot(
-            Worker.objects.all(), minutes=0
-        )
+        families = deployment_families()
     except redis.RedisError as exc:
         # A scrape that fails shows as `up == 0` in Prometheus, which is what an operator wants.
         return HttpResponse(
-            f"redis unavailable: {redact_text(str(exc))}\n", status=503, content_type=CONTENT_TYPE
+            f"redis unavailable: {redact_text(str(exc))}\n",
+            status=503,
+            content_type="text/plain; charset=utf-8",
         )
-    return HttpResponse(render_metrics(snapshot), content_type=CONTENT_TYPE)
+    return HttpResponse(encoder(_registry_of(families)), content_type=content_type)
 
 
-def render_metrics(snapshot: Snapshot) -> str:
-    return "".join(f"{line}\n" for line in _lines(snapshot))
+def deployment_families() -> list[Metric]:
+    client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+    snapshot = shared_reader(client, namespace).snapshot(Worker.objects.all(), minutes=0)
+    return [
+        *snapshot_families(snapshot),
+        *telemetry_families(
+            telemetry.read_totals(client, namespace), telemetry.read_gauges(client, namespace)
+        ),
+    ]
 
 
-def _lines(snapshot: Snapshot) -> Iterator[str]:
+def render_metrics(families: list[Metric], accept: str = "") -> str:
+    encoder, _ = choose_encoder(accept)
+    return encoder(_registry_of(families)).decode()
+
+
+class _Families:
+    """A collector over families read once for this scrape."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def _registry_of(families: list[Metric]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return registry
+
+
+def snapshot_families(snapshot: Snapshot) -> Iterator[Metric]:
     workers = snapshot["workers"]
-    yield from _family(
-        "worker_info",
-        "gauge",
+    info = GaugeMetricFamily(
+        f"{PREFIX}worker_info",
         "Always 1; labels say what the worker serves and where.",
-        (({"worker": w["name"], "model": w["model"], "device": w["device"]}, 1) for w in workers),
+        labels=("worker", "model", "device"),
     )
+    for w in workers:
+        info.add_metric((w["name"], w["model"], w["device"]), 1)
+    yield info
     for name, key, help_text in WORKER_GAUGES:
-        yield from _family(name, "gauge", help_text, (({"worker": w["name"]}, w[key]) for w in workers))
+        family = GaugeMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))
+        for w in workers:
+            family.add_metric((w["name"],), float(w[key]))
+        yield family
     for field, help_text in CACHE_COUNTERS:
-        yield from _family(
-            f"cache_{field}_total",
-            "counter",
-            help_text,
-            (
-                ({"worker": w["name"], "cache": cache}, w["caches"][cache][field])
-                for w in workers
-                for cache in CACHES
-            ),
-        )
+        family = CounterMetricFamily(f"{PREFIX}cache_{field}", help_text, labels=("worker", "cache"))
+        for w in workers:
+            for cache in CACHES:
+                family.add_metric((w["name"], cache), w["caches"][cache][field])
+        yield family
     for field, help_text in KV_TOKEN_COUNTERS:
-        yield from _family(
-            f"kv_{field}_total",
-            "counter",
-            help_text,
-            (({"worker": w["name"]}, w["caches"]["kv"][field]) for w in workers),
-        )
+        family = CounterMetricFamily(f"{PREFIX}kv_{field}", help_text, labels=("worker",))
+        for w in workers:
+            family.add_metric((w["name"],), w["caches"]["kv"][field])
+        yield family
 
 
-def _family(
-    name: str, kind: str, help_text: str, samples: Iterator[tuple[dict[str, str], float]]
-) -> Iterator[str]:
-    yield f"# HELP {PREFIX}{name} {_escape_help(help_text)}"
-    yield f"# TYPE {PREFIX}{name} {kind}"
-    for labels, value in samples:
-        rendered = ",".join(f'{key}="{_escape_label(str(text))}"' for key, text in labels.items())
-        yield f"{PREFIX}{name}{{{rendered}}} {_number(value)}"
+def telemetry_families(totals: telemetry.Parsed, gauges: telemetry.Parsed) -> Iterator[Metric]:
+    """Every declared metric, with no sample yet if nothing recorded it (so dashboards can name it)."""
+    for name, metric in CATALOG.items():
+        labels = list(metric.labels)
+        full = f"{PREFIX}{name}"
+        if metric.kind == "counter":
+            family: Metric = CounterMetricFamily(full, metric.help, labels=labels)
+            for values, value in sorted(totals.get(name, telemetry.Series(metric)).values.items()):
+                family.add_metric(list(values), value)
+        elif metric.kind == "gauge":
+            family = GaugeMetricFamily(full, metric.help, labels=labels)
+            for values, value in sorted(gauges.get(name, telemetry.Series(metric)).values.items()):
+                family.add_metric(list(values), value)
+        else:
+            family = HistogramMetricFamily(full, metric.help, labels=labels)
+            series = totals.get(name, telemetry.Series(metric))
+            for values, (buckets, total, _count) in sorted(series.histograms.items()):
+                cumulative, running = [], 0.0
+                for bound, in_bucket in zip([*metric.buckets, float("inf")], buckets, strict=True):
+                    running += in_bucket
+                    cumulative.append((_bound(bound), running))
+                family.add_metric(list(values), cumulative, total)
+        yield family
 
 
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
-def _escape_help(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    # Booleans and counts print as integers, which Prometheus parses like any float.
-    return str(int(value)) if isinstance(value, bool | int) else repr(float(value))
+def frontend_source() -> str:
+    """How this frontend process names itself among the processes that report gauges."""
+    return f"web:{socket.gethostname()}:{os.getpid()}"

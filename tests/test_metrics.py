@@ -1,22 +1,26 @@
-"""GET /metrics: Prometheus text exposition of workers' state, load and cache counters."""
+"""GET /metrics: workers' state, cache counters and telemetry, in Prometheus text and OpenMetrics."""
 
 from __future__ import annotations
 
-import re
+from typing import Any
 
 import pytest
 import redis
+from django.conf import settings as live_settings
 from django.test import Client
+from prometheus_client.openmetrics import parser as openmetrics_parser
+from prometheus_client.parser import text_string_to_metric_families
 
 from routing.cache_stats import CacheStats
+from routing.metric_catalog import CATALOG
+from routing.redis_keys import sync_client
 from routing.registry import Heartbeat, WorkerRegistry
+from routing.telemetry import MetricsRecorder
 from tests.test_dashboard import EXPECTED, closed_port, set_up_deployment
 
 Sample = tuple[str, dict[str, str], float]
 
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})? (?P<value>\S+)$")
-_LABEL = re.compile(r'\s*(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
 @pytest.fixture
@@ -24,35 +28,17 @@ def deployment(settings, redis_client: redis.Redis, redis_url: str, key_namespac
     return set_up_deployment(settings, redis_client, redis_url, key_namespace)
 
 
-def parse_exposition(text: str) -> tuple[list[Sample], dict[str, str], dict[str, str]]:
-    """Samples, and the TYPE and HELP of each metric, refusing any line the format does not allow."""
-    samples: list[Sample] = []
-    types: dict[str, str] = {}
-    helps: dict[str, str] = {}
-    assert text.endswith("\n"), "the exposition ends with a line feed"
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name, _, help_text = line[len("# HELP ") :].partition(" ")
-            assert name not in helps, f"second HELP for {name}"
-            helps[name] = help_text
-        elif line.startswith("# TYPE "):
-            name, _, kind = line[len("# TYPE ") :].partition(" ")
-            assert kind in {"counter", "gauge", "histogram", "summary", "untyped"}, line
-            assert name not in types, f"second TYPE for {name}"
-            assert not any(s[0] == name for s in samples), f"TYPE for {name} after its samples"
-            types[name] = kind
-        else:
-            match = _SAMPLE.match(line)
-            assert match, f"not a sample line: {line!r}"
-            labels: dict[str, str] = {}
-            rest = match["labels"] or ""
-            while rest:
-                label = _LABEL.match(rest)
-                assert label, f"bad labels in {line!r}"
-                labels[label["key"]] = re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m[0]], label["value"])
-                rest = rest[label.end() :]
-            samples.append((match["name"], labels, float(match["value"])))
-    return samples, types, helps
+def scrape(accept: str = "") -> tuple[list[Sample], dict[str, Any]]:
+    """GET /metrics, parsed by prometheus_client's parser for the format the server chose."""
+    response = Client().get("/metrics", HTTP_ACCEPT=accept) if accept else Client().get("/metrics")
+    assert response.status_code == 200
+    text = response.content.decode()
+    if response["Content-Type"].startswith("application/openmetrics-text"):
+        families = list(openmetrics_parser.text_string_to_metric_families(text))
+    else:
+        families = list(text_string_to_metric_families(text))
+    samples = [(s.name, dict(s.labels), s.value) for family in families for s in family.samples]
+    return samples, {family.name: family for family in families}
 
 
 def value(samples: list[Sample], name: str, **labels: str) -> float:
@@ -62,22 +48,39 @@ def value(samples: list[Sample], name: str, **labels: str) -> float:
 
 
 @pytest.mark.django_db
-def test_metrics_parse_as_prometheus_text_with_help_and_type_for_every_metric(deployment: float) -> None:
-    response = Client().get("/metrics")
-    assert response.status_code == 200
-    assert response["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    samples, types, helps = parse_exposition(response.content.decode())
+@pytest.mark.parametrize("accept", ["", "text/plain", OPENMETRICS])
+def test_metrics_parse_in_both_formats_with_help_and_type_for_every_metric(
+    deployment: float, accept: str
+) -> None:
+    # given: requests recorded through the telemetry every process uses
+    recorder = MetricsRecorder(
+        sync_client(live_settings.REDIS_URL), live_settings.REDIS_KEY_PREFIX, source="web:t"
+    )
+    recorder.inc("requests", labels={"status": "200", "worker": "gpu0"})
+    recorder.observe("ttft_seconds", 0.2, labels={"worker": "gpu0"})
+    recorder.close()
+    # when: scraped as Prometheus asks (text) and as OpenMetrics scrapers ask
+    response = Client().get("/metrics", HTTP_ACCEPT=accept)
+    samples, families = scrape(accept)
+    # then: the strict parser accepted it (no "Clashing name"), and each family has help and type
+    expected_type = "application/openmetrics-text" if accept == OPENMETRICS else "text/plain; version=0.0.4"
+    assert response["Content-Type"].startswith(expected_type)
     assert samples
-    for name, _, _ in samples:
-        assert name in types and helps.get(name), f"{name} has no TYPE or HELP"
-    assert set(types) == set(helps)
-    for name, kind in types.items():
-        assert kind == ("counter" if name.endswith("_total") else "gauge"), name
+    for family in families.values():
+        assert family.documentation, family.name
+        assert family.type in {"counter", "gauge", "histogram"}, family.name
+    assert families["mmr_cache_hits"].type == "counter"
+    assert families["mmr_ttft_seconds"].type == "histogram"
+    assert value(samples, "mmr_requests_total", status="200", worker="gpu0") == 1
+    assert value(samples, "mmr_ttft_seconds_bucket", worker="gpu0", le="0.25") == 1
+    assert value(samples, "mmr_ttft_seconds_bucket", worker="gpu0", le="0.1") == 0
+    for name in CATALOG:
+        assert f"mmr_{name}" in families, f"declared metric {name} missing from /metrics"
 
 
 @pytest.mark.django_db
 def test_worker_gauges_equal_what_the_workers_wrote(deployment: float) -> None:
-    samples, _, _ = parse_exposition(Client().get("/metrics").content.decode())
+    samples, _ = scrape()
     for worker, expected in EXPECTED.items():
         live = expected["state"] != "down"
         assert value(samples, "mmr_worker_live", worker=worker) == live
@@ -103,7 +106,7 @@ def test_worker_gauges_equal_what_the_workers_wrote(deployment: float) -> None:
 
 @pytest.mark.django_db
 def test_cache_counters_equal_what_the_workers_counted(deployment: float) -> None:
-    samples, _, _ = parse_exposition(Client().get("/metrics").content.decode())
+    samples, _ = scrape()
     assert value(samples, "mmr_kv_cached_tokens_total", worker="gpu0") == 30
     assert value(samples, "mmr_kv_prompt_tokens_total", worker="gpu0") == 40
     assert value(samples, "mmr_kv_prompt_tokens_total", worker="gpu1") == 10
@@ -129,9 +132,8 @@ def test_label_values_are_escaped(deployment: float, redis_client: redis.Redis, 
     counted.incr("kv", "hits")
     counted.close()
     # when
-    text = Client().get("/metrics").content.decode()
+    samples, _ = scrape()
     # then: the exposition still parses, and gives the values back unchanged
-    samples, _, _ = parse_exposition(text)
     assert value(samples, "mmr_worker_info", worker=odd_name, model=odd_model, device="cpu") == 1
     assert value(samples, "mmr_worker_live", worker=odd_name) == 1
     assert value(samples, "mmr_cache_hits_total", worker=odd_name, cache="kv") == 1

@@ -1,0 +1,196 @@
+"""Every metric the platform records, declared once: name, kind, labels, help and buckets.
+
+`routing.telemetry` refuses a name that is not declared here, `/metrics` writes HELP and TYPE
+from here, and a test checks the README documents each one. Naming conventions are in
+docs/ARCHITECTURE.md ("Metrics"): names here carry neither the `mmr_` prefix nor a counter's
+`_total` (the exposition adds both); seconds and bytes are the units, named as a suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "histogram", "gauge"]
+
+# Request latencies: 5 ms to 2 min (a slow first token on a loaded CPU worker is seconds).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+# Steps inside a request (a routing decision, one image decode, the gap between tokens).
+FAST_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+CATALOG: dict[str, Metric] = {}
+
+
+def declare(metric: Metric) -> Metric:
+    if metric.name in CATALOG:
+        raise ValueError(f"metric {metric.name!r} is declared twice")
+    if metric.name.endswith("_total"):
+        raise ValueError(f"declare counter {metric.name!r} without _total: the exposition adds it")
+    if metric.kind == "histogram" and not metric.buckets:
+        raise ValueError(f"histogram {metric.name!r} needs buckets")
+    CATALOG[metric.name] = metric
+    return metric
+
+
+# --- The frontend: one request's life as the client sees it -------------------------------
+REQUESTS = declare(
+    Metric(
+        "requests",
+        "counter",
+        'Chat requests answered, by HTTP status and the worker that served them ("none": no worker chosen).',
+        ("status", "worker"),
+    )
+)
+PROMPT_TOKENS = declare(
+    Metric(
+        "prompt_tokens", "counter", "Prompt tokens of answered requests, image tokens included.", ("worker",)
+    )
+)
+CACHED_PROMPT_TOKENS = declare(
+    Metric(
+        "cached_prompt_tokens",
+        "counter",
+        "Prompt tokens of answered requests that the worker's prefix KV cache already held.",
+        ("worker",),
+    )
+)
+COMPLETION_TOKENS = declare(
+    Metric("completion_tokens", "counter", "Tokens generated for answered requests.", ("worker",))
+)
+TTFT = declare(
+    Metric(
+        "ttft_seconds",
+        "histogram",
+        "Time to first token: from the request's arrival at the frontend to its first generated token.",
+        ("worker",),
+        LATENCY_BUCKETS,
+    )
+)
+REQUEST_DURATION = declare(
+    Metric(
+        "request_duration_seconds",
+        "histogram",
+        "End-to-end latency: from the request's arrival at the frontend to its last byte.",
+        ("worker",),
+        LATENCY_BUCKETS,
+    )
+)
+ROUTING_DECISION = declare(
+    Metric(
+        "routing_decision_seconds",
+        "histogram",
+        "Time the frontend spent choosing a worker (eligibility, overlaps, load, affinity).",
+        (),
+        FAST_BUCKETS,
+    )
+)
+ROUTING_DECISIONS = declare(
+    Metric(
+        "routing_decisions",
+        "counter",
+        "Routing decisions by the worker chosen and why it was chosen.",
+        ("worker", "reason"),
+    )
+)
+# The routing quality figure (issue 10 computes it: the best eligible worker's overlap minus
+# the chosen worker's, in KV blocks). Declared here so dashboards and alerts can name it.
+ROUTING_OVERLAP_GIVEN_UP = declare(
+    Metric(
+        "routing_overlap_given_up_blocks",
+        "counter",
+        "Prefix KV blocks the router gave up: the best eligible worker's overlap minus the chosen one's.",
+        ("worker",),
+    )
+)
+ROUTING_BEST_OVERLAP = declare(
+    Metric(
+        "routing_best_overlap_blocks",
+        "counter",
+        "Prefix KV blocks the best eligible worker held for routed requests (what was given up is out of).",
+        ("worker",),
+    )
+)
+
+# --- The worker: what happens between dispatch and the last token -------------------------
+QUEUE_TIME = declare(
+    Metric(
+        "queue_seconds",
+        "histogram",
+        "Time from the frontend's dispatch to the worker starting the request (clocks of both hosts).",
+        ("worker",),
+        LATENCY_BUCKETS,
+    )
+)
+INTER_TOKEN = declare(
+    Metric(
+        "inter_token_seconds",
+        "histogram",
+        "Time between consecutive generated tokens of a request.",
+        ("worker",),
+        FAST_BUCKETS,
+    )
+)
+IMAGE_FETCH = declare(
+    Metric(
+        "image_fetch_seconds",
+        "histogram",
+        "Time a worker spent fetching one image's bytes (shared cache or origin), cache hits excluded.",
+        ("worker", "source"),
+        (*FAST_BUCKETS, 5.0, 10.0),
+    )
+)
+IMAGE_DECODE = declare(
+    Metric(
+        "image_decode_seconds",
+        "histogram",
+        "Time a worker spent decoding one image's bytes into pixels.",
+        ("worker",),
+        FAST_BUCKETS,
+    )
+)
+
+# --- Gauges the worker reports about its engine (last value; gone when the process is) ----
+ENGINE_RUNNING = declare(
+    Metric("engine_running_requests", "gauge", "Requests the worker's engine is generating now.", ("worker",))
+)
+ENGINE_WAITING = declare(
+    Metric(
+        "engine_waiting_requests",
+        "gauge",
+        "Requests the worker accepted that wait for the engine.",
+        ("worker",),
+    )
+)
+ENGINE_KV_BLOCKS_USED = declare(
+    Metric("engine_kv_blocks_used", "gauge", "KV blocks the worker's prefix cache holds now.", ("worker",))
+)
+ENGINE_KV_BLOCKS_FREE = declare(
+    Metric(
+        "engine_kv_blocks_free", "gauge", "KV blocks the worker's prefix cache can still take.", ("worker",)
+    )
+)

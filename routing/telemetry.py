@@ -1,0 +1,380 @@
+"""Counters, histograms and gauges that any process records, summed in Redis.
+
+Every frontend and worker process records into an in-memory buffer (`inc`, `observe`,
+`set_gauge`: a dict update under a lock, never a Redis call); a background thread flushes it
+about once a second in one pipeline. Because the sums live in Redis, `/metrics` shows the same
+figures whichever frontend is scraped, and they survive any process restart. Each counter and
+histogram is also added to a per-minute bucket (kept a day), the pre-aggregated table that the
+dashboard's windows read, as Zulip's charts read its count tables.
+
+Keys (this module owns them):
+- `<ns>m:total` hash, one field per series (`name`, histogram part, labels) -> running sum;
+- `<ns>m:min:<minute>` hash, the same fields, what was added during that minute (TTL 25 h);
+- `<ns>m:g:<source>` hash of a process's gauges (TTL `GAUGE_TTL_SECS`, renewed each flush),
+  and `<ns>m:sources` sorted set, source -> last flush time, so readers skip dead processes.
+
+A field is `name \\x1f part \\x1f labels-json`: part is "" for a counter, and for a histogram
+"sum", "count" or "b<i>" (observations in bucket i, not cumulative; i = len(buckets) is +Inf).
+JSON escapes control characters, so the separator never appears inside a label value.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import redis
+
+from routing.metric_catalog import CATALOG, Metric
+
+logger = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_SECS = 1.0
+MINUTE_TTL_SECS = 25 * 3600
+GAUGE_TTL_SECS = 15
+SEP = "\x1f"
+
+LabelKey = str  # labels as canonical JSON
+Labels = Mapping[str, str | int]
+
+
+def total_key(namespace: str) -> str:
+    return f"{namespace}m:total"
+
+
+def minute_key(namespace: str, minute: int) -> str:
+    return f"{namespace}m:min:{minute}"
+
+
+def gauge_key(namespace: str, source: str) -> str:
+    return f"{namespace}m:g:{source}"
+
+
+def sources_key(namespace: str) -> str:
+    return f"{namespace}m:sources"
+
+
+def _metric(name: str, kind: str) -> Metric:
+    metric = CATALOG.get(name)
+    if metric is None:
+        raise ValueError(f"metric {name!r} is not declared in routing.metric_catalog")
+    if metric.kind != kind:
+        raise ValueError(f"metric {name!r} is a {metric.kind}, not a {kind}")
+    return metric
+
+
+def _label_key(metric: Metric, labels: Labels | None) -> LabelKey:
+    given = dict(labels or {})
+    if set(given) != set(metric.labels):
+        raise ValueError(f"metric {metric.name!r} takes labels {metric.labels}, got {tuple(given)}")
+    return json.dumps([str(given[name]) for name in metric.labels], separators=(",", ":"))
+
+
+def field_name(name: str, part: str, label_key: LabelKey) -> str:
+    return f"{name}{SEP}{part}{SEP}{label_key}"
+
+
+def bucket_index(metric: Metric, value: float) -> int:
+    """The first bucket whose upper bound holds the value (bounds are inclusive, as `le` says)."""
+    return bisect.bisect_left(metric.buckets, value)
+
+
+class MetricsRecorder:
+    """One process's recorder. Thread-safe; recording never touches Redis.
+
+    Until `attach` gives it a Redis client it only buffers, so code may record before the
+    process has set up its connection (an import-time path, a test).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis | None = None,
+        namespace: str = "",
+        *,
+        source: str = "",
+        flush_interval: float = FLUSH_INTERVAL_SECS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._client = client
+        self._namespace = namespace
+        self.source = source
+        self._flush_interval = flush_interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        # minute -> field -> amount; the minute is when it was recorded, not when flushed.
+        self._pending: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._gauges: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+
+    def attach(self, client: redis.Redis, namespace: str, source: str) -> None:
+        with self._lock:
+            self._client, self._namespace, self.source = client, namespace, source
+
+    def inc(self, name: str, n: float = 1, labels: Labels | None = None) -> None:
+        metric = _metric(name, "counter")
+        if n < 0:
+            raise ValueError(f"counter {name!r} cannot go down (got {n})")
+        if n:
+            self._add({field_name(name, "", _label_key(metric, labels)): n})
+
+    def observe(self, name: str, value: float, labels: Labels | None = None) -> None:
+        metric = _metric(name, "histogram")
+        key = _label_key(metric, labels)
+        self._add(
+            {
+                field_name(name, f"b{bucket_index(metric, value)}", key): 1,
+                field_name(name, "sum", key): value,
+                field_name(name, "count", key): 1,
+            }
+        )
+
+    def set_gauge(self, name: str, value: float, labels: Labels | None = None) -> None:
+        metric = _metric(name, "gauge")
+        with self._lock:
+            self._gauges[field_name(name, "", _label_key(metric, labels))] = float(value)
+            self._start_flusher()
+
+    def _add(self, amounts: Mapping[str, float]) -> None:
+        minute = int(self._clock() // 60)
+        with self._lock:
+            pending = self._pending[minute]
+            for name, amount in amounts.items():
+                pending[name] += amount
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None and not self._stop.is_set():
+            self._flusher = threading.Thread(
+                target=self._flush_periodically, name="metrics-flush", daemon=True
+            )
+            self._flusher.start()
+
+    def flush(self) -> None:
+        """Write what was recorded since the last flush; on failure it stays for the next try."""
+        with self._lock:
+            client, namespace, source = self._client, self._namespace, self.source
+            if client is None:
+                return
+            pending, self._pending = self._pending, defaultdict(lambda: defaultdict(float))
+            gauges = dict(self._gauges)
+        if not pending and not gauges:
+            return
+        pipe = client.pipeline(transaction=False)
+        for minute, amounts in pending.items():
+            bucket = minute_key(namespace, minute)
+            for name, amount in amounts.items():
+                _incr(pipe, total_key(namespace), name, amount)
+                _incr(pipe, bucket, name, amount)
+            pipe.expire(bucket, MINUTE_TTL_SECS)
+        if gauges:
+            # Rewritten whole, so a gauge the process no longer sets goes with the next flush.
+            key = gauge_key(namespace, source)
+            pipe.delete(key)
+            pipe.hset(key, mapping=gauges)
+            pipe.expire(key, GAUGE_TTL_SECS)
+            pipe.zadd(sources_key(namespace), {source: self._clock()})
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("metrics flush from %s failed: %s", source, type(exc).__name__)
+            with self._lock:
+                for minute, amounts in pending.items():
+                    for name, amount in amounts.items():
+                        self._pending[minute][name] += amount
+            raise
+
+    def close(self) -> None:
+        """Stop the background flusher and write what is left (best effort)."""
+        self._stop.set()
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join(timeout=self._flush_interval + 1)
+        with contextlib.suppress(redis.RedisError):
+            self.flush()
+
+    def _flush_periodically(self) -> None:
+        while not self._stop.wait(self._flush_interval):
+            with contextlib.suppress(redis.RedisError):  # logged by flush; retried next round
+                self.flush()
+
+
+def _incr(pipe: redis.client.Pipeline, key: str, name: str, amount: float) -> None:
+    # Integers stay integers in Redis (exact, and HINCRBY is cheaper than HINCRBYFLOAT).
+    if float(amount).is_integer():
+        pipe.hincrby(key, name, int(amount))
+    else:
+        pipe.hincrbyfloat(key, name, amount)
+
+
+# --- The process's recorder: what instrumented code calls ---------------------------------
+
+_process_recorder = MetricsRecorder()
+
+
+def process_recorder() -> MetricsRecorder:
+    return _process_recorder
+
+
+def attach(client: redis.Redis, namespace: str, source: str) -> MetricsRecorder:
+    """Send this process's metrics to Redis (a frontend on its first request, `run_worker` at start)."""
+    _process_recorder.attach(client, namespace, source)
+    return _process_recorder
+
+
+def inc(name: str, n: float = 1, labels: Labels | None = None) -> None:
+    _process_recorder.inc(name, n, labels)
+
+
+def observe(name: str, value: float, labels: Labels | None = None) -> None:
+    _process_recorder.observe(name, value, labels)
+
+
+def set_gauge(name: str, value: float, labels: Labels | None = None) -> None:
+    _process_recorder.set_gauge(name, value, labels)
+
+
+# --- Reading ------------------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    """One metric's samples: labels -> value (a counter's or gauge's), or histogram parts."""
+
+    metric: Metric
+    values: dict[tuple[str, ...], float] = field(default_factory=dict)
+    # histogram: labels -> (per-bucket counts, not cumulative; sum; count)
+    histograms: dict[tuple[str, ...], tuple[list[float], float, float]] = field(default_factory=dict)
+
+
+Parsed = dict[str, Series]
+
+
+def parse_fields(reply: Mapping[bytes | str, bytes | str]) -> Parsed:
+    """A hash of fields as `MetricsRecorder.flush` writes them, by metric and labels."""
+    parsed: Parsed = {}
+    for raw_field, raw_value in reply.items():
+        text = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+        name, part, label_json = ([*text.split(SEP, 2), "", ""])[:3]
+        metric = CATALOG.get(name)
+        if metric is None:
+            continue  # a metric a newer (or older) version records: not ours to show
+        try:
+            labels = tuple(json.loads(label_json))
+        except ValueError:
+            continue
+        if len(labels) != len(metric.labels):
+            continue  # the metric's labels changed between versions
+        value = float(raw_value)
+        series = parsed.setdefault(name, Series(metric))
+        if metric.kind != "histogram":
+            series.values[labels] = series.values.get(labels, 0.0) + value
+            continue
+        buckets, total, count = series.histograms.get(labels) or ([0.0] * (len(metric.buckets) + 1), 0.0, 0.0)
+        if part == "sum":
+            total += value
+        elif part == "count":
+            count += value
+        elif part.startswith("b") and part[1:].isdigit() and int(part[1:]) < len(buckets):
+            buckets[int(part[1:])] += value
+        series.histograms[labels] = (buckets, total, count)
+    return parsed
+
+
+def merge(many: Iterable[Parsed]) -> Parsed:
+    merged: Parsed = {}
+    for parsed in many:
+        for name, series in parsed.items():
+            into = merged.setdefault(name, Series(series.metric))
+            for labels, value in series.values.items():
+                into.values[labels] = into.values.get(labels, 0.0) + value
+            for labels, (buckets, total, count) in series.histograms.items():
+                have = into.histograms.get(labels)
+                if have is None:
+                    into.histograms[labels] = (list(buckets), total, count)
+                else:
+                    into.histograms[labels] = (
+                        [a + b for a, b in zip(have[0], buckets, strict=True)],
+                        have[1] + total,
+                        have[2] + count,
+                    )
+    return merged
+
+
+def read_totals(client: redis.Redis, namespace: str) -> Parsed:
+    """Every counter and histogram since the deployment began."""
+    return parse_fields(client.hgetall(total_key(namespace)))
+
+
+def read_gauges(client: redis.Redis, namespace: str, *, now: float | None = None) -> Parsed:
+    """The gauges of every process that flushed within `GAUGE_TTL_SECS`, summed per labels."""
+    now = time.time() if now is None else now
+    sources_at = sources_key(namespace)
+    client.zremrangebyscore(sources_at, "-inf", now - 24 * 3600)  # forget long-gone processes
+    sources = client.zrangebyscore(sources_at, now - GAUGE_TTL_SECS, "+inf")
+    if not sources:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for source in sources:
+        pipe.hgetall(gauge_key(namespace, source.decode() if isinstance(source, bytes) else source))
+    return merge(parse_fields(reply) for reply in pipe.execute())
+
+
+def read_minutes(client: redis.Redis, namespace: str, minutes: Iterable[int]) -> list[Parsed]:
+    """What was recorded in each of these minutes (since the epoch), in one round trip."""
+    wanted = list(minutes)
+    pipe = client.pipeline(transaction=False)
+    for minute in wanted:
+        pipe.hgetall(minute_key(namespace, minute))
+    return [parse_fields(reply) for reply in pipe.execute()]
+
+
+def counter_sum(parsed: Parsed, name: str, **where: str) -> float:
+    """A counter summed over every series whose labels match `where`."""
+    series = parsed.get(name)
+    if series is None:
+        return 0.0
+    positions = {series.metric.labels.index(label): value for label, value in where.items()}
+    return sum(
+        value
+        for labels, value in series.values.items()
+        if all(labels[i] == wanted for i, wanted in positions.items())
+    )
+
+
+def histogram_quantile(metric: Metric, buckets: list[float], q: float) -> float | None:
+    """Prometheus's estimate: linear within the bucket holding the q-th observation."""
+    count = sum(buckets)
+    if not count:
+        return None
+    rank = q * count
+    seen = 0.0
+    for i, in_bucket in enumerate(buckets):
+        if seen + in_bucket >= rank and in_bucket:
+            if i == len(metric.buckets):  # +Inf: the highest finite bound, as Prometheus says
+                return metric.buckets[-1]
+            lower = metric.buckets[i - 1] if i else 0.0
+            return lower + (metric.buckets[i] - lower) * (rank - seen) / in_bucket
+        seen += in_bucket
+    return metric.buckets[-1]
+
+
+def histogram_merged(parsed: Parsed, name: str, **where: str) -> list[float]:
+    """A histogram's per-bucket counts summed over every series whose labels match `where`."""
+    metric = CATALOG[name]
+    merged = [0.0] * (len(metric.buckets) + 1)
+    series = parsed.get(name)
+    if series is None:
+        return merged
+    positions = {metric.labels.index(label): value for label, value in where.items()}
+    for labels, (buckets, _total, _count) in series.histograms.items():
+        if all(labels[i] == wanted for i, wanted in positions.items()):
+            merged = [a + b for a, b in zip(merged, buckets, strict=True)]
+    return merged
