@@ -12,5 +12,5 @@ app = Celery("inference_platform")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
-# The task name the web process dispatches by; it never imports the worker's code.
-GENERATE_TASK = "workers.generate"
+# The task names the web process dispatches by (it never imports the worker's code) are in
+# routing.contract, with the payloads.

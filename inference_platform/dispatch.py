@@ -12,25 +12,20 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 from django.conf import settings
 
 from inference_platform.api.errors import ApiError
-from inference_platform.celery import GENERATE_TASK
 from inference_platform.celery import app as celery_app
 from routing.affinity import SessionAffinity
+from routing.contract import CONTRACT_VERSION, DONE, ERROR, STARTED, TOKEN, GenerateTask
 from routing.index import KvIndex
 from routing.load import LoadTracker
 from routing.models import Worker, worker_queue
 from routing.redis_keys import async_client, redact_text, sync_client
 from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
 from routing.responses import (
-    DONE,
-    ERROR,
-    STARTED,
-    TOKEN,
     ResponseEvent,
     cancel_key,
     read_response_events,
@@ -116,6 +111,8 @@ def _eligibility(
         return "no heartbeat"
     if beat.stopping:
         return "shutting down"
+    if beat.contract_version != CONTRACT_VERSION:
+        return f"speaks task contract v{beat.contract_version}, not v{CONTRACT_VERSION}"
     if beat.model != model:
         return f"serves {beat.model}"
     if beat.block_size != block_size:
@@ -145,21 +142,21 @@ async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
     }
 
 
-async def send_to_worker(worker: str, payload: dict[str, Any]) -> None:
+async def send_to_worker(worker: str, task: GenerateTask) -> None:
     """Put the task on the worker's own queue; it expires if nobody starts it in time."""
     try:
         await asyncio.to_thread(
             celery_app.send_task,
-            GENERATE_TASK,
-            args=[payload],
+            task.name,
+            args=[task.to_payload()],
             queue=worker_queue(worker),
             expires=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
         )
     except Exception as exc:  # the broker refused or is unreachable
-        logger.exception("could not queue request %s for worker %s", payload["request_id"], worker)
+        logger.exception("could not queue request %s for worker %s", task.request_id, worker)
         raise ApiError(
             503,
-            f"Could not queue request {payload['request_id']} for worker {worker}: broker unavailable.",
+            f"Could not queue request {task.request_id} for worker {worker}: broker unavailable.",
             code="broker_unavailable",
         ) from exc
 

@@ -29,6 +29,7 @@ from inference_platform.dispatch import (
     worker_states,
 )
 from inference_platform.policy import current_policy
+from routing.contract import GenerateTask, ImageRef
 from routing.layouts import ImageSizeRefused
 from routing.media import (
     MediaError,
@@ -115,37 +116,32 @@ class PreparedRequest:
             ],
         }
 
-    def worker_payload(self, request_id: str, scope_key: str | None) -> dict[str, Any]:
-        images = []
-        for resolved in self.images:
-            # The size lets the worker lay the prompt out before loading anything, and skip
-            # loading the images its cached prefix covers.
-            image: dict[str, Any] = {
-                "identity": resolved.identity,
-                "url": resolved.url,
-                "width": resolved.width,
-                "height": resolved.height,
-            }
-            if resolved.data is not None:  # frontend decoding: the worker must not fetch the origin again
-                image["url"] = None
-                image["data_b64"] = base64.b64encode(resolved.data).decode("ascii")
-            images.append(image)
-        return {
-            "request_id": request_id,
-            "prompt": self.prompt,
-            "images": images,
-            "max_tokens": self.chat.max_tokens,
-            "temperature": self.chat.temperature,
-            "top_p": self.chat.top_p,
-            "seed": self.chat.seed,
-            "stop": self.chat.stop,
-            # With DYN_MM_IMAGE_CACHE_SESSION_SCOPED=1 the worker partitions its image and
-            # embedding caches by this keyed hash, and bypasses them for a request without one.
-            "scope_key": scope_key,
-            "block_hashes": self.view.block_hashes,
-            # Present on the processor path: the worker then skips its own preprocessing.
-            "processed": self.processed,
-        }
+    def generate_task(self, request_id: str, scope_key: str | None) -> GenerateTask:
+        """The worker's task for this request (routing.contract)."""
+        images = tuple(
+            ImageRef(
+                identity=resolved.identity,
+                # Frontend decoding: the bytes travel, and the worker must not fetch the origin again.
+                url=None if resolved.data is not None else resolved.url,
+                width=resolved.width,
+                height=resolved.height,
+                data_b64=None if resolved.data is None else base64.b64encode(resolved.data).decode("ascii"),
+            )
+            for resolved in self.images
+        )
+        return GenerateTask(
+            request_id=request_id,
+            prompt=self.prompt,
+            images=images,
+            max_tokens=self.chat.max_tokens,
+            temperature=self.chat.temperature,
+            top_p=self.chat.top_p,
+            seed=self.chat.seed,
+            stop=tuple(self.chat.stop or ()),
+            scope_key=scope_key,
+            block_hashes=tuple(self.view.block_hashes),
+            processed=self.processed,
+        )
 
 
 def prepare(chat: ChatRequest) -> PreparedRequest:
@@ -314,14 +310,14 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
             code="no_live_worker",
         )
     decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
-    payload = prepared.worker_payload(request_id, scope_key)
+    task = prepared.generate_task(request_id, scope_key)
     dispatch = Dispatch(
         request_id=request_id,
         worker=decision.worker,
         total_blocks=decision.total_blocks,
         overlap_blocks=decision.overlap,
     )
-    await send_to_worker(decision.worker, payload)
+    await send_to_worker(decision.worker, task)
     # Counted only once the task is queued, so a refused send leaves no phantom load behind.
     await asyncio.to_thread(router().dispatch, decision, request_id, view.prompt_tokens, view.block_size)
     logger.info(

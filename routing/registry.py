@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import redis
+
+from routing.contract import CONTRACT_VERSION
 
 HEARTBEAT_FAMILY = "hb:"
 ROUND_ROBIN_KEY = "rr"
@@ -32,6 +35,8 @@ class Heartbeat:
     stopping: bool = False  # SIGTERM received: finishing current work, taking nothing new
     session_scoped: bool = False  # DYN_MM_IMAGE_CACHE_SESSION_SCOPED on this worker
     shared_image_cache: str = "off"  # its shared image cache URL, password redacted, or "off"
+    contract_version: int = CONTRACT_VERSION  # the task contract it speaks (routing.contract)
+    instance: str = ""  # this process's instance id: a restart under the same name is a new one
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -39,8 +44,14 @@ class Heartbeat:
     @classmethod
     def from_json(cls, raw: bytes | str) -> Heartbeat:
         data = json.loads(raw)
+        data.setdefault("contract_version", 1)  # a worker from before the contract had a version
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def new_instance_id() -> str:
+    """A fresh id for one worker process; the heartbeat and every task event carry it."""
+    return uuid.uuid4().hex[:16]
 
 
 def heartbeat_key(namespace: str, name: str) -> str:

@@ -13,15 +13,28 @@ from typing import Any
 
 import redis
 
+# The event types are the contract's; re-exported for the stream's readers.
+from routing.contract import DONE, ERROR, STARTED, TOKEN, StreamEvent, event_data, parse_event
+
+__all__ = [
+    "CANCEL_FAMILY",
+    "DONE",
+    "ERROR",
+    "RESPONSE_FAMILY",
+    "RESPONSE_TTL_SECS",
+    "STARTED",
+    "TOKEN",
+    "ResponseEvent",
+    "ResponseWriter",
+    "cancel_key",
+    "parse_stream_entries",
+    "read_response_events",
+    "response_key",
+]
+
 RESPONSE_FAMILY = "resp:"
 CANCEL_FAMILY = "cancel:"  # set by the frontend when the client went away or gave up
 RESPONSE_TTL_SECS = 600
-
-# Event types, in the order a worker sends them.
-STARTED = "started"  # the worker picked the request up
-TOKEN = "token"  # a piece of generated text (the first one ends prefill)
-DONE = "done"  # the whole result, with usage and timings
-ERROR = "error"  # the request failed on the worker: status, code, message
 
 
 def response_key(namespace: str, request_id: str) -> str:
@@ -37,6 +50,11 @@ class ResponseEvent:
     id: str
     type: str
     data: dict[str, Any]
+
+    @property
+    def event(self) -> StreamEvent | None:
+        """The typed event (routing.contract); None for a type the contract does not know."""
+        return parse_event(self.type, self.data)
 
 
 class ResponseWriter:
@@ -55,6 +73,10 @@ class ResponseWriter:
             pipe.expire(self._key, RESPONSE_TTL_SECS)
         pipe.execute()
         self._expiry_set = True
+
+    def emit(self, event: StreamEvent) -> None:
+        """Append one typed event of the contract."""
+        self.send(event.type, **event_data(event))
 
     def cancelled(self) -> bool:
         """Whether the frontend asked to stop: the client went away or the request timed out."""

@@ -19,6 +19,7 @@ import redis
 import torch
 from PIL import Image
 
+from routing.contract import CONTRACT_VERSION
 from routing.media import MediaPolicy, decode_image, routing_hash, url_identity
 from routing.processor_view import ProcessorView, decode_processed, processor_token_view
 from routing.responses import DONE, ERROR, parse_stream_entries, response_key
@@ -242,6 +243,7 @@ def task_payload(prompt: str, images: Sequence[ImageInput], processed: Any) -> d
         "stop": [],
         "scope_key": None,
         "processed": processed,
+        "contract_version": CONTRACT_VERSION,
     }
 
 

@@ -20,6 +20,7 @@ import redis
 import torch
 from PIL import Image
 
+from routing.contract import CONTRACT_VERSION
 from routing.media import MediaPolicy, decode_image, routing_hash, url_identity
 from routing.processor_view import processor_token_view
 from routing.responses import DONE, parse_stream_entries, response_key
@@ -97,6 +98,7 @@ def serve(
         "stop": [],
         "scope_key": scope_hash(scope, SCOPE_SECRET) if scope else None,
         "processed": processed,
+        "contract_version": CONTRACT_VERSION,
     }
     worker.serve(payload)
     entries = worker.client.xrange(response_key(worker.namespace, payload["request_id"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from routing.contract import CONTRACT_VERSION, GenerateTask
 from routing.responses import ERROR, parse_stream_entries, response_key
 from tests.image_server import ImageServer
 
@@ -44,6 +45,7 @@ def test_an_origin_failing_when_the_worker_fetches_is_a_4xx_naming_the_image(
                 "max_tokens": 2,
                 "temperature": 0.0,
                 "top_p": 1.0,
+                "contract_version": CONTRACT_VERSION,
             }
         )
     events = parse_stream_entries(redis_client.xrange(response_key(key_namespace, "r-gone")))
@@ -51,3 +53,30 @@ def test_an_origin_failing_when_the_worker_fetches_is_a_4xx_naming_the_image(
     assert error.data["status"] == 400
     assert error.data["code"] == "origin_error"
     assert "404" in error.data["message"]
+
+
+@pytest.mark.parametrize("version", [None, 1, 99], ids=["no-version", "older", "newer"])
+def test_a_task_in_a_contract_version_the_worker_does_not_speak_is_refused_naming_both(
+    engine_and_loader, redis_client, key_namespace, version
+):
+    # given a worker and a task payload written by a frontend of another contract version
+    from workers.runtime import WorkerRuntime
+
+    engine, _loader = engine_and_loader
+    runtime = WorkerRuntime(name="w", engine=engine, client=redis_client, namespace=key_namespace)
+    payload = GenerateTask(request_id="r-old", prompt="Hi", max_tokens=2).to_payload()
+    if version is None:
+        del payload["contract_version"]
+    else:
+        payload["contract_version"] = version
+
+    # when the worker is handed it
+    runtime.serve(payload)
+
+    # then the request's stream says why, and nothing was generated
+    events = parse_stream_entries(redis_client.xrange(response_key(key_namespace, "r-old")))
+    assert [event.type for event in events] == [ERROR]
+    error = events[0].event
+    assert error.status == 503 and error.code == "unsupported_contract_version"
+    assert f"contract version {version!r}" in error.message
+    assert str(CONTRACT_VERSION) in error.message and "worker w" in error.message

@@ -18,8 +18,19 @@ import redis
 from PIL import Image
 
 from routing.cache_stats import CacheStats
+from routing.contract import (
+    DONE,
+    ContractError,
+    DoneEvent,
+    ErrorEvent,
+    FlushCachesTask,
+    GenerateTask,
+    ImageRef,
+    StartedEvent,
+    TokenEvent,
+)
 from routing.media import MediaError, MediaPolicy, fetch_bytes
-from routing.responses import DONE, ERROR, STARTED, TOKEN, ResponseWriter
+from routing.responses import ResponseWriter
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
@@ -42,20 +53,32 @@ class WorkerRuntime:
     session_scoped: bool = False
     stats: CacheStats | None = None
     image_loader: ImageLoader | None = None
+    instance: str = ""  # this process's instance id (routing.registry.new_instance_id)
 
-    def flush(self, payload: dict[str, Any]) -> None:
+    def flush(self, payload: dict[str, Any] | FlushCachesTask) -> None:
         """Drop this worker's caches (or one session scope's entries) and report what went.
 
         The KV cache is content-based, never partitioned by scope: a scoped flush leaves it alone.
         """
-        writer = ResponseWriter(self.client, self.namespace, payload["flush_id"])
-        scope_key, dry_run = payload.get("scope_key"), bool(payload.get("dry_run"))
+        raw_id = payload.flush_id if isinstance(payload, FlushCachesTask) else payload.get("flush_id")
+        writer = ResponseWriter(self.client, self.namespace, str(raw_id))
+        try:
+            task = (
+                payload
+                if isinstance(payload, FlushCachesTask)
+                else FlushCachesTask.from_payload(payload, worker=self.name)
+            )
+        except ContractError as exc:
+            logger.warning("flush %s refused: %s", raw_id, exc)
+            writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=str(exc)))
+            return
+        scope_key, dry_run = task.scope_key, task.dry_run
         report: dict[str, Any] = {"worker": self.name, "dry_run": dry_run}
         try:
-            if payload.get("kv") and scope_key is None:
+            if task.kv and scope_key is None:
                 blocks = len(self.engine.kv_block_hashes())
                 report["kv_blocks"] = blocks if dry_run else self.engine.clear_kv_cache()
-            if payload.get("embeddings"):
+            if task.embeddings:
                 cache = self.engine.embedding_cache
                 if dry_run:
                     report["embeddings"] = cache.count(scope_key)
@@ -63,45 +86,58 @@ class WorkerRuntime:
                     report["embeddings"] = (
                         cache.clear() if scope_key is None else cache.discard_scope(scope_key)
                     )
-            if payload.get("images") and self.image_loader is not None:
+            if task.images and self.image_loader is not None:
                 loader = self.image_loader
                 report["decoded_images"] = (
                     loader.local_count(scope_key) if dry_run else loader.clear_local(scope_key)
                 )
         except Exception as exc:
             logger.exception("flush on worker %s failed", self.name)
-            writer.send(ERROR, status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}")
+            writer.emit(ErrorEvent(status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}"))
             return
         logger.info("caches flushed on worker %s: %s", self.name, report)
         writer.send(DONE, **report)
 
-    def serve(self, payload: dict[str, Any]) -> None:
+    def serve(self, payload: dict[str, Any] | GenerateTask) -> None:
         from workers.engine import GenerationRequest, ImageInput
 
-        request_id = payload["request_id"]
-        writer = ResponseWriter(self.client, self.namespace, request_id)
+        raw_id = payload.request_id if isinstance(payload, GenerateTask) else payload.get("request_id")
+        writer = ResponseWriter(self.client, self.namespace, str(raw_id))
+        try:
+            task = (
+                payload
+                if isinstance(payload, GenerateTask)
+                else GenerateTask.from_payload(payload, worker=self.name)
+            )
+        except ContractError as exc:
+            # A frontend of another contract version (a rolling upgrade gone wrong) or a
+            # malformed payload: say so on the stream rather than guess at the fields.
+            logger.warning("request %s refused: %s", raw_id, exc)
+            writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=str(exc)))
+            return
+        request_id = task.request_id
         if writer.cancelled():
             logger.info("request %s was cancelled before it started", request_id)
             return
-        writer.send(STARTED, worker=self.name)
+        writer.emit(StartedEvent(worker=self.name, instance=self.instance))
         try:
             request = GenerationRequest(
                 request_id=request_id,
-                prompt=payload["prompt"],
-                images=[_image_input(ImageInput, image) for image in payload.get("images", [])],
-                max_tokens=int(payload["max_tokens"]),
-                temperature=float(payload["temperature"]),
-                top_p=float(payload["top_p"]),
-                seed=payload.get("seed"),
-                stop=list(payload.get("stop") or []),
-                scope_key=payload.get("scope_key"),
+                prompt=task.prompt,
+                images=[_image_input(ImageInput, image) for image in task.images],
+                max_tokens=task.max_tokens,
+                temperature=task.temperature,
+                top_p=task.top_p,
+                seed=task.seed,
+                stop=list(task.stop),
+                scope_key=task.scope_key,
                 # With scoping on, a request without a scope shares no cache with anyone.
-                use_embedding_cache=not (self.session_scoped and not payload.get("scope_key")),
-                processed=_processed_inputs(payload.get("processed")),
+                use_embedding_cache=not (self.session_scoped and not task.scope_key),
+                processed=_processed_inputs(task.processed),
             )
             result = self.engine.generate(
                 request,
-                on_token=lambda text: writer.send(TOKEN, text=text),
+                on_token=lambda text: writer.emit(TokenEvent(text=text)),
                 should_stop=_throttled(writer.cancelled, _CANCEL_CHECK_INTERVAL_S),
             )
         except Exception as exc:
@@ -112,31 +148,31 @@ class WorkerRuntime:
                 status = 400
             if isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
-                writer.send(
-                    ERROR, status=status, code=getattr(exc, "code", "invalid_request"), message=str(exc)
+                writer.emit(
+                    ErrorEvent(status=status, code=getattr(exc, "code", "invalid_request"), message=str(exc))
                 )
                 logger.info("request %s refused: %s", request_id, exc)
             else:
                 logger.exception("request %s failed on worker %s", request_id, self.name)
-                writer.send(
-                    ERROR, status=502, code="worker_error", message=f"The worker failed: {type(exc).__name__}"
-                )
+                message = f"The worker failed: {type(exc).__name__}"
+                writer.emit(ErrorEvent(status=502, code="worker_error", message=message))
             return
         self._count(result)
-        writer.send(
-            DONE,
-            text=result.text,
-            finish_reason=result.finish_reason,
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            cached_tokens=result.cached_tokens,
-            ttft_ms=result.ttft_ms,
-            prefill_ms=result.prefill_ms,
-            total_ms=result.total_ms,
-            encoder_calls=result.encoder_calls,
-            embedding_cache_hits=result.embedding_cache_hits,
-            embedding_cache_misses=result.embedding_cache_misses,
-            worker=self.name,
+        writer.emit(
+            DoneEvent(
+                text=result.text,
+                finish_reason=result.finish_reason,
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens,
+                cached_tokens=result.cached_tokens,
+                ttft_ms=result.ttft_ms,
+                prefill_ms=result.prefill_ms,
+                total_ms=result.total_ms,
+                encoder_calls=result.encoder_calls,
+                embedding_cache_hits=result.embedding_cache_hits,
+                embedding_cache_misses=result.embedding_cache_misses,
+                worker=self.name,
+            )
         )
 
     def _count(self, result: Any) -> None:
@@ -194,15 +230,14 @@ def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoad
     )
 
 
-def _image_input(image_input_class, image: dict[str, Any]):
-    """An ImageInput from the task payload; bytes the frontend fetched travel base64-encoded."""
-    data = image.get("data_b64")
+def _image_input(image_input_class, image: ImageRef):
+    """An ImageInput from the task's image; bytes the frontend fetched travel base64-encoded."""
     return image_input_class(
-        identity=image["identity"],
-        url=image.get("url"),
-        data=base64.b64decode(data) if data else None,
-        width=image.get("width"),
-        height=image.get("height"),
+        identity=image.identity,
+        url=image.url,
+        data=base64.b64decode(image.data_b64) if image.data_b64 else None,
+        width=image.width,
+        height=image.height,
     )
 
 

@@ -1,5 +1,8 @@
 """Celery tasks of the worker process. They only unpack arguments: the work is in workers.runtime.
 
+The names and payloads are routing.contract's (`GenerateTask`, `FlushCachesTask`); the
+runtime checks a payload's contract version before it reads anything else.
+
 Celery's autodiscovery imports this module in every process, the web included, so the
 engine (torch) is imported lazily, inside the task.
 """
@@ -10,15 +13,17 @@ from typing import Any
 
 from celery import shared_task
 
+from routing.contract import FLUSH_CACHES_TASK, GENERATE_TASK
 
-@shared_task(name="workers.generate", ignore_result=True)
+
+@shared_task(name=GENERATE_TASK, ignore_result=True)
 def generate(payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 
     current_runtime().serve(payload)
 
 
-@shared_task(name="workers.flush_caches", ignore_result=True)
+@shared_task(name=FLUSH_CACHES_TASK, ignore_result=True)
 def flush_caches(payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 

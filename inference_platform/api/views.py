@@ -18,7 +18,7 @@ from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
 from inference_platform.serving import describe_route, plan_request, served_model
-from routing.responses import DONE, ERROR, TOKEN
+from routing.contract import DoneEvent, ErrorEvent, TokenEvent
 
 logger = logging.getLogger("inference_platform.api")
 
@@ -43,22 +43,22 @@ def _headers(response: HttpResponse, dispatch: Dispatch) -> HttpResponse:
     return response
 
 
-def _usage(done: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = int(done["prompt_tokens"]), int(done["completion_tokens"])
+def _usage(done: DoneEvent) -> dict[str, Any]:
+    prompt, completion = int(done.prompt_tokens), int(done.completion_tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))},
+        "prompt_tokens_details": {"cached_tokens": int(done.cached_tokens)},
     }
 
 
-def _worker_error(data: dict[str, Any], dispatch: Dispatch) -> ApiError:
-    status = int(data.get("status", 502))
-    message = data.get("message") or "The worker failed."
+def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
+    status = int(error.status)
+    message = error.message or "The worker failed."
     if status >= 500:
         message = f"{message} (request {dispatch.request_id}, worker {dispatch.worker})"
-    return ApiError(status, message, code=data.get("code") or "worker_error", param=data.get("param"))
+    return ApiError(status, message, code=error.code or "worker_error", param=error.param)
 
 
 @json_endpoint
@@ -79,13 +79,14 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
 
     text: list[str] = []
     try:
-        async for event in follow(dispatch):
-            if event.type == TOKEN:
-                text.append(event.data["text"])
-            elif event.type == ERROR:
-                raise _worker_error(event.data, dispatch)
-            elif event.type == DONE:
-                done = event.data
+        async for entry in follow(dispatch):
+            event = entry.event
+            if isinstance(event, TokenEvent):
+                text.append(event.text)
+            elif isinstance(event, ErrorEvent):
+                raise _worker_error(event, dispatch)
+            elif isinstance(event, DoneEvent):
+                done = event
     except ApiError as error:
         return _headers(error_response(error, request_id), dispatch)
     except asyncio.CancelledError:
@@ -99,9 +100,9 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": done.get("text", "".join(text))},
+                "message": {"role": "assistant", "content": done.text or "".join(text)},
                 "logprobs": None,
-                "finish_reason": done["finish_reason"],
+                "finish_reason": done.finish_reason,
             }
         ],
         "usage": _usage(done),
@@ -157,15 +158,16 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]
     finished = False
     try:
         yield _chunk(rid, chat.model, {"role": "assistant", "content": ""})
-        async for event in follow(dispatch):
-            if event.type == TOKEN:
-                yield _chunk(rid, chat.model, {"content": event.data["text"]})
-            elif event.type == ERROR:
-                raise _worker_error(event.data, dispatch)
-            elif event.type == DONE:
-                yield _chunk(rid, chat.model, {}, event.data["finish_reason"])
+        async for entry in follow(dispatch):
+            event = entry.event
+            if isinstance(event, TokenEvent):
+                yield _chunk(rid, chat.model, {"content": event.text})
+            elif isinstance(event, ErrorEvent):
+                raise _worker_error(event, dispatch)
+            elif isinstance(event, DoneEvent):
+                yield _chunk(rid, chat.model, {}, event.finish_reason)
                 if chat.include_usage:
-                    yield _event(rid, chat.model, [], usage=_usage(event.data))
+                    yield _event(rid, chat.model, [], usage=_usage(event))
         finished = True
     except ApiError as error:
         logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)

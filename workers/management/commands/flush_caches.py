@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from inference_platform.celery import app as celery_app
+from routing.contract import FlushCachesTask
 from routing.models import Worker, worker_queue
 from routing.redis_keys import redact_text, sync_client
 from routing.registry import WorkerRegistry
@@ -25,7 +26,6 @@ from routing.responses import DONE, ERROR, parse_stream_entries, response_key
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
-FLUSH_TASK = "workers.flush_caches"
 CACHES = ("kv", "embeddings", "images", "shared-images")
 
 
@@ -73,16 +73,15 @@ class Command(BaseCommand):
             pending = {}
             for name in sorted(alive):
                 flush_id = f"flush-{uuid.uuid4().hex}"
+                task = FlushCachesTask(
+                    flush_id=flush_id,
+                    scope_key=scope_key,
+                    dry_run=options["dry_run"],
+                    **{cache: cache in worker_caches for cache in ("kv", "embeddings", "images")},
+                )
                 celery_app.send_task(
-                    FLUSH_TASK,
-                    args=[
-                        {
-                            "flush_id": flush_id,
-                            "scope_key": scope_key,
-                            "dry_run": options["dry_run"],
-                            **{cache: cache in worker_caches for cache in ("kv", "embeddings", "images")},
-                        }
-                    ],
+                    task.name,
+                    args=[task.to_payload()],
                     queue=worker_queue(name),
                     expires=options["timeout"],
                 )

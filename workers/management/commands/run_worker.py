@@ -25,7 +25,7 @@ from routing.index import KvIndex
 from routing.kv_events import KvEventPublisher
 from routing.models import Worker, worker_queue
 from routing.redis_keys import redact_url, sync_client
-from routing.registry import Heartbeat, WorkerRegistry
+from routing.registry import Heartbeat, WorkerRegistry, new_instance_id
 
 logger = logging.getLogger("workers.run_worker")
 
@@ -77,6 +77,7 @@ class Command(BaseCommand):
 
         client = sync_client(settings.REDIS_URL)
         namespace = settings.REDIS_KEY_PREFIX
+        instance = new_instance_id()
         stats = CacheStats(client, namespace, name)
         image_loader = build_image_loader(name, stats)
         index = KvIndex(client, namespace)
@@ -107,6 +108,7 @@ class Command(BaseCommand):
                 session_scoped=image_loader.session_scoped,
                 stats=stats,
                 image_loader=image_loader,
+                instance=instance,
             )
         )
 
@@ -121,6 +123,7 @@ class Command(BaseCommand):
             publishes_events=publisher is not None,
             session_scoped=image_loader.session_scoped,
             shared_image_cache=image_loader.shared_cache_description,
+            instance=instance,
         )
         Worker.objects.update_or_create(
             name=name,

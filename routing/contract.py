@@ -1,0 +1,231 @@
+"""The typed contract between the frontend and the workers: task names, task payloads, stream events.
+
+Pure (no Django, no torch): the web process builds a `GenerateTask` and sends
+`task.to_payload()` by the task name; the worker rebuilds it with `GenerateTask.from_payload`,
+which refuses a payload of a contract version this worker does not speak
+(`UnsupportedContract`). Workers answer on the request's response stream
+(`routing.responses`) with `StartedEvent`, `TokenEvent`, then one `DoneEvent` or `ErrorEvent`.
+Heartbeats carry `CONTRACT_VERSION`, so the frontend sends only to workers that speak its
+version and a rolling upgrade never hands a task to a worker that would misread it.
+
+Extending the contract (media references, tenant salts, encoder embeddings, video, ...):
+- a new OPTIONAL field goes at the end of its dataclass with a default that means "absent"
+  (None, (), False); it is JSON-safe (str, int, float, bool, None, lists, dicts); the version
+  does NOT change: an older worker ignores a field it does not know, and a newer worker reads
+  the default from an older frontend's payload;
+- a field that a worker must understand to serve the task correctly, a renamed or removed
+  field, or a changed meaning is an incompatible change: bump `CONTRACT_VERSION` and list in
+  `SUPPORTED_VERSIONS` the versions the worker still reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# The version the frontend writes and the worker prefers; every heartbeat carries it.
+CONTRACT_VERSION = 2
+# Versions this code can read (a worker refuses any other, naming both sides).
+SUPPORTED_VERSIONS = frozenset({CONTRACT_VERSION})
+VERSION_FIELD = "contract_version"
+
+# Celery task names: the web process sends by name and never imports the worker's code.
+GENERATE_TASK = "workers.generate"
+FLUSH_CACHES_TASK = "workers.flush_caches"
+
+# Stream event types, in the order a worker sends them.
+STARTED = "started"  # the worker picked the request up
+TOKEN = "token"  # a piece of generated text (the first one ends prefill)
+DONE = "done"  # the whole result, with usage and timings
+ERROR = "error"  # the request failed on the worker: status, code, message
+
+
+class ContractError(ValueError):
+    """A payload or event that does not follow the contract (missing or mistyped field)."""
+
+    status = 400
+    code = "invalid_task"
+
+
+class UnsupportedContract(ContractError):
+    """A task written in a contract version this process does not speak."""
+
+    status = 503
+    code = "unsupported_contract_version"
+
+    def __init__(self, version: object, *, task: str, worker: str = "") -> None:
+        self.version = version
+        who = f"worker {worker}" if worker else "this worker"
+        spoken = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        super().__init__(
+            f"{who} cannot serve {task}: the task is in contract version {version!r}, "
+            f"the worker speaks {spoken}; upgrade the older side"
+        )
+
+
+def _from_mapping(cls: type, data: Mapping[str, Any]) -> Any:
+    """An instance of dataclass `cls` from `data`: unknown keys ignored, missing required ones refused."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    known = {k: v for k, v in data.items() if k in names}
+    try:
+        return cls(**known)
+    except TypeError as exc:  # a required field is missing
+        raise ContractError(f"{cls.__name__}: {exc}") from exc
+
+
+def _check_version(payload: Mapping[str, Any], task: str, worker: str) -> None:
+    version = payload.get(VERSION_FIELD)
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedContract(version, task=task, worker=worker)
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a request as the worker receives it."""
+
+    identity: str  # 32-hex identity the frontend computed (URL or pixel identity)
+    url: str | None = None
+    # The size read from the image's header: the worker lays the prompt out before loading
+    # anything and skips loading the images its cached prefix covers.
+    width: int | None = None
+    height: int | None = None
+    # Frontend decoding: the bytes, base64; the worker must not fetch the origin again.
+    data_b64: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerateTask:
+    """The payload of `workers.generate`: one chat request for one worker."""
+
+    name: ClassVar[str] = GENERATE_TASK
+
+    request_id: str
+    prompt: str  # chat-templated, one placeholder per image
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    images: tuple[ImageRef, ...] = ()
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # The keyed hash of the session scope; with session-scoped caches the worker partitions its
+    # image and embedding caches by it, and bypasses them for a request without one.
+    scope_key: str | None = None
+    block_hashes: tuple[int, ...] = ()  # the router's view of the prompt's blocks
+    # The frontend processor's encoded model inputs (routing.processor_view.encode_processed):
+    # the worker then skips its own preprocessing.
+    processed: dict[str, Any] | None = None
+    # Add optional fields here, with defaults (see the module docstring).
+
+    def to_payload(self) -> dict[str, Any]:
+        payload = dataclasses.asdict(self)
+        payload[VERSION_FIELD] = CONTRACT_VERSION
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> GenerateTask:
+        """The task from its JSON payload; `UnsupportedContract` for another version."""
+        if not isinstance(payload, Mapping):
+            raise ContractError(f"a {cls.name} payload is an object, not {type(payload).__name__}")
+        _check_version(payload, cls.name, worker)
+        data = dict(payload)
+        try:
+            data["images"] = tuple(_from_mapping(ImageRef, image) for image in data.get("images") or ())
+            data["stop"] = tuple(str(s) for s in data.get("stop") or ())
+            data["block_hashes"] = tuple(int(h) for h in data.get("block_hashes") or ())
+            task = _from_mapping(cls, data)
+            return dataclasses.replace(
+                task,
+                max_tokens=int(task.max_tokens),
+                temperature=float(task.temperature),
+                top_p=float(task.top_p),
+                seed=None if task.seed is None else int(task.seed),
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, ContractError):
+                raise
+            raise ContractError(f"{cls.name}: a field has the wrong type: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class FlushCachesTask:
+    """The payload of `workers.flush_caches`: drop caches, or one session scope's entries."""
+
+    name: ClassVar[str] = FLUSH_CACHES_TASK
+
+    flush_id: str  # the response stream the worker answers on
+    scope_key: str | None = None
+    dry_run: bool = False
+    kv: bool = False
+    embeddings: bool = False
+    images: bool = False
+
+    def to_payload(self) -> dict[str, Any]:
+        payload = dataclasses.asdict(self)
+        payload[VERSION_FIELD] = CONTRACT_VERSION
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> FlushCachesTask:
+        _check_version(payload, cls.name, worker)
+        return _from_mapping(cls, payload)
+
+
+# --- stream events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartedEvent:
+    type: ClassVar[str] = STARTED
+    worker: str = ""
+    instance: str = ""  # the worker process's instance id (routing.registry)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    type: ClassVar[str] = TOKEN
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    type: ClassVar[str] = DONE
+    text: str = ""
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    total_ms: float = 0.0
+    encoder_calls: int = 0
+    embedding_cache_hits: int = 0
+    embedding_cache_misses: int = 0
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    type: ClassVar[str] = ERROR
+    status: int = 502
+    code: str = "worker_error"
+    message: str = "The worker failed."
+    param: str | None = None
+
+
+StreamEvent = StartedEvent | TokenEvent | DoneEvent | ErrorEvent
+_EVENT_CLASSES: dict[str, type] = {cls.type: cls for cls in (StartedEvent, TokenEvent, DoneEvent, ErrorEvent)}
+
+
+def event_data(event: StreamEvent) -> dict[str, Any]:
+    """The event's fields as the JSON object a response stream entry carries."""
+    return dataclasses.asdict(event)
+
+
+def parse_event(event_type: str, data: Mapping[str, Any]) -> StreamEvent | None:
+    """The typed event of a stream entry; None for a type this contract does not know."""
+    cls = _EVENT_CLASSES.get(event_type)
+    if cls is None:
+        return None
+    return _from_mapping(cls, data)

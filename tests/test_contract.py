@@ -1,0 +1,90 @@
+"""The typed contract between frontend and worker: payloads round-trip, versions are checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from routing.contract import (
+    CONTRACT_VERSION,
+    DONE,
+    ERROR,
+    TOKEN,
+    ContractError,
+    DoneEvent,
+    ErrorEvent,
+    FlushCachesTask,
+    GenerateTask,
+    ImageRef,
+    TokenEvent,
+    UnsupportedContract,
+    event_data,
+    parse_event,
+)
+
+
+def a_task() -> GenerateTask:
+    return GenerateTask(
+        request_id="chatcmpl-1",
+        prompt="<|im_start|>user\nHi<|im_end|>\n",
+        max_tokens=8,
+        temperature=0.5,
+        top_p=0.9,
+        images=(ImageRef(identity="a" * 32, url="http://x/1.png", width=64, height=48),),
+        seed=7,
+        stop=("\n",),
+        scope_key="ab" * 16,
+        block_hashes=(1, 2**63 + 5),
+        processed={"input_ids": [1, 2]},
+    )
+
+
+def test_a_generate_task_survives_json_and_carries_the_contract_version():
+    task = a_task()
+    payload = json.loads(json.dumps(task.to_payload()))
+    assert payload["contract_version"] == CONTRACT_VERSION
+    assert GenerateTask.from_payload(payload) == task
+
+
+def test_an_optional_field_a_worker_does_not_know_is_ignored_and_a_missing_one_takes_its_default():
+    payload = a_task().to_payload()
+    payload["media_refs"] = [{"future": "field"}]  # a newer frontend's optional field
+    del payload["processed"], payload["scope_key"]  # an older frontend never sent these
+    task = GenerateTask.from_payload(payload)
+    assert task.processed is None and task.scope_key is None and task.prompt == a_task().prompt
+
+
+@pytest.mark.parametrize("version", [None, 1, CONTRACT_VERSION + 1, "2"])
+def test_a_payload_of_another_version_is_refused_naming_both_versions(version):
+    payload = a_task().to_payload()
+    payload["contract_version"] = version
+    with pytest.raises(UnsupportedContract) as refused:
+        GenerateTask.from_payload(payload, worker="gpu0")
+    assert f"contract version {version!r}" in str(refused.value)
+    assert f"speaks {CONTRACT_VERSION}" in str(refused.value) and "worker gpu0" in str(refused.value)
+    assert refused.value.status == 503
+
+
+def test_a_payload_missing_a_required_field_or_with_a_wrong_type_is_a_contract_error():
+    payload = a_task().to_payload()
+    del payload["prompt"]
+    with pytest.raises(ContractError, match="prompt"):
+        GenerateTask.from_payload(payload)
+    payload = a_task().to_payload()
+    payload["max_tokens"] = "many"
+    with pytest.raises(ContractError, match="wrong type"):
+        GenerateTask.from_payload(payload)
+
+
+def test_a_flush_task_round_trips():
+    task = FlushCachesTask(flush_id="flush-1", scope_key=None, kv=True, images=True)
+    assert FlushCachesTask.from_payload(json.loads(json.dumps(task.to_payload()))) == task
+    assert task.name == "workers.flush_caches" and GenerateTask.name == "workers.generate"
+
+
+def test_stream_events_round_trip_through_their_json_data():
+    for event in (TokenEvent("hé"), DoneEvent(text="x", completion_tokens=3), ErrorEvent(400, "bad", "no")):
+        assert parse_event(event.type, json.loads(json.dumps(event_data(event)))) == event
+    assert (TokenEvent.type, DoneEvent.type, ErrorEvent.type) == (TOKEN, DONE, ERROR)
+    assert parse_event("future-kind", {}) is None
