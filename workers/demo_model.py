@@ -171,9 +171,17 @@ def train_demo_tokenizer(seed: int = 0) -> Any:
     return train_byte_level_bpe(VOCAB_SIZE, SPECIAL_TOKENS, demo_corpus(seed))
 
 
-def _demo_config(token_ids: dict[str, int]) -> Any:
+# The default vision tower is a small share of a request's cost. The heavy one (depth and width of
+# a real tower's scale-down) makes encoding dominate an image request on a CPU, as a real model's
+# tower does on a GPU, so encoder disaggregation can be measured here (bench/encoder_disagg.py).
+DEFAULT_VISION = {"depth": 2, "embed_dim": 128, "num_heads": 4}
+HEAVY_VISION = {"depth": 8, "embed_dim": 384, "num_heads": 6}
+
+
+def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None) -> Any:
     from transformers import Qwen2VLConfig
 
+    vision = vision or DEFAULT_VISION
     hidden = 256
     return Qwen2VLConfig(
         text_config={
@@ -195,11 +203,11 @@ def _demo_config(token_ids: dict[str, int]) -> Any:
             "pad_token_id": token_ids["<|endoftext|>"],
         },
         vision_config={
-            "depth": 2,
-            "embed_dim": 128,
+            "depth": vision["depth"],
+            "embed_dim": vision["embed_dim"],
             # The merger projects into the language model: this is the text hidden size.
             "hidden_size": hidden,
-            "num_heads": 4,
+            "num_heads": vision["num_heads"],
             "mlp_ratio": 4,
             "patch_size": 14,
             "spatial_merge_size": 2,
@@ -216,8 +224,11 @@ def _demo_config(token_ids: dict[str, int]) -> Any:
     )
 
 
-def build_demo_model(path: Path, *, seed: int = 0) -> None:
-    """Writes the demo checkpoint (weights, config, tokenizer, chat template, image processor)."""
+def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -> None:
+    """Writes the demo checkpoint (weights, config, tokenizer, chat template, image processor).
+
+    `heavy_vision` builds the heavier vision tower (HEAVY_VISION); the language model is the same.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration
@@ -242,7 +253,7 @@ def build_demo_model(path: Path, *, seed: int = 0) -> None:
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
-    config = _demo_config(token_ids)
+    config = _demo_config(token_ids, HEAVY_VISION if heavy_vision else DEFAULT_VISION)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
@@ -283,12 +294,12 @@ def _write_qwen_preprocessor_fields(preprocessor_config: Path) -> None:
     preprocessor_config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
-def replace_demo_model(path: Path, *, seed: int = 0) -> None:
+def replace_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -> None:
     """Builds into a sibling directory and swaps it in, so readers never see a half-written model."""
     path = Path(path)
     staging = path.with_name(path.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
-    build_demo_model(staging, seed=seed)
+    build_demo_model(staging, seed=seed, heavy_vision=heavy_vision)
     if path.exists():
         shutil.rmtree(path)
     staging.rename(path)

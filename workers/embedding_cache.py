@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,9 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 class EmbeddingCache:
     """Thread-safe LRU of image embeddings bounded by their total tensor bytes."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(
+        self, capacity_bytes: int, *, on_evict: Callable[[EmbeddingKey], None] | None = None
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -40,6 +43,8 @@ class EmbeddingCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        # Told of each entry evicted for room (an encode worker unlists it for the router).
+        self._on_evict = on_evict
 
     def get(self, key: EmbeddingKey) -> torch.Tensor | None:
         """The cached embedding (shared: callers must not modify it), counting a hit or a miss."""
@@ -55,6 +60,7 @@ class EmbeddingCache:
     def put(self, key: EmbeddingKey, embedding: torch.Tensor) -> bool:
         """Caches an embedding, evicting the least recently used; False if it alone is too large."""
         size = tensor_bytes(embedding)
+        evicted_keys: list[EmbeddingKey] = []
         with self._lock:
             if size > self.capacity_bytes:
                 return False
@@ -62,13 +68,17 @@ class EmbeddingCache:
             if previous is not None:
                 self._bytes -= tensor_bytes(previous)
             while self._entries and self._bytes + size > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted_key, evicted = self._entries.popitem(last=False)
                 self._bytes -= tensor_bytes(evicted)
                 self.evictions += 1
+                evicted_keys.append(evicted_key)
             # detach(): a cached tensor must not keep an autograd graph (or a request's) alive.
             self._entries[key] = embedding.detach()
             self._bytes += size
-            return True
+        if self._on_evict is not None:
+            for evicted_key in evicted_keys:  # outside the lock: the callback may do I/O
+                self._on_evict(evicted_key)
+        return True
 
     def discard_scope(self, scope_key: str) -> int:
         """Drops every entry of one session scope (a scoped flush); returns how many."""

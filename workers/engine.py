@@ -5,6 +5,7 @@ prefix KV (images included) and cached image embeddings, and generates one reque
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import threading
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 PublishEvents = Callable[[Sequence[KvEvent]], None]
+logger = logging.getLogger("workers.engine")
 
 # Families whose images are fixed tiles of a CLIP-like tower and whose positions are 1-D (no M-RoPE).
 LLAVA_MODEL_TYPES = frozenset({"llava", "llava_next"})
@@ -50,6 +52,10 @@ class ImageInput:
     # any image is loaded, and an image inside the cached prefix is never fetched at all.
     width: int | None = None
     height: int | None = None
+    # E/PD: the image's features from an encode worker (workers.embedding_transfer), already
+    # checked against their checksum. Used instead of the vision tower when their row count fits
+    # the image's placeholder tokens; otherwise the engine encodes the image itself (a fallback).
+    embedding: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ class GenerationResult:
     embedding_cache_hits: int
     embedding_cache_misses: int
     block_hashes: list[int]  # of the prompt
+    embeddings_received: int = 0  # E/PD: images whose encode worker's features were used
+    embedding_fallbacks: int = 0  # E/PD: received features that did not fit, encoded here instead
 
 
 ImageLoader = Callable[[ImageInput, str | None], Image.Image]
@@ -130,6 +138,8 @@ class _RequestCounters:
     encoder_calls: int = 0
     embedding_hits: int = 0
     embedding_misses: int = 0
+    embeddings_received: int = 0
+    embedding_fallbacks: int = 0
 
 
 class Engine:
@@ -166,6 +176,10 @@ class Engine:
         self.uses_mrope = self.model_type not in LLAVA_MODEL_TYPES
         self._eos_ids = self._end_of_sequence_ids()
         self.processor_fingerprint = self._fingerprint_image_processor()
+        # An `llm` worker drops the vision tower after loading (encode workers compute its images'
+        # features); it is read back from this checkpoint on the first fallback.
+        self.vision_unloaded_from: Path | None = None
+        self.on_vision_loaded: Callable[[Any], None] | None = None  # gets the tower (hooks)
         # The index may still list blocks of this worker's previous life: say it holds nothing.
         kv_cache.clear()
 
@@ -253,8 +267,44 @@ class Engine:
 
     def _load_uncovered(self, placed: list[_PromptImage], reused: int, scope_key: str | None) -> None:
         for image in placed:
+            if image.source.embedding is not None and image.source.embedding.shape[0] == image.length:
+                continue  # E/PD: an encode worker's features stand in for the pixels
             if image.image is None and image.pixel_values is None and image.start + image.length > reused:
                 image.image = self._load_declared(image.source, scope_key)
+
+    def unload_vision(self, model_dir: Path) -> None:
+        """Frees the vision tower and projector (`run_worker --role llm`)."""
+        import torch
+
+        from workers.vision_encoder import VISION_PARTS
+
+        with self._lock:
+            for part in VISION_PARTS[self.model_type]:
+                module = getattr(self.model.model, part)
+                if isinstance(module, torch.nn.Parameter):
+                    setattr(
+                        self.model.model, part, torch.nn.Parameter(module.to("meta"), requires_grad=False)
+                    )
+                else:
+                    module.to("meta")
+            self.vision_unloaded_from = Path(model_dir)
+
+    def load_vision(self) -> None:
+        """Reads the vision parts back from the checkpoint (an `llm` worker's first fallback)."""
+        from workers.vision_encoder import load_vision_parts, vision_tower
+
+        if self.vision_unloaded_from is None:
+            return
+        logger.warning("loading the vision tower back from %s to encode locally", self.vision_unloaded_from)
+        dtype = next(self.model.model.language_model.parameters()).dtype
+        load_vision_parts(self.model.model, self.vision_unloaded_from, device=str(self.device), dtype=dtype)
+        self.vision_unloaded_from = None
+        if self.on_vision_loaded is not None:
+            self.on_vision_loaded(vision_tower(self.model.model, self.model_type))
+
+    @property
+    def vision_loaded(self) -> bool:
+        return self.vision_unloaded_from is None
 
     def clear_kv_cache(self) -> int:
         return self.kv_cache.clear()
@@ -547,6 +597,8 @@ class Engine:
             embedding_cache_hits=counters.embedding_hits,
             embedding_cache_misses=counters.embedding_misses,
             block_hashes=sequence_hashes,
+            embeddings_received=counters.embeddings_received,
+            embedding_fallbacks=counters.embedding_fallbacks,
         )
 
     def _prefill(
@@ -615,6 +667,21 @@ class Engine:
         key = EmbeddingKey(
             request.scope_key, image.source.identity, self.model_name, self.processor_fingerprint
         )
+        received = image.source.embedding
+        if received is not None:
+            if received.shape[0] == image.length:
+                counters.embeddings_received += 1
+                return received.to(self.device)
+            # Features laid out for another prompt layout: never a failed request, encode here.
+            logger.warning(
+                "image %s: the encode worker sent %d feature rows for %d placeholders; encoding locally",
+                image.source.identity,
+                received.shape[0],
+                image.length,
+            )
+            counters.embedding_fallbacks += 1
+            if image.image is None and image.pixel_values is None:
+                image.image = self._load_declared(image.source, request.scope_key)
         if request.use_embedding_cache:
             cached = self.embedding_cache.get(key)
             if cached is not None:
@@ -633,6 +700,8 @@ class Engine:
 
     def _encode_image(self, image: _PromptImage) -> torch.Tensor:
         """The image's features as the language model takes them: one row per placeholder token."""
+        if self.vision_unloaded_from is not None:
+            self.load_vision()
         if self.uses_mrope:
             pixel_values, grid_thw = self._image_pixels(image)
             output = self.model.model.get_image_features(

@@ -17,10 +17,17 @@ class Command(BaseCommand):
         parser.add_argument("path", type=Path)
         parser.add_argument("--seed", type=int, default=0, help="seed of weights and tokenizer corpus")
         parser.add_argument("--force", action="store_true", help="replace a model already at PATH")
+        parser.add_argument(
+            "--heavy-vision",
+            action="store_true",
+            help="a deeper, wider vision tower, so encoding is a real share of a request's cost on a CPU",
+        )
 
-    def handle(self, *args: Any, path: Path, seed: int, force: bool, **options: Any) -> None:
+    def handle(
+        self, *args: Any, path: Path, seed: int, force: bool, heavy_vision: bool = False, **options: Any
+    ) -> None:
         path = path.resolve()
         if path.exists() and any(path.iterdir()) and not force:
             raise CommandError(f"{path} already holds files; pass --force to replace them")
-        replace_demo_model(path, seed=seed)
+        replace_demo_model(path, seed=seed, heavy_vision=heavy_vision)
         self.stdout.write(self.style.SUCCESS(f"demo model written to {path}"))

@@ -1,0 +1,263 @@
+"""Encode workers (E/PD) in Redis: what each one's embedding cache holds, how many images wait
+on it, the choice of one for a request's images, the per-request "encoded" signal the LLM worker
+waits on, and the counters the dashboard and /metrics show.
+
+Keys (this module owns them):
+- `<ns>enc:cached:<worker>`: set of cache tags (`<scope or ->:<identity>`) in its embedding cache;
+- `<ns>enc:pending:<worker>`: sorted set of images sent to it (`<request>:<index>`), scored by
+  the time they stop counting (a frontend or encoder that died leaves nothing behind for long);
+- `<ns>enc:busy:<worker>`: images it is encoding right now;
+- `<ns>enc:done:<request>`: list of per-image results the LLM worker waits on (short TTL);
+- `<ns>enc:stats:<worker>`: hash of counters (see STAT_FIELDS).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+CACHED_FAMILY = "enc:cached:"
+PENDING_FAMILY = "enc:pending:"
+BUSY_FAMILY = "enc:busy:"
+DONE_FAMILY = "enc:done:"
+STATS_FAMILY = "enc:stats:"
+DONE_TTL_SECS = 300
+
+# Encode worker: images encoded, its embedding cache's hits and misses, microseconds encoding,
+# bytes and microseconds writing to the store. LLM worker: features received (bytes, microseconds
+# reading and checking them), and fallbacks to its own encoder by cause.
+STAT_FIELDS: tuple[str, ...] = (
+    "images",
+    "cache_hits",
+    "cache_misses",
+    "encode_us",
+    "put_bytes",
+    "put_us",
+    "received",
+    "received_bytes",
+    "get_us",
+    "fallback_missing",
+    "fallback_corrupt",
+    "fallback_encoder_gone",
+    "fallback_timeout",
+)
+FALLBACK_CAUSES: tuple[str, ...] = ("missing", "corrupt", "encoder_gone", "timeout")
+
+
+def cache_tag(scope_key: str | None, identity: str) -> str:
+    """How an embedding cache entry is named in Redis: by scope and image (model and processor are
+    one per deployment, as for the KV index)."""
+    return f"{scope_key or '-'}:{identity}"
+
+
+def cached_key(namespace: str, worker: str) -> str:
+    return f"{namespace}{CACHED_FAMILY}{worker}"
+
+
+def pending_key(namespace: str, worker: str) -> str:
+    return f"{namespace}{PENDING_FAMILY}{worker}"
+
+
+def busy_key(namespace: str, worker: str) -> str:
+    return f"{namespace}{BUSY_FAMILY}{worker}"
+
+
+def done_key(namespace: str, request_id: str) -> str:
+    return f"{namespace}{DONE_FAMILY}{request_id}"
+
+
+def stats_key(namespace: str, worker: str) -> str:
+    return f"{namespace}{STATS_FAMILY}{worker}"
+
+
+@dataclass(frozen=True)
+class EncoderScore:
+    worker: str
+    cached: int  # of the request's images, how many its embedding cache holds
+    pending: int  # images sent to it and not finished yet (its queue and the one it is encoding)
+    cost: float  # images it must encode before this request's are ready
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EncoderChoice:
+    worker: str
+    scores: list[EncoderScore]
+
+
+def score_encoders(
+    tags: Sequence[str], cached: Mapping[str, int], pending: Mapping[str, int]
+) -> list[EncoderScore]:
+    """Embedding-cache affinity weighed against load: a cached image costs nothing, every other
+    image costs one encode, and so does every image already waiting on the worker (llm-d's
+    affinity-only choice piled requests onto one encoder under load)."""
+    return [
+        EncoderScore(
+            worker, cached[worker], pending[worker], float(len(tags) - cached[worker] + pending[worker])
+        )
+        for worker in sorted(cached)
+    ]
+
+
+def select_encoder(scores: Sequence[EncoderScore], rng: random.Random | None = None) -> str:
+    best = min(score.cost for score in scores)
+    tied = [score.worker for score in scores if score.cost == best]
+    return tied[0] if len(tied) == 1 else (rng or random).choice(tied)
+
+
+class EncoderPool:
+    """The frontend's and the workers' view of the encode workers' shared state."""
+
+    def __init__(self, client: redis.Redis, namespace: str, *, pending_ttl_s: float = 120.0) -> None:
+        self._client = client
+        self._namespace = namespace
+        self._pending_ttl_s = pending_ttl_s
+
+    # --- frontend -------------------------------------------------------------------------------
+    def scores(self, workers: Iterable[str], tags: Sequence[str]) -> list[EncoderScore]:
+        workers = sorted(workers)
+        if not workers:
+            return []
+        now = time.time()
+        pipe = self._client.pipeline(transaction=False)
+        for worker in workers:
+            if tags:
+                pipe.smismember(cached_key(self._namespace, worker), list(tags))
+            pipe.zcount(pending_key(self._namespace, worker), now, "+inf")
+        answers = iter(pipe.execute())
+        cached: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        for worker in workers:
+            cached[worker] = sum(1 for held in next(answers) if held) if tags else 0
+            pending[worker] = int(next(answers))
+        return score_encoders(tags, cached, pending)
+
+    def choose(self, workers: Iterable[str], tags: Sequence[str]) -> EncoderChoice | None:
+        scores = self.scores(workers, tags)
+        if not scores:
+            return None
+        return EncoderChoice(select_encoder(scores), scores)
+
+    def reserve(self, worker: str, members: Sequence[str]) -> None:
+        """Counts images sent to an encoder until it finishes them (or they expire)."""
+        if not members:
+            return
+        key = pending_key(self._namespace, worker)
+        expiry = time.time() + self._pending_ttl_s
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zadd(key, dict.fromkeys(members, expiry))
+        pipe.zremrangebyscore(key, "-inf", time.time())
+        pipe.expire(key, int(self._pending_ttl_s) + 60)
+        pipe.execute()
+
+    def release(self, worker: str, members: Sequence[str]) -> None:
+        if members:
+            self._client.zrem(pending_key(self._namespace, worker), *members)
+
+    # --- encode worker ----------------------------------------------------------------------------
+    def started(self, worker: str, count: int = 1) -> None:
+        self._client.incrby(busy_key(self._namespace, worker), count)
+
+    def finished(self, worker: str, member: str) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.decr(busy_key(self._namespace, worker))
+        pipe.zrem(pending_key(self._namespace, worker), member)
+        pipe.execute()
+
+    def cached(self, worker: str, tag: str) -> None:
+        self._client.sadd(cached_key(self._namespace, worker), tag)
+
+    def evicted(self, worker: str, tag: str) -> None:
+        self._client.srem(cached_key(self._namespace, worker), tag)
+
+    def reset_worker(self, worker: str) -> None:
+        """A (re)starting encode worker holds nothing and has nothing in progress."""
+        self._client.delete(
+            cached_key(self._namespace, worker),
+            busy_key(self._namespace, worker),
+            pending_key(self._namespace, worker),
+        )
+
+    def signal_done(self, request_id: str, result: Mapping[str, Any]) -> None:
+        key = done_key(self._namespace, request_id)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.rpush(key, json.dumps(dict(result)))
+        pipe.expire(key, DONE_TTL_SECS)
+        pipe.execute()
+
+    # --- LLM worker -------------------------------------------------------------------------------
+    def wait_done(self, request_id: str, timeout_s: float) -> dict[str, Any] | None:
+        """The next per-image result of this request, or None after `timeout_s` (at most a few
+        seconds at a time, so the caller can look at the encoder's heartbeat in between)."""
+        answer = self._client.blpop([done_key(self._namespace, request_id)], timeout=max(timeout_s, 0.01))
+        if answer is None:
+            return None
+        return json.loads(answer[1])
+
+    def forget_request(self, request_id: str) -> None:
+        self._client.delete(done_key(self._namespace, request_id))
+
+    # --- both ---------------------------------------------------------------------------------------
+    def count(self, worker: str, counts: Mapping[str, int]) -> None:
+        unknown = set(counts) - set(STAT_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown encoder counters {sorted(unknown)}")
+        pipe = self._client.pipeline(transaction=False)
+        for field, n in counts.items():
+            if n:
+                pipe.hincrby(stats_key(self._namespace, worker), field, int(n))
+        pipe.execute()
+
+    def snapshot(self, workers: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Per worker: its counters, pending and busy images, and cached entries (one round trip)."""
+        workers = sorted(workers)
+        now = time.time()
+        pipe = self._client.pipeline(transaction=False)
+        for worker in workers:
+            pipe.hgetall(stats_key(self._namespace, worker))
+            pipe.zcount(pending_key(self._namespace, worker), now, "+inf")
+            pipe.get(busy_key(self._namespace, worker))
+            pipe.scard(cached_key(self._namespace, worker))
+        answers = iter(pipe.execute())
+        result: dict[str, dict[str, Any]] = {}
+        for worker in workers:
+            raw = next(answers)
+            counters = {field: 0 for field in STAT_FIELDS}
+            counters.update({_text(k): int(v) for k, v in raw.items() if _text(k) in counters})
+            result[worker] = {
+                **counters,
+                "pending": int(next(answers)),
+                "busy": max(0, int(next(answers) or 0)),
+                "cached_entries": int(next(answers)),
+            }
+        return result
+
+
+def summarize(counters: Mapping[str, int]) -> dict[str, float | None]:
+    """The figures an operator reads: cache hit rate, bytes and milliseconds per image moved."""
+    lookups = counters.get("cache_hits", 0) + counters.get("cache_misses", 0)
+    put_images = counters.get("images", 0)
+    received = counters.get("received", 0)
+    return {
+        "embedding_cache_hit_rate": counters.get("cache_hits", 0) / lookups if lookups else None,
+        "encode_ms_per_image": counters.get("encode_us", 0) / 1000 / counters.get("cache_misses", 1)
+        if counters.get("cache_misses")
+        else None,
+        "put_bytes_per_image": counters.get("put_bytes", 0) / put_images if put_images else None,
+        "put_ms_per_image": counters.get("put_us", 0) / 1000 / put_images if put_images else None,
+        "received_bytes_per_image": counters.get("received_bytes", 0) / received if received else None,
+        "get_ms_per_image": counters.get("get_us", 0) / 1000 / received if received else None,
+        "fallbacks": sum(counters.get(f"fallback_{cause}", 0) for cause in FALLBACK_CAUSES),
+    }
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
