@@ -29,7 +29,7 @@ from inference_platform.dispatch import (
     worker_states,
 )
 from inference_platform.policy import current_policy
-from routing.contract import GenerateTask, ImageRef
+from routing.contract import GenerateTask, ImageRef, VideoRef
 from routing.layouts import ImageSizeRefused
 from routing.media import (
     MediaError,
@@ -44,7 +44,10 @@ from routing.model_view import ModelDirectoryError, ModelView, model_view
 from routing.registry import Heartbeat
 from routing.router import RoutingDecision
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
-from routing.token_view import PlaceholderMismatch, TokenView, build_token_view
+from routing.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
+from routing.video import SampledVideo, VideoLimits, resolve_videos
+from routing.video_layouts import video_expansion_ids
+from routing.video_store import put_frames
 
 logger = logging.getLogger("inference_platform.serving")
 
@@ -77,6 +80,16 @@ def media_policy() -> MediaPolicy:
     )
 
 
+def video_limits() -> VideoLimits:
+    return VideoLimits(
+        max_duration_s=settings.VIDEO_MAX_DURATION_SECS,
+        max_frames=settings.VIDEO_MAX_FRAMES,
+        max_pixels_per_frame=settings.VIDEO_MAX_PIXELS_PER_FRAME,
+        max_total_pixels=settings.VIDEO_MAX_TOTAL_PIXELS,
+        deadline_s=settings.VIDEO_DECODE_DEADLINE_SECS,
+    )
+
+
 @dataclass
 class PreparedRequest:
     """A request as the router sees it, before any worker is chosen."""
@@ -88,6 +101,9 @@ class PreparedRequest:
     view: TokenView
     frontend_decoding: bool
     processed: dict[str, Any] | None = None  # the processor path's model inputs, for the worker
+    videos: list[SampledVideo] = dataclasses.field(default_factory=list)  # always frontend-decoded
+    # Where each video's frames wait for the worker (set by `store_video_frames`), by identity.
+    video_frame_keys: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
@@ -113,6 +129,27 @@ class PreparedRequest:
                     "start": image.start,
                 }
                 for image in self.view.images
+            ],
+            "videos": [
+                {
+                    "index": video.index,
+                    "identity": video.identity,
+                    "routing_hash": video.routing_hash,
+                    "width": sampled.width,
+                    "height": sampled.height,
+                    "fps": sampled.fps,
+                    "total_frames": sampled.total_frames,
+                    "frames_kept": video.frames,
+                    "frame_indices": list(sampled.indices),
+                    "grid_thw": list(sampled.expansion.grid_thw),
+                    "tokens": video.tokens,
+                    "start": video.start,
+                    # Blocks the video's run touches, and those it fills wholly.
+                    "blocks": _blocks_touched(video.start, video.tokens, self.view.block_size),
+                    "full_blocks": _blocks_covered(video.start, video.tokens, self.view.block_size),
+                    "decode_ms": round(sampled.decode_ms, 3),
+                }
+                for video, sampled in zip(self.view.videos, self.videos, strict=True)
             ],
         }
 
@@ -141,6 +178,21 @@ class PreparedRequest:
             scope_key=scope_key,
             block_hashes=tuple(self.view.block_hashes),
             processed=self.processed,
+            videos=tuple(
+                VideoRef(
+                    identity=video.identity,
+                    fps=video.fps,
+                    total_frames=video.total_frames,
+                    indices=video.indices,
+                    width=video.width,
+                    height=video.height,
+                    grid_thw=video.expansion.grid_thw,
+                    # The frames wait in the store; the task carries only where.
+                    frames_key=self.video_frame_keys[video.identity],
+                    frame_shape=video.frame_shape,
+                )
+                for video in self.videos
+            ),
         )
 
 
@@ -165,7 +217,9 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
         ) from exc
 
     frontend_decoding = current_policy().frontend_decoding
-    use_processor = settings.DYN_CHAT_PROCESSOR == "transformers" and bool(chat.images)
+    videos = _resolve_videos(model, chat)
+    # The processor path takes no video here: a request with one uses the layout registry.
+    use_processor = settings.DYN_CHAT_PROCESSOR == "transformers" and bool(chat.images) and not videos
     urls = [part.url for part in chat.images]
     try:
         # The processor needs the pixels, so that path fetches every image in full here.
@@ -202,6 +256,8 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
             text_prefix=_text_before_first_image(model, chat, prompt_ids)
             if model.image_layout is None
             else None,
+            videos=[_video_facts(model, video) for video in videos],
+            video_placeholder_id=model.video_placeholder_id,
         )
     except ImageSizeRefused as exc:
         raise ApiError(422, f"{exc}", code="image_size_refused", param="messages") from exc
@@ -211,7 +267,53 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
         ) from exc
     if view.fallback:
         logger.info("routing on the text prefix: %s", view.fallback)
-    return PreparedRequest(chat, model, prompt, images, view, frontend_decoding)
+    return PreparedRequest(chat, model, prompt, images, view, frontend_decoding, videos=videos)
+
+
+def _resolve_videos(model: ModelView, chat: ChatRequest) -> list[SampledVideo]:
+    """Each video fetched, decoded, sampled and hashed here (always: exact video routing needs
+    the frontend to decode, whatever DYN_MM_FRONTEND_DECODING says for images)."""
+    if not chat.videos:
+        return []
+    try:
+        return resolve_videos(
+            [part.url for part in chat.videos], media_policy(), model.video_layout, video_limits()
+        )
+    except MediaError as exc:
+        raise ApiError(
+            400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param="messages"
+        ) from exc
+
+
+def _video_facts(model: ModelView, video: SampledVideo) -> VideoFacts:
+    expansion_ids = video_expansion_ids(
+        video.expansion,
+        model.encode,
+        placeholder_id=model.video_placeholder_id,
+        vision_start_id=model.token_id("<|vision_start|>"),
+        vision_end_id=model.token_id("<|vision_end|>"),
+    )
+    return VideoFacts(video.identity, video.routing_hash, len(video.indices), expansion_ids)
+
+
+def _blocks_touched(start: int, length: int, block_size: int) -> int:
+    return (start + length - 1) // block_size - start // block_size + 1 if length else 0
+
+
+def _blocks_covered(start: int, length: int, block_size: int) -> int:
+    first = -(-start // block_size)
+    return max(0, (start + length) // block_size - first)
+
+
+def store_video_frames(prepared: PreparedRequest) -> None:
+    """Puts each video's frames where the worker will read them (before the task is sent)."""
+    from routing.redis_keys import sync_client
+
+    client = sync_client(settings.REDIS_URL)
+    for video in prepared.videos:
+        prepared.video_frame_keys[video.identity] = put_frames(
+            client, settings.REDIS_KEY_PREFIX, video.identity, video.frames, settings.VIDEO_FRAMES_TTL_SECS
+        )
 
 
 def choose_worker(
@@ -310,6 +412,8 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
             code="no_live_worker",
         )
     decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
+    if prepared.videos:
+        await asyncio.to_thread(store_video_frames, prepared)
     task = prepared.generate_task(request_id, scope_key)
     dispatch = Dispatch(
         request_id=request_id,

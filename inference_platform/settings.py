@@ -174,6 +174,15 @@ API_MAX_BODY_BYTES = int(
 # Django's own check on `request.body` must not fire first (it would be a 500).
 DATA_UPLOAD_MAX_MEMORY_SIZE = API_MAX_BODY_BYTES
 
+# Video parts are always decoded in the frontend (PyAV); each limit refused names its setting.
+VIDEO_MAX_DURATION_SECS = env_float("VIDEO_MAX_DURATION_SECS", 600.0, positive=True)
+VIDEO_MAX_FRAMES = env_int("VIDEO_MAX_FRAMES", 36_000, minimum=1)  # frames in the clip
+VIDEO_MAX_PIXELS_PER_FRAME = env_int("VIDEO_MAX_PIXELS_PER_FRAME", 3840 * 2160, minimum=1)
+# Pixels of the sampled frames, decoded and as resized for the model (memory, transfer, encoder work).
+VIDEO_MAX_TOTAL_PIXELS = env_int("VIDEO_MAX_TOTAL_PIXELS", 256 * 1024 * 1024, minimum=1)
+VIDEO_DECODE_DEADLINE_SECS = env_float("VIDEO_DECODE_DEADLINE_SECS", 30.0, positive=True)
+VIDEO_FRAMES_TTL_SECS = env_int("VIDEO_FRAMES_TTL_SECS", 600, minimum=1)  # sampled frames awaiting a worker
+
 # --- Logging -----------------------------------------------------------------------------------
 # LOG_LEVELS="routing=debug,workers=info" raises or lowers single loggers, as Dynamo's DYN_LOG.
 LOG_LEVEL = (env_str("LOG_LEVEL") or "INFO").upper()

@@ -96,6 +96,26 @@ class ImageRef:
 
 
 @dataclass(frozen=True)
+class VideoRef:
+    """One video of a request: always decoded and sampled in the frontend; the worker never fetches it.
+
+    The worker lays the video out from these facts with its own video layout (and refuses a grid
+    that disagrees), and reads the sampled frames (RGB uint8, `frame_shape` = frames, height,
+    width, 3, already resized for the model) from the frame store by `frames_key`.
+    """
+
+    identity: str  # 32-hex hash of the sampled, decoded frames
+    fps: float
+    total_frames: int
+    indices: tuple[int, ...]  # the frames kept
+    width: int  # of the decoded frames
+    height: int
+    grid_thw: tuple[int, int, int]
+    frames_key: str
+    frame_shape: tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
 class GenerateTask:
     """The payload of `workers.generate`: one chat request for one worker."""
 
@@ -116,6 +136,8 @@ class GenerateTask:
     # The frontend processor's encoded model inputs (routing.processor_view.encode_processed):
     # the worker then skips its own preprocessing.
     processed: dict[str, Any] | None = None
+    # The request's videos, in prompt order (a worker that takes no video refuses the prompt).
+    videos: tuple[VideoRef, ...] = ()
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
@@ -132,6 +154,7 @@ class GenerateTask:
         data = dict(payload)
         try:
             data["images"] = tuple(_from_mapping(ImageRef, image) for image in data.get("images") or ())
+            data["videos"] = tuple(_video_ref(video) for video in data.get("videos") or ())
             data["stop"] = tuple(str(s) for s in data.get("stop") or ())
             data["block_hashes"] = tuple(int(h) for h in data.get("block_hashes") or ())
             task = _from_mapping(cls, data)
@@ -146,6 +169,20 @@ class GenerateTask:
             if isinstance(exc, ContractError):
                 raise
             raise ContractError(f"{cls.name}: a field has the wrong type: {exc}") from exc
+
+
+def _video_ref(data: Mapping[str, Any]) -> VideoRef:
+    video = _from_mapping(VideoRef, data)
+    return dataclasses.replace(
+        video,
+        fps=float(video.fps),
+        total_frames=int(video.total_frames),
+        indices=tuple(int(i) for i in video.indices),
+        width=int(video.width),
+        height=int(video.height),
+        grid_thw=tuple(int(n) for n in video.grid_thw),
+        frame_shape=tuple(int(n) for n in video.frame_shape),
+    )
 
 
 @dataclass(frozen=True)

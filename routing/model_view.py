@@ -22,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from routing.layouts import layout_for_model_dir
+from routing.video_layouts import video_layout_for_model_dir
 
 
 class ModelDirectoryError(RuntimeError):
@@ -133,6 +134,20 @@ class ModelView:
             if isinstance(value, int):
                 return value
         layout = self.image_layout
+        return self.token_id(layout.placeholder_token) if layout is not None else None
+
+    @cached_property
+    def video_layout(self):  # -> routing.video_layouts.QwenVideoLayout | None
+        """How this model samples and lays out a video; None for a family that takes no video."""
+        return video_layout_for_model_dir(self.path)
+
+    @cached_property
+    def video_placeholder_id(self) -> int | None:
+        """The token id of the one placeholder the chat template emits per video."""
+        value = self.config.get("video_token_id")
+        if isinstance(value, int):
+            return value
+        layout = self.video_layout
         return self.token_id(layout.placeholder_token) if layout is not None else None
 
     def encode(self, text: str) -> list[int]:

@@ -30,16 +30,29 @@ class ImageInView:
 
 
 @dataclass(frozen=True)
+class VideoInView:
+    index: int
+    identity: str
+    routing_hash: int
+    frames: int  # sampled frames
+    tokens: int  # the video's whole run in the prompt (timestamps and frame markers included)
+    start: int  # position of its first token in the prompt
+
+
+@dataclass(frozen=True)
 class TokenView:
     tokens: list[int]
     block_size: int
     images: list[ImageInView] = field(default_factory=list)
     fallback: str | None = None  # why routing looks at less than the whole prompt, if it does
     prompt_tokens: int = 0  # the worker's prompt length (the whole prompt, even when routing falls back)
+    videos: list[VideoInView] = field(default_factory=list)
 
     @cached_property
     def block_hashes(self) -> list[int]:
         media = [MediaPlacement(i.routing_hash, i.start, i.tokens) for i in self.images if i.tokens]
+        # A video's identity covers its whole run: the timestamps between its frames depend on it too.
+        media += [MediaPlacement(v.routing_hash, v.start, v.tokens) for v in self.videos]
         return block_hashes(self.tokens, self.block_size, media)
 
     @property
@@ -57,6 +70,16 @@ class ImageFacts:
     height: int
 
 
+@dataclass(frozen=True)
+class VideoFacts:
+    """What the view needs of a video: its identity and the token run its placeholder becomes."""
+
+    identity: str
+    routing_hash: int
+    frames: int
+    expansion_ids: Sequence[int]
+
+
 class PlaceholderMismatch(ValueError):
     """The prompt does not hold one placeholder per image: the template and the request disagree."""
 
@@ -70,6 +93,8 @@ def build_token_view(
     block_size: int,
     model_type: str = "",
     text_prefix: int | None = None,
+    videos: Sequence[VideoFacts] = (),
+    video_placeholder_id: int | None = None,
 ) -> TokenView:
     """Expand each image's single placeholder in `prompt_ids` into its token count.
 
@@ -77,6 +102,10 @@ def build_token_view(
     image, when the caller knows better than the first placeholder token (a template that marks
     images with other tokens). Nothing after an image may be routed on without its identity.
     """
+    if videos:
+        return _view_with_videos(
+            prompt_ids, images, videos, layout, placeholder_id, video_placeholder_id, block_size
+        )
     if not images:
         tokens = list(prompt_ids)
         return TokenView(tokens=tokens, block_size=block_size, prompt_tokens=len(tokens))
@@ -123,3 +152,63 @@ def build_token_view(
         previous = position + 1
     tokens.extend(prompt_ids[previous:])
     return TokenView(tokens=tokens, block_size=block_size, images=in_view, prompt_tokens=len(tokens))
+
+
+def _view_with_videos(
+    prompt_ids: Sequence[int],
+    images: Sequence[ImageFacts],
+    videos: Sequence[VideoFacts],
+    layout: ImageLayout | None,
+    placeholder_id: int | None,
+    video_placeholder_id: int | None,
+    block_size: int,
+) -> TokenView:
+    """Images and videos expanded in prompt order; a video family always has an image layout."""
+    if video_placeholder_id is None or (images and (layout is None or placeholder_id is None)):
+        raise PlaceholderMismatch("this model has no placeholder for videos")
+    video_positions = [i for i, token in enumerate(prompt_ids) if token == video_placeholder_id]
+    image_positions = [i for i, token in enumerate(prompt_ids) if token == placeholder_id] if images else []
+    if len(video_positions) != len(videos):
+        raise PlaceholderMismatch(
+            f"the prompt holds {len(video_positions)} video placeholders for {len(videos)} videos"
+        )
+    if len(image_positions) != len(images):
+        raise PlaceholderMismatch(
+            f"the prompt holds {len(image_positions)} image placeholders for {len(images)} images"
+        )
+    places = sorted(
+        [(p, "image", n) for n, p in enumerate(image_positions)]
+        + [(p, "video", n) for n, p in enumerate(video_positions)]
+    )
+    tokens: list[int] = []
+    in_view: list[ImageInView] = []
+    videos_in_view: list[VideoInView] = []
+    previous = 0
+    for position, kind, n in places:
+        tokens.extend(prompt_ids[previous:position])
+        if kind == "image":
+            image = images[n]
+            count = layout.image_tokens(image.width, image.height)  # type: ignore[union-attr]
+            in_view.append(
+                ImageInView(
+                    n, image.identity, image.routing_hash, image.width, image.height, count, len(tokens)
+                )
+            )
+            tokens.extend([placeholder_id] * count)  # type: ignore[list-item]
+        else:
+            video = videos[n]
+            videos_in_view.append(
+                VideoInView(
+                    n, video.identity, video.routing_hash, video.frames, len(video.expansion_ids), len(tokens)
+                )
+            )
+            tokens.extend(video.expansion_ids)
+        previous = position + 1
+    tokens.extend(prompt_ids[previous:])
+    return TokenView(
+        tokens=tokens,
+        block_size=block_size,
+        images=in_view,
+        prompt_tokens=len(tokens),
+        videos=videos_in_view,
+    )

@@ -38,6 +38,12 @@ VOCAB_SIZE = 4096
 # (256 image tokens) so a prefill with an image stays cheap on a CPU.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 448 * 448
+# Video frames are kept smaller (a 30-second clip at 2 frames per second is 60 frames): at most
+# 224x224 per frame, 64 placeholder tokens per pair of frames.
+VIDEO_MIN_PIXELS = 56 * 56
+VIDEO_MAX_PIXELS = 224 * 224
+VIDEO_FPS = 2.0
+VIDEO_MAX_FRAMES = 128
 
 # The Jinja chat template of Qwen/Qwen2-VL-2B-Instruct.
 QWEN2_VL_CHAT_TEMPLATE = (
@@ -269,6 +275,7 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -
     )
     image_processor.save_pretrained(path)
     _write_qwen_preprocessor_fields(path / "preprocessor_config.json")
+    _write_video_preprocessor_config(path, QWEN2_VIDEO_SETTINGS)
     (path / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
 
     # save_pretrained writes weights 0600; workers may run as another user (ENGINE-NOTES trap 9).
@@ -292,6 +299,32 @@ def _write_qwen_preprocessor_fields(preprocessor_config: Path) -> None:
         }
     )
     preprocessor_config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+
+# The video processor's settings as transformers saves them (video_preprocessor_config.json):
+# routing.video_layouts reads sampling and sizing from here, the worker its normalisation too.
+QWEN2_VIDEO_SETTINGS: dict[str, Any] = {
+    "video_processor_type": "Qwen2VLVideoProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "size": {"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "fps": VIDEO_FPS,
+    "min_frames": 4,
+    "max_frames": VIDEO_MAX_FRAMES,
+    "do_sample_frames": True,
+    "cap_pixels_per_frame": False,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],  # OPENAI_CLIP_MEAN
+    "image_std": [0.26862954, 0.26130258, 0.27577711],  # OPENAI_CLIP_STD
+    "rescale_factor": 1 / 255,
+}
+
+
+def _write_video_preprocessor_config(path: Path, settings: dict[str, Any]) -> None:
+    (path / "video_preprocessor_config.json").write_text(
+        json.dumps(settings, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def replace_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -> None:

@@ -26,6 +26,12 @@ class ImagePart:
 
 
 @dataclass
+class VideoPart:
+    index: int  # position among the request's videos, in prompt order
+    url: str
+
+
+@dataclass
 class ChatRequest:
     model: str
     messages: list[dict[str, Any]]  # normalised for the chat template
@@ -37,6 +43,7 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    videos: list[VideoPart] = field(default_factory=list)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -87,7 +94,9 @@ def _number(
     return float(value)
 
 
-def _content(message_index: int, content: Any, images: list[ImagePart]) -> str | list[dict[str, Any]]:
+def _content(
+    message_index: int, content: Any, images: list[ImagePart], videos: list[VideoPart]
+) -> str | list[dict[str, Any]]:
     param = f"messages[{message_index}].content"
     if isinstance(content, str):
         return content
@@ -118,6 +127,17 @@ def _content(message_index: int, content: Any, images: list[ImagePart]) -> str |
             # transformers' chat templates know images as {"type": "image"}; Qwen's also
             # accepts OpenAI's image_url form, most others (Gemma, LLaVA) do not.
             parts.append({"type": "image", "url": image["url"]})
+        elif kind == "video_url":  # as vLLM and Dynamo take it
+            video = part.get("video_url")
+            if isinstance(video, str):
+                video = {"url": video}
+            if not isinstance(video, dict) or not isinstance(video.get("url"), str) or not video["url"]:
+                raise _invalid(
+                    f"{part_param}.video_url", f"'{part_param}.video_url.url' must be a non-empty string."
+                )
+            videos.append(VideoPart(index=len(videos), url=video["url"]))
+            # transformers' chat templates know videos as {"type": "video"}.
+            parts.append({"type": "video", "url": video["url"]})
         else:
             raise ApiError(
                 400,
@@ -141,6 +161,7 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
             400, "'messages' must be a non-empty list.", code="missing_required_parameter", param="messages"
         )
     images: list[ImagePart] = []
+    videos: list[VideoPart] = []
     messages: list[dict[str, Any]] = []
     for index, message in enumerate(raw_messages):
         if not isinstance(message, dict):
@@ -154,7 +175,10 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         if content is None and role == "assistant":
             content = ""
         messages.append(
-            {"role": "system" if role == "developer" else role, "content": _content(index, content, images)}
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(index, content, images, videos),
+            }
         )
 
     n = body.get("n", 1)
@@ -208,4 +232,5 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         stop=stop,
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
+        videos=videos,
     )

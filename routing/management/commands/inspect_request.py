@@ -53,3 +53,10 @@ class Command(BaseCommand):
                 f"image {image['index']}        {image['identity']}  {image['width']}x{image['height']}  "
                 f"{image['tokens']} tokens at {image['start']}"
             )
+        for video in description["videos"]:
+            self.stdout.write(
+                f"video {video['index']}        {video['identity']}  {video['width']}x{video['height']} "
+                f"@ {video['fps']:g} fps: {video['frames_kept']} of {video['total_frames']} frames kept, "
+                f"{video['tokens']} tokens at {video['start']}, {video['blocks']} blocks "
+                f"({video['full_blocks']} wholly inside)"
+            )
