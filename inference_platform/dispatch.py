@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 from django.conf import settings
@@ -22,6 +22,7 @@ from routing.affinity import SessionAffinity
 from routing.contract import CONTRACT_VERSION, DONE, ERROR, STARTED, TOKEN, GenerateTask
 from routing.index import KvIndex
 from routing.load import LoadTracker
+from routing.media_store import MediaRef, MediaStore, media_store_from_settings
 from routing.models import Worker, worker_queue
 from routing.redis_keys import async_client, redact_text, sync_client
 from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
@@ -48,10 +49,25 @@ class Dispatch:
     total_blocks: int = 0
     overlap_blocks: int = 0
     prefill_done: bool = False
+    media: list[MediaRef] = field(default_factory=list)  # the request's blobs in the side store
 
 
 def registry() -> WorkerRegistry:
     return WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+
+
+def media_store() -> MediaStore:
+    return media_store_from_settings(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, settings)
+
+
+async def release_media(dispatch: Dispatch) -> None:
+    """Free the request's blobs in the side store now rather than at their TTL."""
+    if not dispatch.media:
+        return
+    try:
+        await asyncio.to_thread(media_store().release, dispatch.request_id, dispatch.media)
+    except redis.RedisError:
+        logger.warning("could not release the media of request %s (they expire)", dispatch.request_id)
 
 
 _routers: dict[tuple[str, str], KvRouter] = {}
@@ -191,6 +207,7 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
             await asyncio.shield(asyncio.to_thread(load.free, worker, rid))
         except redis.RedisError:
             logger.warning("could not free the load of request %s on worker %s", rid, worker)
+        await asyncio.shield(release_media(dispatch))
 
 
 def state_unavailable(request_id: str, exc: Exception) -> ApiError:

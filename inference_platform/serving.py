@@ -8,7 +8,6 @@ synchronous and pure of I/O beyond fetching image headers (it runs in a thread);
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import logging
 import random
@@ -23,7 +22,9 @@ from inference_platform.api.errors import ApiError
 from inference_platform.dispatch import (
     Dispatch,
     eligible_workers,
+    media_store,
     registry,
+    release_media,
     router,
     send_to_worker,
     worker_states,
@@ -40,6 +41,7 @@ from routing.media import (
     routing_hash,
     url_identity,
 )
+from routing.media_store import MediaRef, MediaStoreError
 from routing.model_view import ModelDirectoryError, ModelView, model_view
 from routing.registry import Heartbeat
 from routing.router import RoutingDecision
@@ -153,16 +155,20 @@ class PreparedRequest:
             ],
         }
 
-    def generate_task(self, request_id: str, scope_key: str | None) -> GenerateTask:
-        """The worker's task for this request (routing.contract)."""
+    def generate_task(
+        self, request_id: str, scope_key: str | None, media: Mapping[int, MediaRef] | None = None
+    ) -> GenerateTask:
+        """The worker's task for this request (routing.contract); `media` maps an image's index
+        to its bytes in the side store (routing.media_store)."""
+        media = media or {}
         images = tuple(
             ImageRef(
                 identity=resolved.identity,
-                # Frontend decoding: the bytes travel, and the worker must not fetch the origin again.
-                url=None if resolved.data is not None else resolved.url,
+                # Bytes held here travel by reference: the worker must not fetch the origin again.
+                url=None if resolved.index in media else resolved.url,
                 width=resolved.width,
                 height=resolved.height,
-                data_b64=None if resolved.data is None else base64.b64encode(resolved.data).decode("ascii"),
+                **(media[resolved.index].to_payload() if resolved.index in media else {}),
             )
             for resolved in self.images
         )
@@ -414,14 +420,18 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
     if prepared.videos:
         await asyncio.to_thread(store_video_frames, prepared)
-    task = prepared.generate_task(request_id, scope_key)
     dispatch = Dispatch(
         request_id=request_id,
         worker=decision.worker,
         total_blocks=decision.total_blocks,
         overlap_blocks=decision.overlap,
     )
-    await send_to_worker(decision.worker, task)
+    media = await store_media(prepared, dispatch)
+    try:
+        await send_to_worker(decision.worker, prepared.generate_task(request_id, scope_key, media))
+    except BaseException:
+        await release_media(dispatch)
+        raise
     # Counted only once the task is queued, so a refused send leaves no phantom load behind.
     await asyncio.to_thread(router().dispatch, decision, request_id, view.prompt_tokens, view.block_size)
     logger.info(
@@ -434,6 +444,21 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
         decision.reason,
     )
     return dispatch
+
+
+async def store_media(prepared: PreparedRequest, dispatch: Dispatch) -> dict[int, MediaRef]:
+    """Put the bytes the frontend holds (fetched images, data URLs) in the side store."""
+    held = [image for image in prepared.images if image.data is not None]
+    if not held:
+        return {}
+    try:
+        refs = await asyncio.to_thread(
+            media_store().put_many, dispatch.request_id, [image.data for image in held]
+        )
+    except MediaStoreError as exc:
+        raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
+    dispatch.media = refs
+    return {image.index: ref for image, ref in zip(held, refs, strict=True)}
 
 
 async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[str, Any]:

@@ -166,6 +166,13 @@ MEDIA_ALLOWED_HOSTS = env_list("MEDIA_ALLOWED_HOSTS", [])  # SSRF allowlist: hos
 MEDIA_MAX_PIXELS = env_int("MEDIA_MAX_PIXELS", 89_478_485, minimum=1)  # Pillow's bomb limit
 MEDIA_CONNECT_TIMEOUT_SECS = env_float("MEDIA_CONNECT_TIMEOUT_SECS", 5.0, positive=True)
 MEDIA_READ_TIMEOUT_SECS = env_float("MEDIA_READ_TIMEOUT_SECS", 20.0, positive=True)
+# The media side store (routing/media_store.py): image bytes travel to workers through Redis by
+# reference, never inside the Celery message. Caps per request and in total; entries expire.
+MEDIA_STORE_TTL_SECS = env_float("MEDIA_STORE_TTL_SECS", 600.0, positive=True)
+MEDIA_STORE_MAX_REQUEST_BYTES = int(
+    env_float("MEDIA_STORE_MAX_REQUEST_MB", 256.0, positive=True) * 1024 * 1024
+)
+MEDIA_STORE_MAX_TOTAL_BYTES = int(env_float("MEDIA_STORE_MAX_TOTAL_MB", 2048.0, positive=True) * 1024 * 1024)
 # The largest `/v1/*` request body, refused with a 413 while it is read. By default one image of
 # DYN_MM_MAX_FILE_SIZE_MB fits as a base64 data URL (4/3 of its size) with 1 MiB of JSON around it.
 API_MAX_BODY_BYTES = int(

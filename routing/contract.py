@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 # The version the frontend writes and the worker prefers; every heartbeat carries it.
-CONTRACT_VERSION = 2
+CONTRACT_VERSION = 3  # 3: image bytes by reference to the media side store (ImageRef.media_ref)
 # Versions this code can read (a worker refuses any other, naming both sides).
 SUPPORTED_VERSIONS = frozenset({CONTRACT_VERSION})
 VERSION_FIELD = "contract_version"
@@ -93,6 +93,10 @@ class ImageRef:
     height: int | None = None
     # Frontend decoding: the bytes, base64; the worker must not fetch the origin again.
     data_b64: str | None = None
+    # Bytes the frontend holds (fetched, or a data URL's), in the media side store
+    # (routing.media_store.MediaRef): the worker reads them there once and fetches nothing.
+    media_ref: str | None = None
+    media_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class ResolvedImage:
     routing_hash: int
     width: int
     height: int
-    data: bytes | None  # encoded bytes, present when frontend decoding fetched them
+    data: bytes | None  # encoded bytes: fetched with frontend decoding, or a data URL's
 
 
 # --- identities ----------------------------------------------------------------------------------
@@ -447,6 +447,10 @@ def _check_scheme(url: str) -> None:
 def _identify_by_url(index: int, url: str, policy: MediaPolicy) -> ResolvedImage:
     _check_scheme(url)
     identity = url_identity(url)
+    if is_data_url(url):  # its bytes are at hand: they travel to the worker by reference, not as text
+        data = decode_data_url(url, max_bytes=policy.max_bytes)
+        width, height = read_image_size(data, max_pixels=policy.max_pixels)
+        return ResolvedImage(index, url, identity, routing_hash(identity), width, height, data)
     width, height = probe_image_size(url, policy)
     return ResolvedImage(index, url, identity, routing_hash(identity), width, height, None)
 

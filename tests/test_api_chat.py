@@ -279,3 +279,50 @@ async def test_a_session_scope_reaches_redis_only_as_a_keyed_hash(client, served
     )
     assert secret.encode() not in everything
     assert conn.exists(f"{prefix}aff:{scope_key}"), "affinity remembers the session by its hash"
+
+
+async def test_image_bytes_travel_to_the_worker_by_reference_not_inside_the_task(
+    client, served_demo_model, ghost_worker
+):
+    """The ghost worker (fault injection: it never answers) leaves its task in the queue to read."""
+    import io
+
+    from PIL import Image
+
+    from routing.media_store import MediaRef, MediaStore
+
+    # given a 300 KB data URL image
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (320, 320), bytes(range(256)) * 1200).save(buffer, "BMP")
+    data_url = "data:image/bmp;base64," + base64.b64encode(buffer.getvalue()).decode()
+    body = chat_body(served_demo_model)
+    body["messages"][0]["content"] = [
+        {"type": "text", "text": "What is it?"},
+        {"type": "image_url", "image_url": {"url": data_url}},
+    ]
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    queue = f"{django_settings.REDIS_KEY_PREFIX}worker.ghost"
+    store = MediaStore(conn, django_settings.REDIS_KEY_PREFIX)
+    seen: dict = {}
+
+    async def read_the_task() -> None:
+        while not (raw := conn.lindex(queue, 0)):
+            await asyncio.sleep(0.05)
+        seen["message_bytes"] = len(raw)
+        message = json.loads(raw)
+        args = json.loads(base64.b64decode(message["body"]))[0][0]
+        seen["image"] = args["images"][0]
+        seen["stored"] = store.get(MediaRef.from_payload(seen["image"]))
+
+    # when the request is dispatched (and times out on the silent ghost)
+    reader = asyncio.create_task(read_the_task())
+    status, _, _ = await post(client, body)
+    await reader
+    # then the task held a reference to the bytes, which the side store held while it ran
+    assert status == 504
+    assert seen["message_bytes"] < 20_000, "the image travelled inside the Celery message"
+    assert seen["image"]["url"] is None and MediaRef.in_payload(seen["image"])
+    assert seen["stored"] == buffer.getvalue()
+    # and once the request ended, the frontend released them rather than waiting for the TTL
+    assert store.total_bytes() == 0
+    assert conn.get(seen["image"]["media_ref"]) is None

@@ -226,14 +226,15 @@ def served_events(runtime: WorkerRuntime, payload: dict[str, Any]) -> dict[str, 
     return {event.type: event.data for event in parse_stream_entries(entries)}
 
 
-def task_payload(prompt: str, images: Sequence[ImageInput], processed: Any) -> dict[str, Any]:
-    import base64
-
+def task_payload(
+    runtime: WorkerRuntime, prompt: str, images: Sequence[ImageInput], processed: Any
+) -> dict[str, Any]:
+    request_id = uuid.uuid4().hex
     return {
-        "request_id": uuid.uuid4().hex,
+        "request_id": request_id,
         "prompt": prompt,
         "images": [
-            {"identity": i.identity, "url": None, "data_b64": base64.b64encode(i.data or b"").decode()}
+            {"identity": i.identity, "url": None, **runtime.media.put(request_id, i.data or b"").to_payload()}
             for i in images
         ],
         "max_tokens": 6,
@@ -257,7 +258,7 @@ def test_the_runtime_serves_a_task_from_its_processed_inputs_without_loading_ima
     runtime = WorkerRuntime(name="w", engine=engine, client=redis_client, namespace=key_namespace)
     expected = make_engine()[0].generate(request(prompt, [image], max_tokens=6))
 
-    done = served_events(runtime, task_payload(prompt, [image], view.processed))[DONE]
+    done = served_events(runtime, task_payload(runtime, prompt, [image], view.processed))[DONE]
 
     assert (done["text"], done["prompt_tokens"]) == (expected.text, expected.prompt_tokens)
     assert loader.calls == 0
@@ -273,7 +274,7 @@ def test_the_runtime_answers_processed_inputs_that_do_not_decode_with_400(
     processed["pixel_values"] = dict(processed["pixel_values"], dtype="no_such_dtype")
     runtime = WorkerRuntime(name="w", engine=engine, client=redis_client, namespace=key_namespace)
 
-    events = served_events(runtime, task_payload(prompt, [image], processed))
+    events = served_events(runtime, task_payload(runtime, prompt, [image], processed))
 
     assert DONE not in events and events[ERROR]["status"] == 400
     assert loader.calls == 0

@@ -3,7 +3,6 @@ while the embedding cache is partitioned by scope and bypassed by a request with
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
@@ -81,14 +80,15 @@ def serve(
     worker: WorkerRuntime, prompt: str, image: ImageInput, scope: str | None, processed: Any = None
 ) -> dict[str, Any]:
     """Serves one task payload; returns its `done` event (usage and cache counters)."""
+    request_id = uuid.uuid4().hex
     payload = {
-        "request_id": uuid.uuid4().hex,
+        "request_id": request_id,
         "prompt": prompt,
         "images": [
             {
                 "identity": image.identity,
                 "url": None,
-                "data_b64": base64.b64encode(image.data or b"").decode(),
+                **worker.media.put(request_id, image.data or b"").to_payload(),
             }
         ],
         "max_tokens": 6,

@@ -17,6 +17,7 @@ from inference_platform.api.errors import ApiError
 from inference_platform.serving import prepare
 from routing.hashing import MediaPlacement, block_hashes
 from routing.media import routing_hash, url_identity
+from routing.media_store import MediaRef
 from routing.model_view import model_view
 
 # The frontend reads the live policy (the admin's row, if any) from the database.
@@ -111,8 +112,11 @@ def test_frontend_decoding_gives_one_identity_for_the_same_pixels_under_two_enco
     first, second = prepared.view.images
     assert first.identity == second.identity
     assert all(image.data for image in prepared.images), "decoded bytes travel to the worker"
-    payload = prepared.worker_payload("r1", None)
-    assert all(image["url"] is None and image["data_b64"] for image in payload["images"])
+    refs = {image.index: MediaRef(f"blob-{image.index}", len(image.data)) for image in prepared.images}
+    task = prepared.generate_task("r1", None, refs)
+    # the bytes travel by reference to the side store, never inside the task
+    assert [image.media_ref for image in task.images] == ["blob-0", "blob-1"]
+    assert all(image.url is None and image.data_b64 is None for image in task.images)
 
 
 def test_a_family_without_a_layout_routes_on_the_text_prefix(settings, demo_model_dir, tmp_path):
@@ -197,9 +201,9 @@ def test_the_processor_path_gives_the_registry_view_for_the_demo_model(settings)
     assert processor_view.view.tokens == registry_view.view.tokens
     assert processor_view.view.block_hashes == registry_view.view.block_hashes
     assert [i.identity for i in processor_view.view.images] == [i.identity for i in registry_view.view.images]
-    payload = processor_view.worker_payload("r1", None)
-    assert payload["processed"]["input_ids"] == registry_view.view.tokens
-    assert registry_view.worker_payload("r1", None)["processed"] is None
+    task = processor_view.generate_task("r1", None)
+    assert task.processed["input_ids"] == registry_view.view.tokens
+    assert registry_view.generate_task("r1", None).processed is None
 
 
 def test_the_processor_path_routes_a_family_outside_the_registry_exactly(settings, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.contract import CONTRACT_VERSION, GenerateTask
+from routing.contract import CONTRACT_VERSION, GenerateTask, ImageRef
 from routing.responses import ERROR, parse_stream_entries, response_key
 from tests.image_server import ImageServer
 
@@ -80,3 +80,42 @@ def test_a_task_in_a_contract_version_the_worker_does_not_speak_is_refused_namin
     assert error.status == 503 and error.code == "unsupported_contract_version"
     assert f"contract version {version!r}" in error.message
     assert str(CONTRACT_VERSION) in error.message and "worker w" in error.message
+
+
+def test_an_image_reference_whose_bytes_are_gone_is_a_clear_error_at_once(
+    engine_and_loader, redis_client, key_namespace
+):
+    import time
+
+    from routing.media_store import MediaStore
+    from workers.runtime import WorkerRuntime
+
+    # given a reference the frontend released (or that expired) before the worker got to it
+    engine, loader = engine_and_loader
+    store = MediaStore(redis_client, key_namespace)
+    runtime = WorkerRuntime(
+        name="w",
+        engine=engine,
+        client=redis_client,
+        namespace=key_namespace,
+        image_loader=loader,
+        media=store,
+    )
+    ref = store.put("r-expired", b"\x89PNG\r\n\x1a\n....")
+    store.release("r-expired", [ref])
+    # when the worker serves the task
+    started = time.monotonic()
+    runtime.serve(
+        GenerateTask(
+            request_id="r-expired",
+            prompt="<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n",
+            images=(ImageRef(identity="0" * 32, **ref.to_payload()),),
+            max_tokens=2,
+        ).to_payload()
+    )
+    # then the client learns why, without a wait
+    assert time.monotonic() - started < 2.0
+    events = parse_stream_entries(redis_client.xrange(response_key(key_namespace, "r-expired")))
+    error = next(event for event in events if event.type == ERROR).event
+    assert (error.status, error.code) == (503, "media_missing")
+    assert "no longer stored" in error.message

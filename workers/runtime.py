@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from routing.contract import (
     TokenEvent,
 )
 from routing.media import MediaError, MediaPolicy, fetch_bytes
+from routing.media_store import MediaRef, MediaStore, MediaStoreError
 from routing.responses import ResponseWriter
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
@@ -54,6 +56,15 @@ class WorkerRuntime:
     stats: CacheStats | None = None
     image_loader: ImageLoader | None = None
     instance: str = ""  # this process's instance id (routing.registry.new_instance_id)
+    media: MediaStore | None = None  # the side store the frontend put image bytes in
+
+    def __post_init__(self) -> None:
+        if self.media is None:
+            from django.conf import settings
+
+            from routing.media_store import media_store_from_settings
+
+            self.media = media_store_from_settings(self.client, self.namespace, settings)
 
     def flush(self, payload: dict[str, Any] | FlushCachesTask) -> None:
         """Drop this worker's caches (or one session scope's entries) and report what went.
@@ -124,7 +135,7 @@ class WorkerRuntime:
             request = GenerationRequest(
                 request_id=request_id,
                 prompt=task.prompt,
-                images=[_image_input(ImageInput, image) for image in task.images],
+                images=_image_inputs(ImageInput, task.images, self.media),
                 max_tokens=task.max_tokens,
                 temperature=task.temperature,
                 top_p=task.top_p,
@@ -146,7 +157,11 @@ class WorkerRuntime:
                 # The origin failed or timed out when the worker fetched the image: still a
                 # problem with the request's image, answered as the frontend answers it (a 4xx).
                 status = 400
-            if isinstance(status, int) and 400 <= status < 500:
+            if isinstance(exc, MediaStoreError):
+                # A reference whose bytes are gone: say so plainly, it is no fault of the engine.
+                writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=exc.message))
+                logger.warning("request %s: %s", request_id, exc.message)
+            elif isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
                 writer.emit(
                     ErrorEvent(status=status, code=getattr(exc, "code", "invalid_request"), message=str(exc))
@@ -230,12 +245,24 @@ def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoad
     )
 
 
-def _image_input(image_input_class, image: ImageRef):
-    """An ImageInput from the task's image; bytes the frontend fetched travel base64-encoded."""
+def _image_inputs(image_input_class, images: Sequence[ImageRef], media: MediaStore) -> list:
+    """ImageInputs from the task's images; bytes the frontend holds are read from the side store,
+    all in one round trip, once."""
+    refs = [MediaRef(image.media_ref, image.media_bytes) for image in images if image.media_ref]
+    blobs = iter(media.get_many(refs))
+    return [
+        _image_input(image_input_class, image, next(blobs) if image.media_ref else None) for image in images
+    ]
+
+
+def _image_input(image_input_class, image: ImageRef, stored: bytes | None = None):
+    """An ImageInput from the task's image: bytes from the side store, or base64 in the task."""
+    if stored is None and image.data_b64:
+        stored = base64.b64decode(image.data_b64)
     return image_input_class(
         identity=image.identity,
         url=image.url,
-        data=base64.b64decode(image.data_b64) if image.data_b64 else None,
+        data=stored,
         width=image.width,
         height=image.height,
     )
