@@ -62,6 +62,16 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_demo_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The Qwen3-VL demo checkpoint (`build_demo_model --family qwen3_vl`), built once per session."""
+    from workers.demo_model import build_demo_qwen3_vl
+
+    path = tmp_path_factory.mktemp("models") / "demo-qwen3-vl"
+    build_demo_qwen3_vl(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def shared_parts(demo_model_dir):
     """The demo model and its processor, loaded once: each test builds engines around them."""
     from workers.engine import Engine

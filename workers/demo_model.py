@@ -327,12 +327,17 @@ def _write_video_preprocessor_config(path: Path, settings: dict[str, Any]) -> No
     )
 
 
-def replace_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -> None:
+def replace_demo_model(
+    path: Path, *, seed: int = 0, heavy_vision: bool = False, family: str = "qwen2_vl"
+) -> None:
     """Builds into a sibling directory and swaps it in, so readers never see a half-written model."""
     path = Path(path)
     staging = path.with_name(path.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
-    build_demo_model(staging, seed=seed, heavy_vision=heavy_vision)
+    if family == "qwen2_vl":
+        build_demo_model(staging, seed=seed, heavy_vision=heavy_vision)
+    else:
+        build_demo_family(staging, family, seed=seed)
     if path.exists():
         shutil.rmtree(path)
     staging.rename(path)
@@ -526,3 +531,152 @@ def build_demo_llava(path: Path, *, next: bool = False, seed: int = 0) -> None:
     model.save_pretrained(path)
     for weights in path.glob("*.safetensors"):
         weights.chmod(0o644)
+
+
+# --- Qwen3-VL ----------------------------------------------------------------------------------------
+# Patch 16 and merge 2: images and frames resize to multiples of 32. Images as the Qwen2-VL demo's
+# (at most 448x448); a video's pixel budget is for the whole clip (Qwen3-VL sizes all frames at
+# once): a 30-second clip at 2 frames per second gets about 64 tokens per pair of frames.
+QWEN3_MIN_PIXELS = 64 * 64
+QWEN3_MAX_PIXELS = 448 * 448
+QWEN3_VIDEO_SETTINGS: dict[str, Any] = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "size": {"shortest_edge": 32 * 32 * 8, "longest_edge": 60 * 256 * 256},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "fps": VIDEO_FPS,
+    "min_frames": 4,
+    "max_frames": VIDEO_MAX_FRAMES,
+    "do_sample_frames": True,
+    "cap_pixels_per_frame": False,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "rescale_factor": 1 / 255,
+}
+
+
+def _qwen3_vl_config(token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen3VLConfig
+
+    hidden = 256
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": hidden,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "max_position_embeddings": 32768,
+            # Interleaved M-RoPE over head_dim / 2 = 32 frequencies, as the published models.
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [8, 12, 12],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": token_ids["<|endoftext|>"],
+            "eos_token_id": token_ids["<|im_end|>"],
+            "pad_token_id": token_ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 4,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            # The merger projects into the language model: this is the text hidden size.
+            "out_hidden_size": hidden,
+            "num_position_embeddings": 576,
+            # DeepStack: features of both vision layers are added to the first two decoder layers.
+            "deepstack_visual_indexes": [0, 1],
+        },
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def build_demo_qwen3_vl(path: Path, *, seed: int = 0) -> None:
+    """Writes a tiny random Qwen3-VL checkpoint (Qwen3VLForConditionalGeneration, DeepStack vision
+    tower, interleaved M-RoPE) with the demo tokenizer and Qwen3-VL's image and video settings."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    backend = train_demo_tokenizer(seed)
+    token_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE  # the same vision markers as Qwen3-VL's template
+    tokenizer.save_pretrained(path)
+
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(_qwen3_vl_config(token_ids)).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
+        pad_token_id=token_ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    model.save_pretrained(path)
+
+    # transformers has no Qwen3-VL image processor class: the published checkpoints configure the
+    # Qwen2-VL one with patch 16 and mean/std 0.5.
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": QWEN3_MIN_PIXELS, "longest_edge": QWEN3_MAX_PIXELS},
+        patch_size=16,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    image_processor.save_pretrained(path)
+    fields = json.loads((path / "preprocessor_config.json").read_text())
+    fields.update(
+        {
+            "min_pixels": QWEN3_MIN_PIXELS,
+            "max_pixels": QWEN3_MAX_PIXELS,
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen3VLProcessor",
+        }
+    )
+    (path / "preprocessor_config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    _write_video_preprocessor_config(path, QWEN3_VIDEO_SETTINGS)
+    (path / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    for weights in path.glob("*.safetensors"):
+        weights.chmod(0o644)
+
+
+DEMO_FAMILIES = ("qwen2_vl", "qwen3_vl", "llava", "llava_next")
+
+
+def build_demo_family(path: Path, family: str, *, seed: int = 0) -> None:
+    """The demo checkpoint of one family (`DEMO_FAMILIES`) into `path`."""
+    if family == "qwen2_vl":
+        build_demo_model(path, seed=seed)
+    elif family == "qwen3_vl":
+        build_demo_qwen3_vl(path, seed=seed)
+    elif family in ("llava", "llava_next"):
+        build_demo_llava(path, next=family == "llava_next", seed=seed)
+    else:
+        raise ValueError(f"no demo model for family {family!r}; choose from {', '.join(DEMO_FAMILIES)}")

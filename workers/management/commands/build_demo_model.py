@@ -1,4 +1,5 @@
-"""`manage.py build_demo_model PATH`: writes the small random-weight Qwen2-VL demo checkpoint."""
+"""`manage.py build_demo_model PATH [--family qwen2_vl|qwen3_vl|llava|llava_next]`: writes a small
+random-weight demo checkpoint (Qwen2-VL by default)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from workers.demo_model import replace_demo_model
+from workers.demo_model import DEMO_FAMILIES, replace_demo_model
 
 
 class Command(BaseCommand):
-    help = "Build the demo Qwen2-VL checkpoint (random weights, locally trained tokenizer) into PATH."
+    help = "Build a demo checkpoint (random weights, locally trained tokenizer) into PATH."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("path", type=Path)
         parser.add_argument("--seed", type=int, default=0, help="seed of weights and tokenizer corpus")
         parser.add_argument("--force", action="store_true", help="replace a model already at PATH")
+        parser.add_argument(
+            "--family", choices=DEMO_FAMILIES, default="qwen2_vl", help="the model family (default qwen2_vl)"
+        )
         parser.add_argument(
             "--heavy-vision",
             action="store_true",
@@ -24,10 +28,19 @@ class Command(BaseCommand):
         )
 
     def handle(
-        self, *args: Any, path: Path, seed: int, force: bool, heavy_vision: bool = False, **options: Any
+        self,
+        *args: Any,
+        path: Path,
+        seed: int,
+        force: bool,
+        heavy_vision: bool = False,
+        family: str = "qwen2_vl",
+        **options: Any,
     ) -> None:
         path = path.resolve()
         if path.exists() and any(path.iterdir()) and not force:
             raise CommandError(f"{path} already holds files; pass --force to replace them")
-        replace_demo_model(path, seed=seed, heavy_vision=heavy_vision)
-        self.stdout.write(self.style.SUCCESS(f"demo model written to {path}"))
+        if heavy_vision and family != "qwen2_vl":
+            raise CommandError("--heavy-vision builds only the qwen2_vl demo")
+        replace_demo_model(path, seed=seed, heavy_vision=heavy_vision, family=family)
+        self.stdout.write(self.style.SUCCESS(f"{family} demo model written to {path}"))
