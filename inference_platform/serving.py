@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from inference_platform.dispatch import (
     worker_states,
 )
 from inference_platform.policy import current_policy
+from routing import telemetry
 from routing.contract import GenerateTask, ImageRef, VideoRef
 from routing.layouts import ImageSizeRefused
 from routing.media import (
@@ -417,9 +419,12 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
             f"No live worker serves '{model.name}' right now (request {request_id}).",
             code="no_live_worker",
         )
+    started = time.perf_counter()
     decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
     if prepared.videos:
         await asyncio.to_thread(store_video_frames, prepared)
+    telemetry.observe("routing_decision_seconds", time.perf_counter() - started)
+    telemetry.inc("routing_decisions", labels={"worker": decision.worker, "reason": decision.reason})
     dispatch = Dispatch(
         request_id=request_id,
         worker=decision.worker,
@@ -428,7 +433,9 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     )
     media = await store_media(prepared, dispatch)
     try:
-        await send_to_worker(decision.worker, prepared.generate_task(request_id, scope_key, media))
+        task = prepared.generate_task(request_id, scope_key, media)
+        # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
+        await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
     except BaseException:
         await release_media(dispatch)
         raise

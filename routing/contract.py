@@ -142,6 +142,8 @@ class GenerateTask:
     processed: dict[str, Any] | None = None
     # The request's videos, in prompt order (a worker that takes no video refuses the prompt).
     videos: tuple[VideoRef, ...] = ()
+    # When the frontend sent it (unix seconds, its clock): the worker's queue-time histogram.
+    dispatched_at: float | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:

@@ -11,12 +11,16 @@ from typing import Any, Protocol
 
 import redis
 
+from routing import telemetry
 from routing.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
 from routing.index import KvIndex, execute_pipeline
 from routing.load import IDLE, LoadTracker
 from routing.registry import Heartbeat, WorkerRegistry
 
 DEFAULT_MINUTES = 30
+# The windows the dashboard offers (minutes); any 1..MAX_MINUTES is accepted.
+WINDOWS: tuple[int, ...] = (5, 15, 60, 360, 1440)
+QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
 MAX_MINUTES = 24 * 60  # the per-minute series is kept for a day (cache_stats.SERIES_TTL_SECS)
 
 Counts = dict[str, int]
@@ -120,13 +124,37 @@ class DashboardReader:
             ]
             for cache in CACHES
         }
+        window_caches = {
+            cache: _summed(series[name][cache][i] for name in names for i in range(len(minute_starts)))
+            for cache in CACHES
+        }
         return {
             "generated_at": now,
             "minutes": minutes,
             "series_start": minute_starts[0] if minute_starts else None,
             "workers": workers,
+            # Lifetime totals (what /metrics exposes) ...
             "caches": {cache: _with_rate(cache, all_totals[cache]) for cache in CACHES},
             "series": all_series,
+            # ... and the chosen window's figures, read from the per-minute buckets only.
+            "window": self._window(minute_starts, window_caches) if minutes else None,
+        }
+
+    def _window(self, minute_starts: Sequence[int], caches: dict[str, Counts]) -> dict[str, Any]:
+        """The window's requests, tokens, errors, latencies and routing quality, per minute and summed."""
+        per_minute = telemetry.read_minutes(self._client, self._namespace, [m // 60 for m in minute_starts])
+        summed = telemetry.merge(per_minute)
+        return {
+            "minute_starts": list(minute_starts),
+            "totals": _window_figures(summed, len(minute_starts)),
+            "caches": {cache: _with_rate(cache, caches[cache]) for cache in CACHES},
+            "per_minute": [_window_figures(parsed, 1) for parsed in per_minute],
+            "statuses": sorted(_statuses(summed)),
+            "workers": sorted(_label_values(summed, "requests", "worker") - {"none"}),
+            "per_worker": {
+                worker: _worker_window(summed, per_minute, worker)
+                for worker in sorted(_label_values(summed, "requests", "worker") - {"none"})
+            },
         }
 
     def _read_load_and_counters(
@@ -209,6 +237,71 @@ def _worker_entry(
         "caches": {cache: _with_rate(cache, totals[cache]) for cache in CACHES},
         "series": {cache: [hit_rate(cache, counts) for counts in series[cache]] for cache in CACHES},
     }
+
+
+def _window_figures(parsed: telemetry.Parsed, minutes: int) -> dict[str, Any]:
+    requests = telemetry.counter_sum(parsed, "requests")
+    ok = telemetry.counter_sum(parsed, "requests", status="200")
+    prompt = telemetry.counter_sum(parsed, "prompt_tokens")
+    cached = telemetry.counter_sum(parsed, "cached_prompt_tokens")
+    completion = telemetry.counter_sum(parsed, "completion_tokens")
+    seconds = 60 * minutes
+    ttft = telemetry.histogram_merged(parsed, "ttft_seconds")
+    duration = telemetry.histogram_merged(parsed, "request_duration_seconds")
+    ttft_metric = telemetry.CATALOG["ttft_seconds"]
+    duration_metric = telemetry.CATALOG["request_duration_seconds"]
+    given_up = telemetry.counter_sum(parsed, "routing_overlap_given_up_blocks")
+    best = telemetry.counter_sum(parsed, "routing_best_overlap_blocks")
+    return {
+        "requests": int(requests),
+        "errors": int(requests - ok),
+        "by_status": {
+            status: int(telemetry.counter_sum(parsed, "requests", status=status))
+            for status in _statuses(parsed)
+        },
+        "prompt_tokens": int(prompt),
+        "cached_prompt_tokens": int(cached),
+        "completion_tokens": int(completion),
+        "requests_per_s": requests / seconds,
+        "tokens_per_s": (prompt + completion) / seconds,
+        "completion_tokens_per_s": completion / seconds,
+        "kv_hit_rate": cached / prompt if prompt else None,
+        "ttft": {f"p{round(q * 100)}": telemetry.histogram_quantile(ttft_metric, ttft, q) for q in QUANTILES},
+        "latency": {
+            f"p{round(q * 100)}": telemetry.histogram_quantile(duration_metric, duration, q)
+            for q in QUANTILES
+        },
+        # Recorded by the router once it computes it (None: nothing recorded in the window).
+        "overlap_given_up_blocks": int(given_up) if best or given_up else None,
+        "overlap_given_up_share": given_up / best if best else None,
+    }
+
+
+def _worker_window(
+    summed: telemetry.Parsed, per_minute: list[telemetry.Parsed], worker: str
+) -> dict[str, Any]:
+    ttft_metric = telemetry.CATALOG["ttft_seconds"]
+    return {
+        "requests": int(telemetry.counter_sum(summed, "requests", worker=worker)),
+        "ttft_p50": [
+            telemetry.histogram_quantile(
+                ttft_metric, telemetry.histogram_merged(p, "ttft_seconds", worker=worker), 0.5
+            )
+            for p in per_minute
+        ],
+    }
+
+
+def _label_values(parsed: telemetry.Parsed, name: str, label: str) -> set[str]:
+    series = parsed.get(name)
+    if series is None:
+        return set()
+    position = series.metric.labels.index(label)
+    return {labels[position] for labels in series.values}
+
+
+def _statuses(parsed: telemetry.Parsed) -> set[str]:
+    return _label_values(parsed, "requests", "status")
 
 
 def _with_rate(cache: str, counts: Counts) -> dict[str, Any]:

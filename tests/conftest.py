@@ -130,3 +130,25 @@ def _fresh_live_policy():
     forget_cached_policy()
     yield
     forget_cached_policy()
+
+
+@pytest.fixture(scope="session")
+def observed_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
+    """The real platform the observability tests share (tests/observed_platform.py)."""
+    from tests.image_server import ImageServer
+    from tests.observed_platform import start_observed_platform
+    from tests.platform_harness import PlatformProcesses
+
+    namespace = f"test:{uuid.uuid4().hex[:12]}:"
+    with ImageServer() as origin:
+        processes = PlatformProcesses(
+            tmp_path_factory.mktemp("observed"),
+            demo_model_dir,
+            TEST_REDIS_URL,
+            namespace,
+            {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+        )
+        try:
+            yield start_observed_platform(processes, origin)
+        finally:
+            processes.close()

@@ -15,6 +15,7 @@ import binascii
 import io
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from PIL import Image
+
+from routing import telemetry
 
 if TYPE_CHECKING:
     from routing.cache_stats import CacheStats
@@ -241,8 +244,11 @@ class ImageLoader:
     ) -> tuple[Image.Image, int, str]:
         try:
             source = "shared"
+            started = time.perf_counter()
             data = self._shared.get(identity, scope) if self._shared is not None else None
-            if data is None:
+            if data is not None:
+                self._observe_fetch("shared", started)
+            else:
                 source = "origin"
                 data = self._fetch_origin(url, headers)
             image = self._decode(data)
@@ -273,9 +279,18 @@ class ImageLoader:
         return self._decode(data), len(data), "origin"
 
     def _fetch_origin(self, url: str, headers: Mapping[str, str]) -> bytes:
+        started = time.perf_counter()
         data = self._fetch(url, headers)
+        self._observe_fetch("origin", started)
         self._check_size(data)
         return data
+
+    def _observe_fetch(self, source: str, started: float) -> None:
+        telemetry.observe(
+            "image_fetch_seconds",
+            time.perf_counter() - started,
+            labels={"worker": self.worker, "source": source},
+        )
 
     def _load_data_url(self, url: str, identity: str, scope_key: str | None) -> LoadedImage:
         if self._bypasses(scope_key):
@@ -316,6 +331,15 @@ class ImageLoader:
         raise ImageLoadError(413, f"image is larger than {limit_mib:g} MiB", "image_too_large")
 
     def _decode(self, data: bytes) -> Image.Image:
+        started = time.perf_counter()
+        try:
+            return self._decode_checked(data)
+        finally:
+            telemetry.observe(
+                "image_decode_seconds", time.perf_counter() - started, labels={"worker": self.worker}
+            )
+
+    def _decode_checked(self, data: bytes) -> Image.Image:
         try:
             opened = Image.open(io.BytesIO(data))
             width, height = opened.size

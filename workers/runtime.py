@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from PIL import Image
 
+from routing import telemetry
 from routing.cache_stats import CacheStats
 from routing.contract import (
     DONE,
@@ -65,6 +66,9 @@ class WorkerRuntime:
             from routing.media_store import media_store_from_settings
 
             self.media = media_store_from_settings(self.client, self.namespace, settings)
+
+        self._in_engine = 0
+        self._gauge_lock = threading.Lock()
 
     def flush(self, payload: dict[str, Any] | FlushCachesTask) -> None:
         """Drop this worker's caches (or one session scope's entries) and report what went.
@@ -131,6 +135,11 @@ class WorkerRuntime:
             logger.info("request %s was cancelled before it started", request_id)
             return
         writer.emit(StartedEvent(worker=self.name, instance=self.instance))
+        labels = {"worker": self.name}
+        if task.dispatched_at is not None:
+            telemetry.observe("queue_seconds", max(0.0, time.time() - task.dispatched_at), labels=labels)
+        on_token = _timing_tokens(lambda text: writer.emit(TokenEvent(text=text)), labels)
+        self._engine_entered(+1)
         try:
             request = GenerationRequest(
                 request_id=request_id,
@@ -148,7 +157,7 @@ class WorkerRuntime:
             )
             result = self.engine.generate(
                 request,
-                on_token=lambda text: writer.emit(TokenEvent(text=text)),
+                on_token=on_token,
                 should_stop=_throttled(writer.cancelled, _CANCEL_CHECK_INTERVAL_S),
             )
         except Exception as exc:
@@ -172,6 +181,8 @@ class WorkerRuntime:
                 message = f"The worker failed: {type(exc).__name__}"
                 writer.emit(ErrorEvent(status=502, code="worker_error", message=message))
             return
+        finally:
+            self._engine_entered(-1)
         self._count(result)
         writer.emit(
             DoneEvent(
@@ -189,6 +200,25 @@ class WorkerRuntime:
                 worker=self.name,
             )
         )
+
+    def report_engine_gauges(self) -> None:
+        """Report the engine's gauges now (at start, before any request changes them)."""
+        self._engine_entered(0)
+
+    def _engine_entered(self, step: int) -> None:
+        """The engine gauges. Until the engine schedules batches it runs one request at a time
+        (its model lock): one running, the rest of those inside `generate` waiting for it."""
+        with self._gauge_lock:
+            self._in_engine += step
+            in_engine = self._in_engine
+        labels = {"worker": self.name}
+        telemetry.set_gauge("engine_running_requests", min(in_engine, 1), labels=labels)
+        telemetry.set_gauge("engine_waiting_requests", max(in_engine - 1, 0), labels=labels)
+        kv_cache = getattr(self.engine, "kv_cache", None)
+        if kv_cache is not None:
+            used = len(kv_cache)
+            telemetry.set_gauge("engine_kv_blocks_used", used, labels=labels)
+            telemetry.set_gauge("engine_kv_blocks_free", kv_cache.capacity_blocks - used, labels=labels)
 
     def _count(self, result: Any) -> None:
         if self.stats is None:
@@ -280,6 +310,22 @@ def _processed_inputs(processed: dict[str, Any] | None) -> dict[str, Any] | None
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         # A payload that does not decode is this request's fault, not the worker's.
         raise PromptError(f"the processed inputs do not decode: {exc}") from exc
+
+
+def _timing_tokens(send, labels: dict[str, str]):
+    """`send`, observing the time between consecutive tokens of one request."""
+    last: list[float] = []
+
+    def on_token(text: str) -> None:
+        now = time.monotonic()
+        if last:
+            telemetry.observe("inter_token_seconds", now - last[0], labels=labels)
+            last[0] = now
+        else:
+            last.append(now)
+        send(text)
+
+    return on_token
 
 
 def _throttled(check, interval_s: float):

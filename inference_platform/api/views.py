@@ -17,10 +17,14 @@ from inference_platform.api.boundary import is_api_path, json_endpoint, only_get
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
+from inference_platform.request_metrics import RequestClock
 from inference_platform.serving import describe_route, plan_request, served_model
 from routing.contract import DoneEvent, ErrorEvent, TokenEvent
 
 logger = logging.getLogger("inference_platform.api")
+
+# nginx's code for a client that closed the connection before the answer: counted, never sent.
+CLIENT_CLOSED = 499
 
 
 @only_get
@@ -63,16 +67,20 @@ def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
 
 @json_endpoint
 async def chat_completions(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
+    clock = RequestClock()
     try:
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         dispatch = await plan_request(chat, request_id, dict(request.headers))
     except ApiError as error:
+        clock.finish(error.status, None)
         return error_response(error, request_id)
     except Exception as exc:
-        return error_response(_unexpected(exc, request_id), request_id)
+        error = _unexpected(exc, request_id)
+        clock.finish(error.status, None)
+        return error_response(error, request_id)
 
     if chat.stream:
-        response = StreamingHttpResponse(_stream(chat, dispatch), content_type="text/event-stream")
+        response = StreamingHttpResponse(_stream(chat, dispatch, clock), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
         return _headers(response, dispatch)
@@ -82,16 +90,20 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         async for entry in follow(dispatch):
             event = entry.event
             if isinstance(event, TokenEvent):
+                clock.first_token()
                 text.append(event.text)
             elif isinstance(event, ErrorEvent):
                 raise _worker_error(event, dispatch)
             elif isinstance(event, DoneEvent):
                 done = event
     except ApiError as error:
+        clock.finish(error.status, dispatch.worker)
         return _headers(error_response(error, request_id), dispatch)
     except asyncio.CancelledError:
+        clock.finish(CLIENT_CLOSED, dispatch.worker)
         await request_cancel(request_id)
         raise
+    clock.finish(200, dispatch.worker, done)
     body = {
         "id": request_id,
         "object": "chat.completion",
@@ -153,7 +165,7 @@ def _event(request_id: str, model: str, choices: list[dict[str, Any]], **extra: 
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]:
+async def _stream(chat: ChatRequest, dispatch: Dispatch, clock: RequestClock) -> AsyncIterator[bytes]:
     rid = dispatch.request_id
     finished = False
     try:
@@ -161,20 +173,25 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch) -> AsyncIterator[bytes]
         async for entry in follow(dispatch):
             event = entry.event
             if isinstance(event, TokenEvent):
+                clock.first_token()
                 yield _chunk(rid, chat.model, {"content": event.text})
             elif isinstance(event, ErrorEvent):
                 raise _worker_error(event, dispatch)
             elif isinstance(event, DoneEvent):
+                clock.finish(200, dispatch.worker, event)
                 yield _chunk(rid, chat.model, {}, event.finish_reason)
                 if chat.include_usage:
                     yield _event(rid, chat.model, [], usage=_usage(event))
         finished = True
     except ApiError as error:
+        # The status line already said 200; the metric records what the client really got.
+        clock.finish(error.status, dispatch.worker)
         logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)
         yield f"data: {json.dumps(error.body())}\n\n".encode()
         finished = True
     finally:
         if not finished:  # the client went away mid-stream
+            clock.finish(CLIENT_CLOSED, dispatch.worker)
             await request_cancel(rid)
     yield b"data: [DONE]\n\n"
 

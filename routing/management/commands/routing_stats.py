@@ -109,8 +109,34 @@ class Command(BaseCommand):
             self.stdout.write(line)
         kv = snapshot["caches"]["kv"]
         self.stdout.write(f"kv tokens: {kv['cached_tokens']} cached of {kv['prompt_tokens']} prompt tokens")
+        if snapshot["window"] is not None:
+            self._print_window(snapshot)
         if snapshot["minutes"]:
             self.stdout.write("")
             self.stdout.write(f"Hit rate per minute, last {snapshot['minutes']} minutes (oldest first):")
             for line in aligned([[cache, f"|{sparkline(snapshot['series'][cache])}|"] for cache in CACHES]):
                 self.stdout.write(line)
+
+    def _print_window(self, snapshot: Snapshot) -> None:
+        window = snapshot["window"]
+        figures = window["totals"]
+        self.stdout.write("")
+        self.stdout.write(f"Last {snapshot['minutes']} minutes:")
+        statuses = ", ".join(f"{status}: {n}" for status, n in figures["by_status"].items()) or "none"
+        ttft = figures["ttft"]
+        rows = [
+            ["requests", f"{figures['requests']} ({statuses})"],
+            ["prompt tokens", str(figures["prompt_tokens"])],
+            ["cached tokens", f"{figures['cached_prompt_tokens']} ({percent(figures['kv_hit_rate'])})"],
+            ["completion tokens", str(figures["completion_tokens"])],
+            ["ttft p50/p90/p99", " / ".join(seconds(ttft[q]) for q in ("p50", "p90", "p99"))],
+            *([f"{CACHE_HEADINGS[cache]} hits", f"{window['caches'][cache]['hits']}"] for cache in CACHES),
+        ]
+        given_up = figures["overlap_given_up_blocks"]
+        rows.append(["overlap given up", "not recorded" if given_up is None else f"{given_up} blocks"])
+        for line in aligned(rows):
+            self.stdout.write(f"  {line}")
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"

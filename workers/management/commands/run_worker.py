@@ -20,6 +20,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from routing import telemetry
 from routing.cache_stats import CacheStats
 from routing.index import KvIndex
 from routing.kv_events import KvEventPublisher
@@ -79,6 +80,7 @@ class Command(BaseCommand):
         namespace = settings.REDIS_KEY_PREFIX
         instance = new_instance_id()
         stats = CacheStats(client, namespace, name)
+        metrics = telemetry.attach(client, namespace, name)
         image_loader = build_image_loader(name, stats)
         index = KvIndex(client, namespace)
         publisher = None if options["no_kv_events"] else KvEventPublisher(client, namespace, index=index)
@@ -99,18 +101,18 @@ class Command(BaseCommand):
         self.stdout.write(
             f"worker {name}: loaded {model_path} on {options['device']} in {time.monotonic() - started:.1f} s"
         )
-        install_runtime(
-            WorkerRuntime(
-                name=name,
-                engine=engine,
-                client=client,
-                namespace=namespace,
-                session_scoped=image_loader.session_scoped,
-                stats=stats,
-                image_loader=image_loader,
-                instance=instance,
-            )
+        runtime = WorkerRuntime(
+            name=name,
+            engine=engine,
+            client=client,
+            namespace=namespace,
+            session_scoped=image_loader.session_scoped,
+            stats=stats,
+            image_loader=image_loader,
+            instance=instance,
         )
+        install_runtime(runtime)
+        runtime.report_engine_gauges()
 
         heartbeat = Heartbeat(
             name=name,
@@ -169,6 +171,7 @@ class Command(BaseCommand):
             beats.stop()
             registry.remove(name)
             stats.close()
+            metrics.close()
             image_loader.close()
             Worker.objects.filter(name=name).update(deregistered_at=timezone.now())
             self.stdout.write(f"worker {name}: deregistered")

@@ -1,0 +1,132 @@
+"""One real platform shared by the observability tests (window figures, dashboard, browser).
+
+Started once per session: two `run_worker` processes, one uvicorn frontend, an image origin and
+an admin login. Every request the tests send goes through `send`, which keeps a ledger of what
+was sent and answered, so a test can compare what the dashboard shows with what it sent.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import httpx
+from PIL import Image
+
+from tests.image_server import ImageServer
+from tests.platform_harness import REPO, PlatformProcesses
+
+ADMIN_USER = "observer"
+ADMIN_PASSWORD = "observer-pw-5d1e"  # a throwaway login in the test's own SQLite file
+WORKERS = ("obs-a", "obs-b")
+
+
+def picture(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
+    image = Image.effect_noise(size, 40 + seed).convert("RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@dataclass
+class Ledger:
+    """What the tests sent and what the platform answered."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    kv_hits: int = 0  # requests whose prompt found a cached prefix (the worker counts these)
+    statuses: dict[int, int] = field(default_factory=dict)
+    history_requests: int = 0  # requests a test recorded as answered long ago (never sent now)
+
+
+class ObservedPlatform:
+    def __init__(self, processes: PlatformProcesses, base_url: str, origin: ImageServer) -> None:
+        self.processes = processes
+        self.base_url = base_url
+        self.origin = origin
+        self.ledger = Ledger()
+        self.images = [origin.add(f"/pic-{i}.png", picture(i)) for i in range(2)]
+
+    def send(self, image: int, question: str = "Describe this image.") -> httpx.Response:
+        body = {
+            "model": "demo",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": question},
+                        {"type": "image_url", "image_url": {"url": self.images[image]}},
+                    ],
+                }
+            ],
+            "max_tokens": 3,
+            "temperature": 0,
+        }
+        response = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=60)
+        ledger = self.ledger
+        ledger.requests += 1
+        ledger.statuses[response.status_code] = ledger.statuses.get(response.status_code, 0) + 1
+        if response.status_code == 200:
+            usage = response.json()["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            ledger.prompt_tokens += usage["prompt_tokens"]
+            ledger.completion_tokens += usage["completion_tokens"]
+            ledger.cached_tokens += cached
+            ledger.kv_hits += 1 if cached else 0
+        return response
+
+    def staff_session(self) -> httpx.Client:
+        """An HTTP client logged into the admin, as the browser is."""
+        client = httpx.Client(base_url=self.base_url, timeout=30)
+        page = client.get("/admin/login/")
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert token, "the login page has a CSRF token"
+        answer = client.post(
+            "/admin/login/?next=/admin/",
+            data={"username": ADMIN_USER, "password": ADMIN_PASSWORD, "csrfmiddlewaretoken": token[1]},
+        )
+        assert answer.status_code == 302, answer.text[:500]
+        return client
+
+    def manage(self, *args: str) -> str:
+        """A management command run as an operator would, against this platform."""
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO,
+            env=self.processes.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+
+def start_observed_platform(processes: PlatformProcesses, origin: ImageServer) -> ObservedPlatform:
+    for name in WORKERS:
+        processes.start_worker(name)
+    env = {**processes.env, "DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD}
+    subprocess.run(
+        [
+            sys.executable,
+            "manage.py",
+            "createsuperuser",
+            "--noinput",
+            "--username",
+            ADMIN_USER,
+            "--email",
+            "",
+        ],
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
+    processes.wait_for_workers(*WORKERS)
+    return ObservedPlatform(processes, processes.start_server(), origin)
