@@ -51,7 +51,6 @@ from routing.session_scope import SessionScopeError, resolve_session_scope, scop
 from routing.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
 from routing.video import SampledVideo, VideoLimits, resolve_videos
 from routing.video_layouts import video_expansion_ids
-from routing.video_store import put_frames
 
 logger = logging.getLogger("inference_platform.serving")
 
@@ -91,6 +90,7 @@ def video_limits() -> VideoLimits:
         max_pixels_per_frame=settings.VIDEO_MAX_PIXELS_PER_FRAME,
         max_total_pixels=settings.VIDEO_MAX_TOTAL_PIXELS,
         deadline_s=settings.VIDEO_DECODE_DEADLINE_SECS,
+        decode_cache_bytes=int(settings.VIDEO_DECODE_CACHE_MB * 1024 * 1024),
     )
 
 
@@ -106,8 +106,6 @@ class PreparedRequest:
     frontend_decoding: bool
     processed: dict[str, Any] | None = None  # the processor path's model inputs, for the worker
     videos: list[SampledVideo] = dataclasses.field(default_factory=list)  # always frontend-decoded
-    # Where each video's frames wait for the worker (set by `store_video_frames`), by identity.
-    video_frame_keys: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
@@ -158,11 +156,16 @@ class PreparedRequest:
         }
 
     def generate_task(
-        self, request_id: str, scope_key: str | None, media: Mapping[int, MediaRef] | None = None
+        self,
+        request_id: str,
+        scope_key: str | None,
+        media: Mapping[int, MediaRef] | None = None,
+        video_media: Mapping[int, MediaRef] | None = None,
     ) -> GenerateTask:
         """The worker's task for this request (routing.contract); `media` maps an image's index
-        to its bytes in the side store (routing.media_store)."""
+        to its bytes in the side store (routing.media_store), `video_media` a video's to its frames."""
         media = media or {}
+        video_media = video_media or {}
         images = tuple(
             ImageRef(
                 identity=resolved.identity,
@@ -195,9 +198,9 @@ class PreparedRequest:
                     width=video.width,
                     height=video.height,
                     grid_thw=video.expansion.grid_thw,
-                    # The frames wait in the store; the task carries only where.
-                    frames_key=self.video_frame_keys[video.identity],
                     frame_shape=video.frame_shape,
+                    # The frames wait in the side store; the task carries only where.
+                    **(video_media[video.index].to_payload() if video.index in video_media else {}),
                 )
                 for video in self.videos
             ),
@@ -313,17 +316,6 @@ def _blocks_covered(start: int, length: int, block_size: int) -> int:
     return max(0, (start + length) // block_size - first)
 
 
-def store_video_frames(prepared: PreparedRequest) -> None:
-    """Puts each video's frames where the worker will read them (before the task is sent)."""
-    from routing.redis_keys import sync_client
-
-    client = sync_client(settings.REDIS_URL)
-    for video in prepared.videos:
-        prepared.video_frame_keys[video.identity] = put_frames(
-            client, settings.REDIS_KEY_PREFIX, video.identity, video.frames, settings.VIDEO_FRAMES_TTL_SECS
-        )
-
-
 def choose_worker(
     prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None
 ) -> RoutingDecision:
@@ -421,8 +413,6 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
         )
     started = time.perf_counter()
     decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
-    if prepared.videos:
-        await asyncio.to_thread(store_video_frames, prepared)
     telemetry.observe("routing_decision_seconds", time.perf_counter() - started)
     telemetry.inc("routing_decisions", labels={"worker": decision.worker, "reason": decision.reason})
     dispatch = Dispatch(
@@ -431,9 +421,9 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
         total_blocks=decision.total_blocks,
         overlap_blocks=decision.overlap,
     )
-    media = await store_media(prepared, dispatch)
+    media, video_media = await store_media(prepared, dispatch)
     try:
-        task = prepared.generate_task(request_id, scope_key, media)
+        task = prepared.generate_task(request_id, scope_key, media, video_media)
         # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
         await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
     except BaseException:
@@ -453,19 +443,23 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     return dispatch
 
 
-async def store_media(prepared: PreparedRequest, dispatch: Dispatch) -> dict[int, MediaRef]:
-    """Put the bytes the frontend holds (fetched images, data URLs) in the side store."""
+async def store_media(
+    prepared: PreparedRequest, dispatch: Dispatch
+) -> tuple[dict[int, MediaRef], dict[int, MediaRef]]:
+    """Put the bytes the frontend holds (fetched images, data URLs) and each video's sampled frames
+    in the side store; returns the references by image index and by video index."""
     held = [image for image in prepared.images if image.data is not None]
-    if not held:
-        return {}
+    if not held and not prepared.videos:
+        return {}, {}
+    blobs = [image.data for image in held] + [video.frames for video in prepared.videos]
     try:
-        refs = await asyncio.to_thread(
-            media_store().put_many, dispatch.request_id, [image.data for image in held]
-        )
+        refs = await asyncio.to_thread(media_store().put_many, dispatch.request_id, blobs)
     except MediaStoreError as exc:
         raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
     dispatch.media = refs
-    return {image.index: ref for image, ref in zip(held, refs, strict=True)}
+    image_refs = {image.index: ref for image, ref in zip(held, refs, strict=False)}
+    video_refs = {video.index: ref for video, ref in zip(prepared.videos, refs[len(held) :], strict=True)}
+    return image_refs, video_refs
 
 
 async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[str, Any]:

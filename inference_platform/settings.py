@@ -188,7 +188,8 @@ VIDEO_MAX_PIXELS_PER_FRAME = env_int("VIDEO_MAX_PIXELS_PER_FRAME", 3840 * 2160, 
 # Pixels of the sampled frames, decoded and as resized for the model (memory, transfer, encoder work).
 VIDEO_MAX_TOTAL_PIXELS = env_int("VIDEO_MAX_TOTAL_PIXELS", 256 * 1024 * 1024, minimum=1)
 VIDEO_DECODE_DEADLINE_SECS = env_float("VIDEO_DECODE_DEADLINE_SECS", 30.0, positive=True)
-VIDEO_FRAMES_TTL_SECS = env_int("VIDEO_FRAMES_TTL_SECS", 600, minimum=1)  # sampled frames awaiting a worker
+# Recent decodes kept by the clip's content hash, per frontend process: a repeated video decodes once.
+VIDEO_DECODE_CACHE_MB = env_float("VIDEO_DECODE_CACHE_MB", 256.0, minimum=0.0)
 
 # --- Logging -----------------------------------------------------------------------------------
 # LOG_LEVELS="routing=debug,workers=info" raises or lowers single loggers, as Dynamo's DYN_LOG.

@@ -105,7 +105,8 @@ class VideoRef:
 
     The worker lays the video out from these facts with its own video layout (and refuses a grid
     that disagrees), and reads the sampled frames (RGB uint8, `frame_shape` = frames, height,
-    width, 3, already resized for the model) from the frame store by `frames_key`.
+    width, 3, already resized for the model) from the media side store by `media_ref`, only when
+    its cached prefix does not cover the video.
     """
 
     identity: str  # 32-hex hash of the sampled, decoded frames
@@ -115,8 +116,9 @@ class VideoRef:
     width: int  # of the decoded frames
     height: int
     grid_thw: tuple[int, int, int]
-    frames_key: str
     frame_shape: tuple[int, int, int, int]
+    media_ref: str | None = None  # the frames in the side store (routing.media_store)
+    media_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ class VideoLimits:
     max_pixels_per_frame: int = 3840 * 2160
     max_total_pixels: int = 256 * 1024 * 1024  # over the sampled frames, as decoded and as resized
     deadline_s: float = 30.0  # fetch and decode of one clip
+    decode_cache_bytes: int = 256 * 1024 * 1024  # recent decodes kept by content (0: none)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ def fetch_video_bytes(url: str, policy: MediaPolicy) -> bytes:
 
 
 # --- decoding ------------------------------------------------------------------------------------
+# (indices kept, fps, total frames, width, height, identity, expansion, resized frames)
+Decoded = tuple[tuple[int, ...], float, int, int, int, str, VideoExpansion, bytes]
+
+
 class _Deadline:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -193,7 +200,7 @@ def _check_total_pixels(pixels: int, limits: VideoLimits) -> None:
 
 def decode_video(
     data: bytes, layout: QwenVideoLayout, limits: VideoLimits, *, deadline: _Deadline | None = None
-) -> tuple[tuple[int, ...], float, int, int, int, str, VideoExpansion, bytes]:
+) -> Decoded:
     """Sample and decode a clip: (indices, fps, total frames, width, height, identity, expansion,
     resized frames). Anything FFmpeg cannot read, or any limit crossed, is a MediaError (4xx)."""
     import av
@@ -278,6 +285,56 @@ def decode_video(
     return tuple(indices), fps, total, width, height, digest.hexdigest(), expansion, b"".join(resized)
 
 
+class DecodeCache:
+    """Recent decodes by the clip's bytes (and the settings that shaped them), so several questions
+    about one video decode it once per frontend process; bounded by the frames' bytes."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, Decoded] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, key: tuple) -> Decoded | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            return found
+
+    def put(self, key: tuple, decoded: Decoded, capacity: int) -> None:
+        size = len(decoded[7])
+        with self._lock:
+            if size > capacity or key in self._entries:
+                return
+            while self._entries and self._bytes + size > capacity:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= len(evicted[7])
+            self._entries[key] = decoded
+            self._bytes += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+DECODE_CACHE = DecodeCache()
+
+
+def _decode_cached(data: bytes, layout: QwenVideoLayout, limits: VideoLimits, deadline: _Deadline) -> Decoded:
+    if limits.decode_cache_bytes <= 0:
+        return decode_video(data, layout, limits, deadline=deadline)
+    # The bytes' own hash: the same clip from any URL, and a changed origin is a new entry.
+    key = (xxhash.xxh3_128_hexdigest(data), len(data), layout, limits)
+    found = DECODE_CACHE.get(key)
+    if found is None:
+        found = decode_video(data, layout, limits, deadline=deadline)
+        DECODE_CACHE.put(key, found, limits.decode_cache_bytes)
+    return found
+
+
 def sample_video(
     index: int, url: str, policy: MediaPolicy, layout: QwenVideoLayout, limits: VideoLimits
 ) -> SampledVideo:
@@ -287,8 +344,8 @@ def sample_video(
     try:
         data = fetch_video_bytes(url, policy)
         deadline.check()
-        indices, fps, total, width, height, identity, expansion, frames = decode_video(
-            data, layout, limits, deadline=deadline
+        indices, fps, total, width, height, identity, expansion, frames = _decode_cached(
+            data, layout, limits, deadline
         )
     except MediaError as error:
         raise MediaError(error.status, error.code, f"video {index}: {error.message}") from None

@@ -33,6 +33,7 @@ QWEN2 = video_layout_for_config(
 )
 QWEN3 = video_layout_for_config({"model_type": "qwen3_vl"}, {})
 LIMITS = VideoLimits(deadline_s=10.0)
+UNCACHED = VideoLimits(deadline_s=10.0, decode_cache_bytes=0)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +47,27 @@ def test_the_same_clip_behind_two_urls_has_one_identity(origin):
     clip = make_clip(frames=24, width=64, height=48, fps=12)
     url = origin.add("/clip.mp4", clip, content_type="video/mp4")
     # when both are sampled
-    by_http = sample_video(0, url, LOCAL, QWEN2, LIMITS)
-    by_data = sample_video(0, data_url(clip), LOCAL, QWEN2, LIMITS)
+    by_http = sample_video(0, url, LOCAL, QWEN2, UNCACHED)
+    by_data = sample_video(0, data_url(clip), LOCAL, QWEN2, UNCACHED)
     # then the identity is the content's, and the frames kept are the family's
     assert by_http.identity == by_data.identity
     assert by_http.indices == tuple(QWEN2.sample_indices(24, 12.0)) == (0, 6, 12, 18)
     assert (by_http.width, by_http.height, by_http.fps, by_http.total_frames) == (64, 48, 12.0, 24)
     assert len(by_http.frames) == 4 * by_http.expansion.resized_height * by_http.expansion.resized_width * 3
+
+
+def test_a_repeated_clip_is_decoded_once_per_frontend_process(origin):
+    from routing.video import DECODE_CACHE
+
+    # given a clip sampled once (cold)
+    clip = make_clip(frames=24, seed=7)
+    first = sample_video(0, origin.add("/again.mp4", clip, content_type="video/mp4"), LOCAL, QWEN2, LIMITS)
+    hits = DECODE_CACHE.hits
+    # when the same bytes come again, from another URL
+    second = sample_video(0, data_url(clip), LOCAL, QWEN2, LIMITS)
+    # then the decode is reused, with the same identity and frames
+    assert DECODE_CACHE.hits == hits + 1
+    assert (second.identity, second.frames) == (first.identity, first.frames)
 
 
 def test_another_clip_of_the_same_shape_has_another_identity():
@@ -229,3 +244,57 @@ async def test_a_hostile_video_in_a_chat_request_is_a_4xx_in_openai_format(serve
     assert response.status_code == 400
     error = json.loads(response.content)["error"]
     assert error["code"] == "video_undecodable" and error["param"] == "messages"
+
+
+@pytest.fixture
+def ghost_worker(served_demo, settings):
+    """A registered worker with a heartbeat but no process: it never takes its tasks (fault injection)."""
+    import redis
+
+    from routing.models import Worker
+    from routing.registry import Heartbeat, WorkerRegistry
+
+    settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS = 2.0
+    conn = redis.Redis.from_url(settings.REDIS_URL)
+    registry = WorkerRegistry(conn, settings.REDIS_KEY_PREFIX)
+    Worker.objects.create(name="video-ghost", model_name="demo")
+    registry.beat(Heartbeat(name="video-ghost", model="demo", block_size=settings.KV_BLOCK_SIZE), 30)
+    yield conn
+    registry.remove("video-ghost")
+    conn.delete(f"{settings.REDIS_KEY_PREFIX}worker.video-ghost")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_video_frames_travel_to_the_worker_through_the_side_store_not_the_task(ghost_worker, settings):
+    import asyncio
+    import base64
+
+    from routing.media_store import MediaRef, MediaStore
+
+    # given a request with a clip, and a worker that never answers (its task stays queued to read)
+    body = _video_request(data_url(make_clip(frames=48, width=160, height=120, fps=12)))
+    queue = f"{settings.REDIS_KEY_PREFIX}worker.video-ghost"
+    store = MediaStore(ghost_worker, settings.REDIS_KEY_PREFIX)
+    seen: dict = {}
+
+    async def read_the_task() -> None:
+        while not (raw := ghost_worker.lindex(queue, 0)):
+            await asyncio.sleep(0.05)
+        seen["message_bytes"] = len(raw)
+        args = json.loads(base64.b64decode(json.loads(raw)["body"]))[0][0]
+        seen["video"] = args["videos"][0]
+        seen["frames"] = store.get(MediaRef.from_payload(seen["video"]))
+
+    # when it is dispatched
+    reader = asyncio.create_task(read_the_task())
+    response = await AsyncClient().post(
+        "/v1/chat/completions", data=json.dumps(body), content_type="application/json"
+    )
+    await reader
+    # then the task names the frames in the side store and carries none of them
+    assert response.status_code == 504
+    video = seen["video"]
+    frames, height, width, channels = video["frame_shape"]
+    assert len(seen["frames"]) == frames * height * width * channels == video["media_bytes"]
+    assert seen["message_bytes"] < 10_000 < len(seen["frames"])
+    assert video["indices"] == [0, 6, 12, 18, 24, 30, 36, 42]  # Qwen2-VL demo: 2 fps of a 12 fps clip
