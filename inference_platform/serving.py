@@ -78,6 +78,7 @@ def media_policy() -> MediaPolicy:
         max_bytes=int(settings.DYN_MM_MAX_FILE_SIZE_MB * 1024 * 1024),
         connect_timeout=settings.MEDIA_CONNECT_TIMEOUT_SECS,
         read_timeout=settings.MEDIA_READ_TIMEOUT_SECS,
+        deadline=settings.MEDIA_FETCH_DEADLINE_SECS,
         allowed_hosts=tuple(settings.MEDIA_ALLOWED_HOSTS),
         max_pixels=settings.MEDIA_MAX_PIXELS,
     )

@@ -166,6 +166,8 @@ MEDIA_ALLOWED_HOSTS = env_list("MEDIA_ALLOWED_HOSTS", [])  # SSRF allowlist: hos
 MEDIA_MAX_PIXELS = env_int("MEDIA_MAX_PIXELS", 89_478_485, minimum=1)  # Pillow's bomb limit
 MEDIA_CONNECT_TIMEOUT_SECS = env_float("MEDIA_CONNECT_TIMEOUT_SECS", 5.0, positive=True)
 MEDIA_READ_TIMEOUT_SECS = env_float("MEDIA_READ_TIMEOUT_SECS", 20.0, positive=True)
+# One deadline per image fetch: connect, headers and body together (a slow drip is cut off).
+MEDIA_FETCH_DEADLINE_SECS = env_float("MEDIA_FETCH_DEADLINE_SECS", 30.0, positive=True)
 # The media side store (routing/media_store.py): image bytes travel to workers through Redis by
 # reference, never inside the Celery message. Caps per request and in total; entries expire.
 MEDIA_STORE_TTL_SECS = env_float("MEDIA_STORE_TTL_SECS", 600.0, positive=True)

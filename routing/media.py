@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import http.client
 import ipaddress
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +38,18 @@ HEADER_READ_BYTES = 64 * 1024  # Dynamo's ranged read; enough for nearly every i
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG also opens MPO (phone photos)
 
 _READ_CHUNK = 64 * 1024
+# How the formats in IMAGE_FORMATS begin: a body that starts otherwise is not read any further.
+_IMAGE_SIGNATURES: tuple[tuple[int, bytes], ...] = (
+    (0, b"\xff\xd8\xff"),  # JPEG (and MPO)
+    (0, b"\x89PNG\r\n\x1a\n"),
+    (0, b"GIF87a"),
+    (0, b"GIF89a"),
+    (0, b"BM"),
+    (0, b"II*\x00"),  # TIFF, little-endian
+    (0, b"MM\x00*"),  # TIFF, big-endian
+    (8, b"WEBP"),  # after "RIFF" and the length
+)
+SIGNATURE_BYTES = 12  # enough of a body to recognise every signature above
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _METADATA_ADDRESSES = frozenset(
     {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
@@ -73,6 +87,9 @@ class MediaPolicy:
     max_bytes: int = DEFAULT_MAX_BYTES
     connect_timeout: float = 5.0
     read_timeout: float = 20.0  # per socket operation, like requests' read timeout
+    # One deadline per image for connect, headers and body together (redirects included): an
+    # origin dripping a byte a second never holds a request longer than this.
+    deadline: float = 30.0
     max_redirects: int = 3
     allowed_hosts: tuple[str, ...] = ()  # hostnames or CIDRs allowed even if private/loopback
     max_pixels: int = 89_478_485  # Pillow's decompression-bomb limit
@@ -223,11 +240,11 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _connect(target: _Target, policy: MediaPolicy) -> http.client.HTTPConnection:
+def _connect(target: _Target, policy: MediaPolicy, deadline: _Deadline) -> http.client.HTTPConnection:
     last_error: OSError | None = None
     for family, sockaddr in _vetted_addresses(target, policy):
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.settimeout(policy.connect_timeout)
+        sock.settimeout(deadline.wait(policy.connect_timeout, target.host))
         try:
             sock.connect(sockaddr)
         except TimeoutError:
@@ -239,7 +256,7 @@ def _connect(target: _Target, policy: MediaPolicy) -> http.client.HTTPConnection
             sock.close()
             last_error = exc
             continue
-        sock.settimeout(policy.read_timeout)
+        sock.settimeout(deadline.wait(policy.read_timeout, target.host))
         try:
             if target.scheme == "https":
                 sock = _tls_context().wrap_socket(sock, server_hostname=target.host)
@@ -261,6 +278,40 @@ def _connect(target: _Target, policy: MediaPolicy) -> http.client.HTTPConnection
     )
 
 
+def looks_like_an_image(prefix: bytes) -> bool:
+    """Whether the first bytes of a body are those of a format the platform decodes."""
+    return any(prefix[offset : offset + len(magic)] == magic for offset, magic in _IMAGE_SIGNATURES)
+
+
+def _not_an_image(host: str) -> MediaError:
+    return MediaError(
+        400, "not_an_image", f"the body from {host} is not an image (JPEG, PNG, WebP, GIF, BMP or TIFF)"
+    )
+
+
+class _Deadline:
+    """One time budget for everything a fetch does; each socket wait gets what is left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self._end - time.monotonic()
+
+    def wait(self, per_operation: float, host: str) -> float:
+        """The timeout for the next socket operation; 504 once the budget is spent."""
+        left = self.left()
+        if left <= 0:
+            raise self.expired(host)
+        return min(per_operation, left)
+
+    def expired(self, host: str) -> MediaError:
+        return MediaError(
+            504, "origin_timeout", f"image host {host} did not deliver within the {self.seconds:g} s deadline"
+        )
+
+
 def _declared_total(response: http.client.HTTPResponse) -> int | None:
     """The size of the whole resource, as the origin states it."""
     if response.status == 206:
@@ -272,7 +323,14 @@ def _declared_total(response: http.client.HTTPResponse) -> int | None:
 
 
 def _read_body(
-    response: http.client.HTTPResponse, target: _Target, policy: MediaPolicy, limit: int | None
+    response: http.client.HTTPResponse,
+    target: _Target,
+    policy: MediaPolicy,
+    limit: int | None,
+    deadline: _Deadline,
+    sock: socket.socket,
+    expect_image: bool,
+    enough: Callable[[bytes], bool] | None,
 ) -> bytes:
     total = _declared_total(response)
     if total is not None and total > policy.max_bytes:
@@ -283,12 +341,26 @@ def _read_body(
     budget = policy.max_bytes + 1 if limit is None else min(limit, policy.max_bytes + 1)
     chunks: list[bytes] = []
     received = 0
+    sniffed = not expect_image
+    checked_at = 0
     while received < budget:
-        chunk = response.read(min(_READ_CHUNK, budget - received))
+        sock.settimeout(deadline.wait(policy.read_timeout, target.host))
+        # read1: whatever one receive brings, so the deadline is checked between trickles.
+        chunk = response.read1(min(_READ_CHUNK, budget - received))
         if not chunk:
             break
         chunks.append(chunk)
         received += len(chunk)
+        if not sniffed and received >= SIGNATURE_BYTES:
+            if not looks_like_an_image(b"".join(chunks)[:SIGNATURE_BYTES]):
+                raise _not_an_image(target.host)
+            sniffed = True
+        if enough is not None and received >= 2 * checked_at:
+            checked_at = received
+            if enough(b"".join(chunks)):  # the caller has what it needs (a header): stop reading
+                return b"".join(chunks)
+    if not sniffed and (limit is None or received < limit) and not looks_like_an_image(b"".join(chunks)):
+        raise _not_an_image(target.host)  # a whole body shorter than any signature
     if received > policy.max_bytes:
         raise MediaError(
             413, "image_too_large", f"image from {target.host} is over the {policy.max_bytes}-byte limit"
@@ -297,9 +369,20 @@ def _read_body(
 
 
 def fetch_bytes(
-    url: str, policy: MediaPolicy, *, limit: int | None = None, headers: Mapping[str, str] | None = None
+    url: str,
+    policy: MediaPolicy,
+    *,
+    limit: int | None = None,
+    headers: Mapping[str, str] | None = None,
+    expect_image: bool = False,
+    enough: Callable[[bytes], bool] | None = None,
 ) -> bytes:
-    """GET an http(s) image through the SSRF guard; with `limit`, only its first `limit` bytes."""
+    """GET an http(s) resource through the SSRF guard, within `policy.deadline` in all.
+
+    With `limit`, only its first `limit` bytes; with `expect_image`, a body whose first bytes are
+    not an image's is refused (400) without reading further; with `enough`, reading stops as soon
+    as it says the bytes so far suffice (a header that parses)."""
+    deadline = _Deadline(policy.deadline)
     request_headers = {"User-Agent": "mm-kv-router/1", "Accept": "image/*"}
     if limit is not None:
         if limit < 1:
@@ -309,9 +392,12 @@ def fetch_bytes(
     current = url
     for _ in range(policy.max_redirects + 1):
         target = _parse_http_url(current)
-        connection = _connect(target, policy)
+        connection = _connect(target, policy, deadline)
         response: http.client.HTTPResponse | None = None
         try:
+            sock = connection.sock  # the response takes it over from the connection (and may drop it)
+            assert sock is not None
+            sock.settimeout(deadline.wait(policy.read_timeout, target.host))
             connection.request("GET", target.request_path, headers=request_headers)
             response = connection.getresponse()
             if response.status in _REDIRECT_STATUSES:
@@ -322,8 +408,10 @@ def fetch_bytes(
                 continue
             if response.status not in (200, 206):
                 raise MediaError(502, "origin_error", f"image host {target.host} answered {response.status}")
-            return _read_body(response, target, policy, limit)
+            return _read_body(response, target, policy, limit, deadline, sock, expect_image, enough)
         except TimeoutError:
+            if deadline.left() <= 0:
+                raise deadline.expired(target.host) from None
             raise MediaError(504, "origin_timeout", f"image host {target.host} timed out") from None
         except (http.client.HTTPException, OSError) as exc:
             raise MediaError(
@@ -407,21 +495,40 @@ def read_image_size(data: bytes, *, max_pixels: int | None = None) -> tuple[int,
 
 
 def probe_image_size(url: str, policy: MediaPolicy) -> tuple[int, int]:
-    """An image's size read from as few of its bytes as its header needs."""
+    """An image's size read from as few of its bytes as its header needs.
+
+    A ranged read of the first HEADER_READ_BYTES comes first; if the header runs past it (a JPEG's
+    size can follow a large EXIF block), one more read from the start stops as soon as the header
+    parses. The body is never fetched twice, and both reads share the image's one deadline.
+    """
     if is_data_url(url):
         return read_image_size(decode_data_url(url, max_bytes=policy.max_bytes), max_pixels=policy.max_pixels)
+    started = time.monotonic()
     limit = min(HEADER_READ_BYTES, policy.max_bytes)
-    while True:
-        prefix = fetch_bytes(url, policy, limit=limit)
-        complete = len(prefix) < limit
-        try:
-            return read_image_size(prefix, max_pixels=policy.max_pixels)
-        except MediaError as error:
-            # A header cut short reads as undecodable; read more (a JPEG's size can follow a large
-            # EXIF block) until the whole file was seen or the cap reached.
-            if error.status != 400 or complete or limit >= policy.max_bytes:
-                raise
-        limit = min(limit * 16, policy.max_bytes)
+    prefix = fetch_bytes(url, policy, limit=limit, expect_image=True)
+    try:
+        return read_image_size(prefix, max_pixels=policy.max_pixels)
+    except MediaError as error:
+        if error.status != 400 or len(prefix) < limit:  # refused, or the whole file was seen
+            raise
+    left = policy.deadline - (time.monotonic() - started)
+    if left <= 0:
+        raise MediaError(
+            504, "origin_timeout", f"image size not read within the {policy.deadline:g} s deadline"
+        )
+    body = fetch_bytes(
+        url, dataclasses.replace(policy, deadline=left), expect_image=True, enough=_size_is_known
+    )
+    return read_image_size(body, max_pixels=policy.max_pixels)
+
+
+def _size_is_known(prefix: bytes) -> bool:
+    """Whether these first bytes settle the image's size (or its refusal)."""
+    try:
+        read_image_size(prefix)
+    except MediaError as error:
+        return error.status != 400
+    return True
 
 
 def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
@@ -456,7 +563,11 @@ def _identify_by_url(index: int, url: str, policy: MediaPolicy) -> ResolvedImage
 
 
 def _identify_by_pixels(index: int, url: str, policy: MediaPolicy) -> ResolvedImage:
-    data = decode_data_url(url, max_bytes=policy.max_bytes) if is_data_url(url) else fetch_bytes(url, policy)
+    data = (
+        decode_data_url(url, max_bytes=policy.max_bytes)
+        if is_data_url(url)
+        else fetch_bytes(url, policy, expect_image=True)
+    )
     with decode_image(data, policy) as image:
         identity = pixel_identity(image)
         width, height = image.size

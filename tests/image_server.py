@@ -39,6 +39,7 @@ class _Route:
     honour_range: bool = True
     variant_header: str | None = None  # the request header choosing among variants
     variants: dict[str, bytes] = field(default_factory=dict)
+    drip_interval: float = 0.0  # seconds between single bytes of the body
 
 
 class _OriginHTTPServer(ThreadingHTTPServer):
@@ -129,6 +130,10 @@ class ImageServer:
         return self._add(
             path, _Route(body=chunk or b"\0" * _CHUNK, content_type=content_type, stream_forever=True)
         )
+
+    def add_drip(self, path: str, body: bytes, *, interval: float, content_type: str = "image/png") -> str:
+        """`body` sent one byte every `interval` seconds: each read is quick, the whole is slow."""
+        return self._add(path, _Route(body=body, content_type=content_type, drip_interval=interval))
 
     def add_redirect(self, path: str, location: str, *, status: int = 302) -> str:
         return self._add(path, _Route(status=status, location=location))
@@ -241,6 +246,13 @@ def _handler_for(server: ImageServer) -> type[BaseHTTPRequestHandler]:
                 self.send_header(name, value)
             self.end_headers()
             if route.body_delay and server._stopping.wait(route.body_delay):
+                return
+            if route.drip_interval:
+                for offset in range(len(body)):
+                    self._write(body[offset : offset + 1])
+                    self.wfile.flush()
+                    if server._stopping.wait(route.drip_interval):
+                        return
                 return
             for offset in range(0, len(body), _CHUNK):
                 self._write(body[offset : offset + _CHUNK])

@@ -289,7 +289,7 @@ def test_a_content_length_over_the_cap_is_refused_with_413_before_the_body_is_re
 
 def test_a_body_streaming_forever_is_cut_off_with_413_just_past_the_cap(server: ImageServer) -> None:
     cap = 512 * 1024
-    url = server.add_stream_forever("/forever.png")
+    url = server.add_stream_forever("/forever.png", chunk=b"\x89PNG\r\n\x1a\n" + b"\0" * 65528)
     error = _refusal(fetch_bytes, url, MediaPolicy(allowed_hosts=("127.0.0.1",), max_bytes=cap))
     assert (error.status, error.code) == (413, "image_too_large")
     time.sleep(0.3)
@@ -319,8 +319,17 @@ def test_a_body_that_stalls_times_out_with_504(server: ImageServer, small_png: b
 def test_undecodable_bytes_are_refused_with_400(server: ImageServer, frontend_decoding: bool) -> None:
     url = server.add("/junk.png", b"this is not an image " * 200)
     error = _refusal(resolve_images, [url], LOCAL, frontend_decoding=frontend_decoding)
-    assert (error.status, error.code, error.image_index) == (400, "image_undecodable", 0)
+    assert (error.status, error.code, error.image_index) == (400, "not_an_image", 0)
     assert error.message.startswith("image 0: ")
+
+
+@pytest.mark.parametrize("frontend_decoding", [False, True])
+def test_bytes_that_start_like_an_image_but_do_not_decode_are_refused_with_400(
+    server: ImageServer, frontend_decoding: bool
+) -> None:
+    url = server.add("/broken.png", b"\x89PNG\r\n\x1a\n" + b"garbage" * 200)
+    error = _refusal(resolve_images, [url], LOCAL, frontend_decoding=frontend_decoding)
+    assert (error.status, error.code, error.image_index) == (400, "image_undecodable", 0)
 
 
 def test_a_truncated_image_is_refused_with_400_when_decoded(server: ImageServer, large_png: bytes) -> None:
@@ -411,10 +420,9 @@ def test_a_size_read_reads_further_only_when_the_header_needs_more(server: Image
     jpeg = _encode(_noise(320, 200, seed=4), "JPEG", icc_profile=random.Random(4).randbytes(200_000))
     url = server.add("/icc.jpg", jpeg, content_type="image/jpeg")
     assert probe_image_size(url, LOCAL) == (320, 200)
-    assert [headers["range"] for headers in server.request_headers("/icc.jpg")] == [
-        "bytes=0-65535",
-        "bytes=0-1048575",
-    ]
+    # a ranged read of the header, then one read from the start that stops once the size parses
+    requests = server.request_headers("/icc.jpg")
+    assert [headers.get("range") for headers in requests] == ["bytes=0-65535", None]
 
 
 # --- a request's images --------------------------------------------------------------------------
@@ -453,3 +461,42 @@ def test_resolve_images_runs_on_the_executor_it_is_given(server: ImageServer, sm
         images = resolve_images(urls, LOCAL, frontend_decoding=True, executor=executor)
     assert len(ran_on) == 3 and all(name.startswith("request-media") for name in ran_on)
     assert all(image.data == small_png for image in images)
+
+
+# --- hostile origins (each once held a request or pulled far more than needed) -------------------
+def test_an_origin_dripping_a_byte_a_second_is_cut_off_at_the_deadline(server: ImageServer) -> None:
+    # given an image that arrives one byte every 0.1 s: each read is quick, the whole is not
+    url = server.add_drip("/drip.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 400, interval=0.1)
+    policy = MediaPolicy(allowed_hosts=("127.0.0.1",), read_timeout=5.0, deadline=1.0)
+    # when
+    started = time.monotonic()
+    error = _refusal(fetch_bytes, url, policy)
+    # then the request is answered within its deadline
+    assert time.monotonic() - started < 2.0
+    assert (error.status, error.code) == (504, "origin_timeout")
+    assert "1 s deadline" in error.message
+
+
+@pytest.mark.parametrize("frontend_decoding", [False, True])
+def test_an_endless_body_that_is_not_an_image_stops_at_its_first_bytes_and_is_fetched_once(
+    server: ImageServer, frontend_decoding: bool
+) -> None:
+    # given an origin streaming text forever under an image's name
+    url = server.add_stream_forever("/forever.png", chunk=b"<html>not an image</html>" * 1000)
+    # when the frontend resolves it
+    error = _refusal(resolve_images, [url], LOCAL, frontend_decoding=frontend_decoding)
+    time.sleep(0.3)
+    # then it was refused after one fetch, having read nothing like the 64 MiB cap
+    assert (error.status, error.code) == (400, "not_an_image")
+    assert server.hits("/forever.png") == 1
+    assert server.bytes_sent("/forever.png") < 2 * 1024 * 1024
+
+
+def test_a_size_read_never_reads_a_body_past_its_header_more_than_once(server: ImageServer) -> None:
+    # given an image whose size only shows 1.5 MB in, behind an origin that ignores Range
+    jpeg = _encode(_noise(320, 200, seed=5), "JPEG", icc_profile=random.Random(5).randbytes(1_500_000))
+    url = server.add("/icc-norange.jpg", jpeg, content_type="image/jpeg", honour_range=False)
+    # when
+    assert probe_image_size(url, LOCAL) == (320, 200)
+    # then at most the ranged read and one more, never the old 64 KiB, 1 MiB, 16 MiB, 64 MiB ladder
+    assert server.hits("/icc-norange.jpg") <= 2

@@ -114,7 +114,7 @@ def load_image_directly(image: ImageInput, scope_key: str | None = None) -> Imag
     elif is_data_url(image.url):
         data = decode_data_url(image.url, max_bytes=policy.max_bytes)
     else:
-        data = fetch_bytes(image.url, policy)
+        data = fetch_bytes(image.url, policy, expect_image=True)
     return decode_image(data, policy)
 
 

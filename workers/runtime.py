@@ -255,6 +255,7 @@ def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoad
         max_bytes=config.max_file_size_bytes,
         connect_timeout=settings.MEDIA_CONNECT_TIMEOUT_SECS,
         read_timeout=settings.MEDIA_READ_TIMEOUT_SECS,
+        deadline=settings.MEDIA_FETCH_DEADLINE_SECS,
         allowed_hosts=tuple(settings.MEDIA_ALLOWED_HOSTS),
         max_pixels=settings.MEDIA_MAX_PIXELS,
     )
@@ -264,7 +265,7 @@ def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoad
         else None
     )
     return EngineImageLoader(
-        fetch=lambda url, headers: fetch_bytes(url, policy, headers=headers),
+        fetch=lambda url, headers: fetch_bytes(url, policy, headers=headers, expect_image=True),
         shared_cache=shared,
         local_capacity=settings.IMAGE_LOCAL_CACHE_ENTRIES,
         session_scoped=config.session_scoped,
