@@ -85,7 +85,7 @@ def demo_engine(shared_parts):
     """Builds engines around the shared demo model: each with fresh, empty caches."""
     from workers.embedding_cache import EmbeddingCache
     from workers.engine import Engine, load_image_directly
-    from workers.kv_cache import PrefixKvCache
+    from workers.kv_cache import KvPool
 
     model, processor = shared_parts
 
@@ -95,9 +95,7 @@ def demo_engine(shared_parts):
             processor=processor,
             model_name="demo",
             device="cpu",
-            kv_cache=PrefixKvCache(
-                capacity_blocks=capacity, block_size=16, worker="w", publish_events=events
-            ),
+            kv_pool=KvPool(capacity_blocks=capacity, block_size=16, worker="w", publish_events=events),
             embedding_cache=EmbeddingCache(64 << 20),
             load_image=load_image,
         )

@@ -14,7 +14,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from django.core.management import CommandError, call_command
 from PIL import Image
 
-from workers.demo_model import MAX_PIXELS, SPECIAL_TOKENS, VOCAB_SIZE, load_processor
+from workers.demo_model import MAX_PIXELS, SPECIAL_TOKENS, VOCAB_SIZE
+from workers.processors import load_processor
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from PIL import Image
 from routing.hashing import MediaPlacement, block_hashes
 from routing.kv_events import KvEvent
 from routing.media import routing_hash, url_identity
-from workers.demo_model import load_processor
 from workers.engine import (
     Engine,
     GenerationRequest,
@@ -31,6 +30,7 @@ from workers.engine import (
     PromptError,
     load_image_directly,
 )
+from workers.processors import load_processor
 
 BLOCK = 16
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -301,17 +301,15 @@ def test_events_replayed_after_evictions_equal_the_cached_blocks(make_engine) ->
     assert log.blocks == engine.kv_block_hashes() == set()
 
 
-def test_a_request_larger_than_the_whole_cache_succeeds(make_engine) -> None:
+def test_a_request_larger_than_the_whole_pool_is_refused_naming_the_limit(make_engine) -> None:
     prompt = chat(LONG_TEXT * 2, images=1)
-    image = image_input(10)
     small = make_engine(capacity=2)
 
-    result = small.generate(request(prompt, [image]))
+    with pytest.raises(PromptError, match="KV_CAPACITY_BLOCKS") as refused:
+        small.generate(request(prompt, [image_input(10)]))
 
-    assert len(result.block_hashes) > 2
-    assert small.kv_block_hashes() == set(result.block_hashes[:2])
-    assert result.text == make_engine().generate(request(prompt, [image])).text
-    assert small.generate(request(prompt, [image])).cached_tokens == 2 * BLOCK
+    assert refused.value.status == 400
+    assert small.load_report().kv_blocks_used == 0
 
 
 # --- decoding ------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from workers.engine import (
     PromptError,
     load_image_directly,
 )
-from workers.kv_cache import PrefixKvCache
+from workers.kv_cache import KvPool
 
 BLOCK = 16
 FAMILIES = ["llava", "llava_next"]
@@ -84,7 +84,7 @@ def make_engine(loaded: dict[str, Engine], family: str) -> Iterator:
             processor=parts.processor,
             model_name=family,
             device="cpu",
-            kv_cache=PrefixKvCache(
+            kv_pool=KvPool(
                 capacity_blocks=512, block_size=BLOCK, worker="llava-w", publish_events=publish_events
             ),
             embedding_cache=EmbeddingCache(64 << 20),

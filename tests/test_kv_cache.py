@@ -1,5 +1,5 @@
-"""The prefix KV cache: longest-prefix reuse, shared blocks, LRU eviction of unreferenced leaves,
-and events that let an index mirror exactly what it holds."""
+"""The paged KV pool as a prefix cache: longest-prefix reuse by reference, shared blocks, LRU
+eviction of unheld leaves, and events that let an index mirror exactly what it caches."""
 
 from __future__ import annotations
 
@@ -7,24 +7,14 @@ from collections.abc import Sequence
 
 import pytest
 import redis
-import torch
 
 from routing.hashing import MediaPlacement, block_hashes, local_block_hashes
 from routing.index import KvIndex
 from routing.kv_events import KvEvent, KvEventPublisher
-from workers.kv_cache import PrefixKvCache, prefix_kv
+from workers.kv_cache import KvPool
 
 BLOCK = 4
 LAYERS = 2
-
-
-def prompt_kv(tokens: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """KV whose every position holds its token id (keys) and its negation (values)."""
-    column = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1)
-    return [
-        (column.expand(1, 2, -1, 3).clone() + layer, -column.expand(1, 2, -1, 3).clone())
-        for layer in range(LAYERS)
-    ]
 
 
 def hashes(tokens: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -53,36 +43,45 @@ class EventLog:
                 self.blocks.clear()
 
 
-def run_request(cache: PrefixKvCache, tokens: Sequence[int]) -> tuple[int, int]:
-    """Acquire, store and release like the engine does; returns (reused blocks, stored blocks)."""
+def run_request(pool: KvPool, tokens: Sequence[int]) -> tuple[int, int]:
+    """Hold the cached prefix, fill the rest, cache it and let go, as the engine does;
+    returns (reused blocks, newly cached blocks)."""
     sequence, local = hashes(tokens)
-    lease = cache.acquire(sequence)
+    blocks = pool.acquire_prefix(sequence)
+    reused = len(blocks)
+    fresh = pool.allocate(len(sequence) - reused)
+    if fresh is None:  # no room: cache what fits, one block at a time
+        fresh = []
+        while len(blocks) + len(fresh) < len(sequence) and (one := pool.allocate(1)) is not None:
+            fresh += one
+    blocks += fresh
     try:
-        stored = cache.store(lease, sequence, local, prompt_kv(tokens))
+        cached = pool.commit(blocks, reused, len(blocks), sequence, local)
     finally:
-        cache.release(lease)
-    return lease.reused_blocks, stored
+        pool.release(blocks)
+    return reused, cached
 
 
-def test_longest_cached_prefix_is_reused_and_its_kv_is_the_prompts() -> None:
-    cache = PrefixKvCache(capacity_blocks=16, block_size=BLOCK, worker="w")
+def test_longest_cached_prefix_is_reused_by_reference() -> None:
+    pool = KvPool(capacity_blocks=16, block_size=BLOCK, worker="w")
     first = list(range(10, 22))  # three blocks
-    run_request(cache, first)
+    sequence, local = hashes(first)
+    owned = pool.allocate(3)
+    pool.commit(owned, 0, 3, sequence, local)
+    pool.release(owned)
 
     second = [*first[:8], 99, 98, 97, 96]  # shares two blocks
-    sequence, _ = hashes(second)
-    lease = cache.acquire(sequence)
+    held = pool.acquire_prefix(hashes(second)[0])
 
-    assert lease.reused_blocks == 2
-    keys, values = prefix_kv(lease.blocks)[1]
-    assert keys[0, 0, :, 0].tolist() == [t + 1 for t in first[:8]]
-    assert values[0, 1, :, 2].tolist() == [-t for t in first[:8]]
-    cache.release(lease)
+    assert held == owned[:2]  # the same pool blocks: nothing copied
+    assert pool.held_blocks == 2 and pool.free_blocks == 14
+    pool.release(held)
+    assert pool.held_blocks == 0
 
 
 def test_prompts_with_a_common_prefix_share_its_blocks() -> None:
     log = EventLog()
-    cache = PrefixKvCache(capacity_blocks=16, block_size=BLOCK, worker="w", publish_events=log)
+    cache = KvPool(capacity_blocks=16, block_size=BLOCK, worker="w", publish_events=log)
     shared = list(range(8))
     run_request(cache, [*shared, 1, 1, 1, 1])
 
@@ -96,21 +95,21 @@ def test_prompts_with_a_common_prefix_share_its_blocks() -> None:
 
 
 def test_same_tokens_with_another_image_are_other_blocks() -> None:
-    cache = PrefixKvCache(capacity_blocks=16, block_size=BLOCK, worker="w")
+    cache = KvPool(capacity_blocks=16, block_size=BLOCK, worker="w")
     tokens = [7, 7, 9, 9, 9, 9, 9, 9]
     cat = block_hashes(tokens, BLOCK, [MediaPlacement(111, 2, 6)])
     dog = block_hashes(tokens, BLOCK, [MediaPlacement(222, 2, 6)])
-    lease = cache.acquire(cat)
-    cache.store(lease, cat, local_block_hashes(tokens, BLOCK, [MediaPlacement(111, 2, 6)]), prompt_kv(tokens))
-    cache.release(lease)
+    blocks = cache.allocate(2)
+    cache.commit(blocks, 0, 2, cat, local_block_hashes(tokens, BLOCK, [MediaPlacement(111, 2, 6)]))
+    cache.release(blocks)
 
-    assert cache.acquire(dog).reused_blocks == 0
-    assert cache.acquire(cat).reused_blocks == 2
+    assert len(cache.acquire_prefix(dog)) == 0
+    assert len(cache.acquire_prefix(cat)) == 2
 
 
 def test_eviction_takes_the_least_recently_used_leaf_before_its_parent() -> None:
     log = EventLog()
-    cache = PrefixKvCache(capacity_blocks=4, block_size=BLOCK, worker="w", publish_events=log)
+    cache = KvPool(capacity_blocks=4, block_size=BLOCK, worker="w", publish_events=log)
     old = [1] * 8  # blocks A, A'
     recent = [2] * 8  # blocks B, B'
     run_request(cache, old)
@@ -127,7 +126,7 @@ def test_eviction_takes_the_least_recently_used_leaf_before_its_parent() -> None
 def test_events_replayed_after_many_evictions_equal_the_cache() -> None:
     # given a small cache and requests that share prefixes, repeat, and overflow it
     log = EventLog()
-    cache = PrefixKvCache(capacity_blocks=7, block_size=BLOCK, worker="w", publish_events=log)
+    cache = KvPool(capacity_blocks=7, block_size=BLOCK, worker="w", publish_events=log)
     base = list(range(100, 108))
     for step in range(40):
         branch = [step % 5] * (4 * (1 + step % 3))
@@ -140,23 +139,24 @@ def test_events_replayed_after_many_evictions_equal_the_cache() -> None:
 
 
 def test_blocks_in_use_are_never_evicted() -> None:
-    cache = PrefixKvCache(capacity_blocks=3, block_size=BLOCK, worker="w")
+    cache = KvPool(capacity_blocks=3, block_size=BLOCK, worker="w")
     running = [5] * 8
     sequence, local = hashes(running)
-    lease = cache.acquire(sequence)
-    cache.store(lease, sequence, local, prompt_kv(running))  # the running request holds 2 blocks
+    held = cache.allocate(2)
+    cache.commit(held, 0, 2, sequence, local)  # the running request holds 2 blocks
 
     reused, stored = run_request(cache, [6] * 12)  # wants 3 blocks; only 1 is free
 
     assert (reused, stored) == (0, 1)
     assert set(sequence) <= cache.block_hashes()
-    cache.release(lease)
+    assert cache.allocate(3) is None  # two held, one cached: never more than one to give
+    cache.release(held)
     assert run_request(cache, [6] * 12) == (1, 2)  # released blocks make room again
 
 
 def test_a_prompt_larger_than_the_cache_is_cached_in_part() -> None:
     log = EventLog()
-    cache = PrefixKvCache(capacity_blocks=3, block_size=BLOCK, worker="w", publish_events=log)
+    cache = KvPool(capacity_blocks=3, block_size=BLOCK, worker="w", publish_events=log)
 
     reused, stored = run_request(cache, list(range(40)))  # ten blocks
 
@@ -167,16 +167,18 @@ def test_a_prompt_larger_than_the_cache_is_cached_in_part() -> None:
 
 def test_clear_drops_everything_and_a_running_request_survives_it() -> None:
     log = EventLog()
-    cache = PrefixKvCache(capacity_blocks=8, block_size=BLOCK, worker="w", publish_events=log)
+    cache = KvPool(capacity_blocks=8, block_size=BLOCK, worker="w", publish_events=log)
     run_request(cache, [1] * 8)
     tokens = [1] * 12
     sequence, local = hashes(tokens)
-    lease = cache.acquire(sequence)
+    held = cache.acquire_prefix(sequence)
+    held += cache.allocate(1)
 
     assert cache.clear() == 2
 
-    assert cache.store(lease, sequence, local, prompt_kv(tokens)) == 0  # its prefix is gone
-    cache.release(lease)
+    assert cache.commit(held, 2, 3, sequence, local) == 0  # its prefix is gone
+    assert cache.held_blocks == 3  # the running request keeps its blocks
+    cache.release(held)
     assert log.events[-1].kind == "cleared"
     assert cache.block_hashes() == set() == log.blocks
     assert run_request(cache, tokens) == (0, 3)
@@ -187,9 +189,7 @@ def test_published_events_make_the_redis_index_mirror_the_cache(
 ) -> None:
     index = KvIndex(redis_client, key_namespace)
     publisher = KvEventPublisher(redis_client, key_namespace, index=index)
-    cache = PrefixKvCache(
-        capacity_blocks=5, block_size=BLOCK, worker="gpu-test", publish_events=publisher.publish
-    )
+    cache = KvPool(capacity_blocks=5, block_size=BLOCK, worker="gpu-test", publish_events=publisher.publish)
     cache.clear()
     for step in range(12):
         run_request(cache, [step % 4] * 4 + [step] * 4 * (step % 3))
@@ -202,11 +202,11 @@ def test_published_events_make_the_redis_index_mirror_the_cache(
 @pytest.mark.parametrize("capacity", [0, -1])
 def test_a_cache_needs_room_for_a_block(capacity: int) -> None:
     with pytest.raises(ValueError):
-        PrefixKvCache(capacity_blocks=capacity, block_size=BLOCK, worker="w")
+        KvPool(capacity_blocks=capacity, block_size=BLOCK, worker="w")
 
 
 def test_reusing_blocks_without_evictions_keeps_bookkeeping_bounded() -> None:
-    cache = PrefixKvCache(capacity_blocks=64, block_size=BLOCK, worker="w")
+    cache = KvPool(capacity_blocks=64, block_size=BLOCK, worker="w")
     for _ in range(500):
         run_request(cache, [1] * 16)
 

@@ -58,7 +58,7 @@ def served_demo_model(settings, demo_model_dir):
 
 
 def test_token_view_equals_the_worker_processors_input_ids_for_text_and_two_images(demo_model_dir):
-    from workers.demo_model import load_processor
+    from workers.processors import load_processor
 
     first, second = png_data_url(640, 480), png_data_url(123, 457, (10, 200, 10))
     chat = parse_chat_request(two_image_request("demo", first, second), max_tokens_limit=64)

@@ -23,7 +23,7 @@ from routing.media import url_identity
 from workers.demo_model import HEAVY_VISION, build_demo_llava
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.engine import Engine, GenerationRequest, ImageInput, load_image_directly
-from workers.kv_cache import PrefixKvCache
+from workers.kv_cache import KvPool
 from workers.vision_encoder import VisionEncoder, processor_fingerprint
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -61,7 +61,7 @@ def fresh_engine(model, processor, name: str, load_image=load_image_directly) ->
         processor=processor,
         model_name=name,
         device="cpu",
-        kv_cache=PrefixKvCache(capacity_blocks=512, block_size=16, worker="w"),
+        kv_pool=KvPool(capacity_blocks=512, block_size=16, worker="w"),
         embedding_cache=EmbeddingCache(64 << 20),
         load_image=load_image,
     )
@@ -122,7 +122,7 @@ def test_qwen_features_equal_what_the_engine_computes_with_the_same_grid(
     # then the rows, the grid and the cache key's processor fingerprint are the same
     assert encoded.embedding.shape == expected.shape
     assert torch.allclose(encoded.embedding, expected, atol=1e-5, rtol=0)
-    assert encoded.grid_thw == engine._image_grid(pil(image))
+    assert encoded.grid_thw == engine.layout.image_grid(pil(image))
     assert qwen_encoder.processor_fingerprint == engine.processor_fingerprint
 
 

@@ -1,8 +1,13 @@
-"""The worker's prefix KV cache: fixed-size blocks of per-layer key/value tensors, keyed by the
-sequence hashes of `routing.hashing.block_hashes`, shared between prompts through parent links.
+"""The worker's paged KV pool: fixed-size blocks that running requests hold through block tables,
+and that double as the prefix cache (a radix tree of the blocks whose prompt tokens are known).
 
-Every block stored, evicted or cleared is reported as a `KvEvent`, in order, so the router's
-index mirrors exactly what this cache holds.
+A request reuses cached blocks by reference (no copy); its own prompt blocks become cacheable as
+they fill. Blocks nobody holds stay cached until room is needed, then go least recently used
+first, leaves before their parents. Every block cached, evicted or cleared is reported as a
+`KvEvent`, in order, so the router's index mirrors exactly what this pool caches.
+
+This module is bookkeeping only (block ids, hashes, reference counts); the tensors live in
+`workers.paged_attention.KvPoolTensors`, indexed by the same block ids.
 """
 
 from __future__ import annotations
@@ -10,45 +15,30 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from routing.kv_events import KvEvent
 
-if TYPE_CHECKING:
-    import torch
-
-# One (key, value) pair per decoder layer, each shaped [batch=1, kv_heads, tokens, head_dim].
-LayerKv = list[tuple["torch.Tensor", "torch.Tensor"]]
 PublishEvents = Callable[[Sequence[KvEvent]], None]
 
 
 @dataclass(eq=False)
-class KvBlock:
-    """One block of `block_size` prompt tokens: its KV and its place in the prefix tree."""
+class CachedBlock:
+    """A block of `block_size` prompt tokens in the prefix tree, stored in pool block `block_id`."""
 
     sequence_hash: int
     local_hash: int
-    parent: KvBlock | None
+    parent: CachedBlock | None
     depth: int  # 0 for a prompt's first block
-    layers: LayerKv
+    block_id: int
     children: int = 0
-    refs: int = 0  # running requests using it: never evicted while > 0
     last_used: int = 0
 
 
-@dataclass(eq=False)
-class PrefixLease:
-    """The blocks one request holds (its reused prefix, then what it stored): released at the end."""
-
-    blocks: list[KvBlock] = field(default_factory=list)
-    reused_blocks: int = 0
-    released: bool = False
-
-
-class PrefixKvCache:
-    """A radix tree of KV blocks with LRU eviction of unreferenced leaves, under a block budget."""
+class KvPool:
+    """Block allocation, reference counts and the prefix tree over `capacity_blocks` blocks."""
 
     def __init__(
         self,
@@ -64,155 +54,204 @@ class PrefixKvCache:
         self.block_size = block_size
         self.worker = worker
         self._publish = publish_events
-        self._blocks: dict[int, KvBlock] = {}
-        # Candidates for eviction, (last_used, -depth, tie, block); entries go stale when a block
+        self._refs = [0] * capacity_blocks  # requests holding each block
+        self._entries: list[CachedBlock | None] = [None] * capacity_blocks
+        self._cached: dict[int, CachedBlock] = {}
+        self._free: deque[int] = deque(range(capacity_blocks))  # neither held nor cached
+        self._held = 0  # blocks with refs > 0
+        # Candidates for eviction, (last_used, -depth, tie, entry); entries go stale when a block
         # is used again, gains a child or is evicted, and are checked when popped.
-        self._evictable: list[tuple[int, int, int, KvBlock]] = []
+        self._evictable: list[tuple[int, int, int, CachedBlock]] = []
         self._tie = itertools.count()
         self._clock = itertools.count(1)
         self._lock = threading.RLock()
 
     # --- reading ---------------------------------------------------------------------------------
-    def acquire(self, sequence_hashes: Sequence[int]) -> PrefixLease:
-        """Holds the longest cached prefix of these blocks for one request (refs keep it cached)."""
+    def cached_prefix_blocks(self, sequence_hashes: Sequence[int]) -> int:
+        """How many leading blocks are cached right now (a look, not a hold)."""
         with self._lock:
-            now = next(self._clock)
-            lease = PrefixLease()
+            count = 0
             for sequence_hash in sequence_hashes:
-                block = self._blocks.get(sequence_hash)
-                if block is None:
+                if sequence_hash not in self._cached:
                     break
-                block.refs += 1
-                block.last_used = now
-                lease.blocks.append(block)
-            lease.reused_blocks = len(lease.blocks)
-            return lease
-
-    def release(self, lease: PrefixLease) -> None:
-        """The request is done with its blocks: they become evictable again, leaves first."""
-        with self._lock:
-            if lease.released:
-                return
-            lease.released = True
-            for block in lease.blocks:
-                block.refs -= 1
-                self._offer_for_eviction(block)
+                count += 1
+            return count
 
     def block_hashes(self) -> set[int]:
         with self._lock:
-            return set(self._blocks)
+            return set(self._cached)
 
     def __len__(self) -> int:
+        """Cached blocks (held or not)."""
         with self._lock:
-            return len(self._blocks)
+            return len(self._cached)
 
-    # --- writing ---------------------------------------------------------------------------------
-    def store(
+    @property
+    def held_blocks(self) -> int:
+        """Blocks some running request holds (the rest are free or evictable)."""
+        return self._held
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a request could get now: free ones and cached ones nobody holds."""
+        return self.capacity_blocks - self._held
+
+    # --- holding ---------------------------------------------------------------------------------
+    def acquire_prefix(self, sequence_hashes: Sequence[int], limit: int | None = None) -> list[int]:
+        """Holds the longest cached prefix of these blocks (at most `limit`); returns their ids."""
+        with self._lock:
+            now = next(self._clock)
+            held: list[int] = []
+            for sequence_hash in sequence_hashes[:limit]:
+                entry = self._cached.get(sequence_hash)
+                if entry is None:
+                    break
+                self._hold(entry.block_id)
+                entry.last_used = now
+                held.append(entry.block_id)
+            return held
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` fresh blocks, evicting unheld cached ones as needed; None when there are not
+        enough (then nothing is evicted, short of a parent kept by a child another request holds)."""
+        with self._lock:
+            if self.capacity_blocks - self._held < count:
+                return None
+            events: list[KvEvent] = []
+            while len(self._free) < count and self._evict_one(events):
+                pass
+            self._emit(events)
+            if len(self._free) < count:
+                return None
+            blocks = [self._free.popleft() for _ in range(count)]
+            for block in blocks:
+                self._hold(block)
+            return blocks
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """A request lets go of its blocks: cached ones become evictable, the rest free."""
+        with self._lock:
+            for block in block_ids:
+                self._refs[block] -= 1
+                if self._refs[block]:
+                    continue
+                self._held -= 1
+                entry = self._entries[block]
+                if entry is None:
+                    self._free.append(block)
+                else:
+                    self._offer_for_eviction(entry)
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._held += 1
+        self._refs[block] += 1
+
+    # --- caching ---------------------------------------------------------------------------------
+    def commit(
         self,
-        lease: PrefixLease,
+        block_ids: Sequence[int],
+        first: int,
+        last: int,
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
-        prompt_kv: LayerKv,
     ) -> int:
-        """Stores the prompt's full blocks after the lease's prefix; returns how many were stored.
+        """Makes a request's filled prompt blocks `first..last-1` (indices into its block table and
+        hashes) cacheable; returns how many were cached.
 
-        `prompt_kv` holds the whole prompt's KV (from position 0). Blocks are cloned out of it, so
-        the request's tensors can be freed. Storing stops when no block can be evicted to make room:
-        a prompt larger than the cache is then only partly cached.
+        A block whose hash another request cached meanwhile stays the request's own (the cached
+        copy serves later prompts). A block whose parent is no longer cached is not cached either:
+        the tree never holds orphans, so the index never sees a block without its prefix.
         """
         with self._lock:
-            if lease.released:
-                raise ValueError("the lease was released")
             events: list[KvEvent] = []
-            stored: list[KvBlock] = []
-            stored_count = 0
-            parent = lease.blocks[-1] if lease.blocks else None
-            start = len(lease.blocks)
-            if parent is not None and self._blocks.get(parent.sequence_hash) is not parent:
-                return 0  # the cache was cleared under this request: its prefix is gone
+            run: list[CachedBlock] = []
+            cached = 0
             now = next(self._clock)
-            for index in range(start, len(sequence_hashes)):
-                existing = self._blocks.get(sequence_hashes[index])
+            parent = self._cached.get(sequence_hashes[first - 1]) if first > 0 else None
+            if first > 0 and parent is None:
+                return 0
+            for index in range(first, last):
+                existing = self._cached.get(sequence_hashes[index])
                 if existing is not None:
-                    # Another request stored it meanwhile (or a hash repeats): share it.
-                    if stored:
-                        events.append(self._stored_event(stored))
-                        stored = []
-                    existing.refs += 1
-                    existing.last_used = now
-                    lease.blocks.append(existing)
+                    if run:
+                        events.append(self._stored_event(run))
+                        run = []
                     parent = existing
                     continue
-                if len(self._blocks) >= self.capacity_blocks and not self._evict_one(events, stored):
-                    break
-                block = KvBlock(
+                block = block_ids[index]
+                if self._entries[block] is not None:
+                    break  # already someone's cached block (never happens for a private block)
+                entry = CachedBlock(
                     sequence_hash=sequence_hashes[index],
                     local_hash=local_hashes[index],
                     parent=parent,
                     depth=index,
-                    layers=_block_slice(prompt_kv, index * self.block_size, self.block_size),
-                    refs=1,
+                    block_id=block,
                     last_used=now,
                 )
                 if parent is not None:
                     parent.children += 1
-                self._blocks[block.sequence_hash] = block
-                lease.blocks.append(block)
-                stored.append(block)
-                stored_count += 1
-                parent = block
-            if stored:
-                events.append(self._stored_event(stored))
+                self._entries[block] = entry
+                self._cached[entry.sequence_hash] = entry
+                run.append(entry)
+                cached += 1
+                parent = entry
+            if run:
+                events.append(self._stored_event(run))
             self._emit(events)
-            return stored_count
+            return cached
 
     def clear(self) -> int:
-        """Drops every block (running requests keep their own copies); returns how many."""
+        """Forgets every cached block (held ones stay with their requests); returns how many."""
         with self._lock:
-            dropped = len(self._blocks)
-            for block in self._blocks.values():
-                block.children = 0
-            self._blocks.clear()
+            dropped = len(self._cached)
+            for entry in self._cached.values():
+                self._entries[entry.block_id] = None
+                if self._refs[entry.block_id] == 0:
+                    self._free.append(entry.block_id)
+                entry.children = 0
+                entry.parent = None
+            self._cached.clear()
             self._evictable.clear()
             self._emit([KvEvent(kind="cleared", worker=self.worker)])
             return dropped
 
     # --- eviction ----------------------------------------------------------------------------------
-    def _offer_for_eviction(self, block: KvBlock) -> None:
-        if block.refs == 0 and block.children == 0 and self._blocks.get(block.sequence_hash) is block:
-            heapq.heappush(self._evictable, (block.last_used, -block.depth, next(self._tie), block))
-            if len(self._evictable) > 2 * len(self._blocks) + 64:
+    def _offer_for_eviction(self, entry: CachedBlock) -> None:
+        if self._evictable_now(entry):
+            heapq.heappush(self._evictable, (entry.last_used, -entry.depth, next(self._tie), entry))
+            if len(self._evictable) > 2 * len(self._cached) + 64:
                 self._compact_evictable()
+
+    def _evictable_now(self, entry: CachedBlock) -> bool:
+        return (
+            self._refs[entry.block_id] == 0
+            and entry.children == 0
+            and self._cached.get(entry.sequence_hash) is entry
+        )
 
     def _compact_evictable(self) -> None:
         # Reuse pushes a fresh entry each time; without evictions the stale ones would pile up.
         self._evictable = [
-            (block.last_used, -block.depth, next(self._tie), block)
-            for block in self._blocks.values()
-            if block.refs == 0 and block.children == 0
+            (entry.last_used, -entry.depth, next(self._tie), entry)
+            for entry in self._cached.values()
+            if self._evictable_now(entry)
         ]
         heapq.heapify(self._evictable)
 
-    def _evict_one(self, events: list[KvEvent], pending_store: list[KvBlock]) -> bool:
-        """Removes the least recently used unreferenced leaf; False when every block is in use."""
+    def _evict_one(self, events: list[KvEvent]) -> bool:
+        """Evicts the least recently used unheld leaf; False when there is none."""
         while self._evictable:
-            last_used, _, _, block = heapq.heappop(self._evictable)
-            if (
-                block.refs
-                or block.children
-                or block.last_used != last_used
-                or self._blocks.get(block.sequence_hash) is not block
-            ):
+            last_used, _, _, entry = heapq.heappop(self._evictable)
+            if not self._evictable_now(entry) or entry.last_used != last_used:
                 continue  # stale entry
-            if pending_store:
-                # Keep the event order true: what was stored so far is published before the removal.
-                events.append(self._stored_event(pending_store))
-                pending_store.clear()
-            del self._blocks[block.sequence_hash]
-            events.append(KvEvent(kind="removed", worker=self.worker, block_hashes=(block.sequence_hash,)))
-            parent = block.parent
-            block.parent = None
-            block.layers = []
+            del self._cached[entry.sequence_hash]
+            self._entries[entry.block_id] = None
+            self._free.append(entry.block_id)
+            events.append(KvEvent(kind="removed", worker=self.worker, block_hashes=(entry.sequence_hash,)))
+            parent = entry.parent
+            entry.parent = None
             if parent is not None:
                 parent.children -= 1
                 self._offer_for_eviction(parent)
@@ -220,41 +259,17 @@ class PrefixKvCache:
         return False
 
     # --- events --------------------------------------------------------------------------------------
-    def _stored_event(self, blocks: Sequence[KvBlock]) -> KvEvent:
-        parent = blocks[0].parent
+    def _stored_event(self, entries: Sequence[CachedBlock]) -> KvEvent:
+        parent = entries[0].parent
         return KvEvent(
             kind="stored",
             worker=self.worker,
-            block_hashes=tuple(block.sequence_hash for block in blocks),
+            block_hashes=tuple(entry.sequence_hash for entry in entries),
             parent_hash=None if parent is None else parent.sequence_hash,
-            local_hashes=tuple(block.local_hash for block in blocks),
+            local_hashes=tuple(entry.local_hash for entry in entries),
         )
 
     def _emit(self, events: list[KvEvent]) -> None:
-        # Under the lock, so events from concurrent requests reach the index in cache order.
+        # Under the lock, so events reach the index in the pool's order.
         if events and self._publish is not None:
             self._publish(events)
-
-
-def _block_slice(prompt_kv: LayerKv, start: int, length: int) -> LayerKv:
-    # clone(): a view would keep the whole request's KV tensor alive as long as the block.
-    return [
-        (keys[:, :, start : start + length].clone(), values[:, :, start : start + length].clone())
-        for keys, values in prompt_kv
-    ]
-
-
-def prefix_kv(blocks: Sequence[KvBlock]) -> LayerKv:
-    """The KV of consecutive blocks, joined per layer (the layout `DynamicCache` takes)."""
-    import torch
-
-    if not blocks:
-        return []
-    layers = len(blocks[0].layers)
-    return [
-        (
-            torch.cat([block.layers[layer][0] for block in blocks], dim=2),
-            torch.cat([block.layers[layer][1] for block in blocks], dim=2),
-        )
-        for layer in range(layers)
-    ]

@@ -1,0 +1,174 @@
+"""Continuous batching: requests served together give, token for token, what transformers'
+`generate` gives each alone; a tiny pool preempts without losing or changing anything; cancelled
+requests leave the batch and free their blocks; the KV events still mirror the pool."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch
+from PIL import Image
+
+from tests.test_engine import LONG_TEXT, EventLog, chat, image_input
+from workers.engine import Engine, GenerationRequest, GenerationResult, ImageInput
+
+BLOCK = 16
+
+
+def request(prompt: str, images: Sequence[ImageInput] = (), **options: object) -> GenerationRequest:
+    options.setdefault("max_tokens", 12)
+    return GenerationRequest(request_id=f"r{id(prompt)}", prompt=prompt, images=list(images), **options)
+
+
+def serve_together(engine: Engine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """Submits every request before waiting for any, so they share the engine's steps."""
+    handles = [engine.submit(r) for r in requests]
+    results = []
+    for handle in handles:
+        while True:
+            kind, value = handle.events.get(timeout=120)
+            if kind == "done":
+                results.append(value)
+                break
+            if kind == "error":
+                raise value
+    return results
+
+
+def generate_alone(engine: Engine, prompt: str, images: Sequence[ImageInput], max_tokens: int) -> str:
+    """transformers' own generate on one request, greedy."""
+    pil = [Image.open(io.BytesIO(image.data)) for image in images]
+    if pil:
+        encoded = engine.processor(text=[prompt], images=pil, return_tensors="pt")
+    else:
+        encoded = engine.processor.tokenizer([prompt], add_special_tokens=False, return_tensors="pt")
+    with torch.inference_mode():
+        output = engine.model.generate(**encoded, max_new_tokens=max_tokens, do_sample=False)
+    return engine.tokenizer.decode(output[0, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+MIXED = [
+    (chat("Hi."), 0),
+    (chat(LONG_TEXT + " Which fruit is it?"), 0),
+    (chat("What is in the picture?", images=1), 1),
+    (chat(LONG_TEXT * 2 + " Where is the garden?", images=1, before="Look. "), 1),
+    (chat("Tell me a story about a garden. " * 3), 0),
+]
+
+
+def test_greedy_outputs_in_one_batch_equal_generate_alone(demo_engine) -> None:
+    # given prompts of different lengths, with and without images, and a warm prefix for some
+    engine = demo_engine()
+    images = [image_input(20 + n) for n in range(len(MIXED))]
+    engine.generate(request(chat(LONG_TEXT + " Something else?"), max_tokens=1))  # a shared prefix
+    batch = [request(prompt, images[n : n + count], max_tokens=12) for n, (prompt, count) in enumerate(MIXED)]
+
+    # when they are served together
+    results = serve_together(engine, batch)
+
+    # then each equals transformers' generate on it alone, and steps served several at once
+    expected = [
+        generate_alone(engine, prompt, images[n : n + count], 12) for n, (prompt, count) in enumerate(MIXED)
+    ]
+    assert [r.text for r in results] == expected
+    assert results[1].cached_tokens >= 3 * BLOCK
+    report = engine.load_report()
+    assert report.running_peak >= 3
+    assert report.forward_passes < report.generated_tokens
+    assert report.kv_blocks_used == 0 and report.running == report.waiting == 0
+
+
+def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(demo_engine) -> None:
+    engine = demo_engine()
+    engine.scheduler.max_batch_tokens = 48
+    prompt, images = chat(LONG_TEXT * 2 + " Where?", images=1, before="Look. "), [image_input(30)]
+    decoding = request(chat("Hello there."), max_tokens=24)
+
+    results = serve_together(engine, [decoding, request(prompt, images, max_tokens=8)])
+
+    assert results[1].prompt_tokens > 3 * 48
+    assert results[1].text == generate_alone(engine, prompt, images, 8)
+    assert results[0].text == generate_alone(engine, chat("Hello there."), [], 24)
+
+
+def test_a_tiny_pool_preempts_without_losing_or_changing_any_output(demo_engine) -> None:
+    # given a pool that holds one long request, not four at once, and an event log
+    log = EventLog()
+    engine = demo_engine(capacity=14, events=log)
+    prompts = [chat(f"Question {n}: {LONG_TEXT}") for n in range(4)]
+
+    results = serve_together(engine, [request(p, max_tokens=40) for p in prompts])
+
+    # then every request finished, with what it gives alone, and some had to wait their turn
+    assert [r.text for r in results] == [generate_alone(engine, p, [], 40) for p in prompts]
+    assert sum(r.preemptions for r in results) > 0
+    assert engine.load_report().preemptions > 0
+    # and the events, replayed, equal what the pool caches after evictions and preemptions
+    assert "removed" in log.kinds
+    assert log.blocks == engine.kv_block_hashes()
+    assert engine.load_report().kv_blocks_used == 0
+
+
+def test_a_cancelled_request_leaves_the_batch_and_frees_its_blocks(demo_engine) -> None:
+    engine = demo_engine()
+    long = engine.submit(request(chat("Write a long story."), max_tokens=400, temperature=1.0, seed=2))
+    short = engine.submit(request(chat("Hi."), max_tokens=60))
+    assert long.events.get(timeout=60)[0] == "first"
+
+    long.cancel()
+
+    events = []
+    while not events or events[-1][0] != "done":
+        events.append(long.events.get(timeout=60))
+    cancelled = events[-1][1]
+    assert cancelled.completion_tokens < 400
+    while (event := short.events.get(timeout=60))[0] != "done":
+        pass
+    assert event[1].completion_tokens > 0
+    assert engine.load_report().kv_blocks_used == 0
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(demo_engine) -> None:
+    engine = demo_engine()
+    seeded = request(chat("Tell me about rivers."), temperature=0.9, top_p=0.95, seed=123, max_tokens=16)
+    alone = engine.generate(seeded).text
+
+    together = serve_together(
+        engine,
+        [
+            request(chat("Other words entirely."), temperature=1.0, seed=5, max_tokens=20),
+            seeded,
+            request(chat(LONG_TEXT), max_tokens=10),
+        ],
+    )
+
+    assert together[1].text == alone
+
+
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    from workers.demo_model import build_demo_llava
+
+    path: Path = tmp_path_factory.mktemp("llava") / "llava-next"
+    build_demo_llava(path, next=True)
+    return Engine.load(path)
+
+
+def test_llava_greedy_outputs_in_one_batch_equal_generate_alone(llava_next: Engine) -> None:
+    engine = llava_next
+    prompts = [
+        ("USER: <image>\nWhat is it? ASSISTANT:", [image_input(40, 160, 120)]),
+        ("USER: " + LONG_TEXT + " Where is it? ASSISTANT:", []),
+        ("USER: Hi ASSISTANT:", []),
+    ]
+
+    results = serve_together(engine, [request("<s>" + p, images, max_tokens=10) for p, images in prompts])
+
+    assert [r.text for r in results] == [generate_alone(engine, "<s>" + p, im, 10) for p, im in prompts]
