@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 from PIL import Image
 
-from workers.demo_model import load_processor
+from workers.processors import load_processor
 
 if TYPE_CHECKING:
     import torch
