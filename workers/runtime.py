@@ -206,19 +206,19 @@ class WorkerRuntime:
         self._engine_entered(0)
 
     def _engine_entered(self, step: int) -> None:
-        """The engine gauges. Until the engine schedules batches it runs one request at a time
-        (its model lock): one running, the rest of those inside `generate` waiting for it."""
+        """The engine gauges, from the engine's own report: requests in its batch, waiting, and
+        KV pool blocks held by running requests and free (free or evictable)."""
         with self._gauge_lock:
             self._in_engine += step
-            in_engine = self._in_engine
         labels = {"worker": self.name}
-        telemetry.set_gauge("engine_running_requests", min(in_engine, 1), labels=labels)
-        telemetry.set_gauge("engine_waiting_requests", max(in_engine - 1, 0), labels=labels)
-        kv_cache = getattr(self.engine, "kv_cache", None)
-        if kv_cache is not None:
-            used = len(kv_cache)
-            telemetry.set_gauge("engine_kv_blocks_used", used, labels=labels)
-            telemetry.set_gauge("engine_kv_blocks_free", kv_cache.capacity_blocks - used, labels=labels)
+        load_report = getattr(self.engine, "load_report", None)
+        if load_report is None:
+            return
+        report = load_report()
+        telemetry.set_gauge("engine_running_requests", report.running, labels=labels)
+        telemetry.set_gauge("engine_waiting_requests", report.waiting, labels=labels)
+        telemetry.set_gauge("engine_kv_blocks_used", report.kv_blocks_used, labels=labels)
+        telemetry.set_gauge("engine_kv_blocks_free", report.kv_blocks_free, labels=labels)
 
     def _count(self, result: Any) -> None:
         if self.stats is None:
