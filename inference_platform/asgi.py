@@ -21,4 +21,9 @@ from routing.redis_keys import sync_client  # noqa: E402
 # This frontend's request metrics go to the deployment's Redis, where /metrics sums them.
 telemetry.attach(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, frontend_source())
 
+from inference_platform.serving import check_served_model  # noqa: E402 - needs the apps loaded
+
+# Image settings the model's processor refuses stop the start-up here, with the reason.
+check_served_model()
+
 application = ProtocolTypeRouter({"http": RequestBodyLimit(django_asgi_app, settings.API_MAX_BODY_BYTES)})

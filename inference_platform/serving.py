@@ -33,7 +33,7 @@ from inference_platform.dispatch import (
 from inference_platform.policy import current_policy
 from routing import telemetry
 from routing.contract import GenerateTask, ImageRef, VideoRef
-from routing.layouts import ImageSizeRefused
+from routing.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.media import (
     MediaError,
     MediaPolicy,
@@ -57,6 +57,28 @@ logger = logging.getLogger("inference_platform.serving")
 
 def served_model() -> ModelView:
     return model_view(settings.MODEL_PATH, settings.MODEL_NAME)
+
+
+def check_served_model() -> None:
+    """Refuse to start on image settings the model's own processor refuses (a clear message, once).
+
+    A missing model directory is left to the requests (503), as before: only settings that are
+    there and wrong stop the start-up, since every image request would be counted wrongly.
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    model = served_model()
+    if not (model.path / "config.json").is_file():
+        return
+    try:
+        layout = model.image_layout
+        model.image_token_ids  # noqa: B018 - the tokenizer must hold the layout's marker tokens
+    except (LayoutConfigError, ModelDirectoryError) as exc:
+        raise ImproperlyConfigured(f"the served model at {model.path} cannot be routed: {exc}") from exc
+    if layout is None:
+        logger.info(
+            "model type %r has no image layout: image requests route on the text prefix", model.model_type
+        )
 
 
 def session_scope_hash(headers: Mapping[str, str]) -> str | None:
@@ -110,9 +132,13 @@ class PreparedRequest:
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
+        count_source = self.view.count_source or ("none: routed on the text prefix" if self.view.fallback else None)
         return {
             "model": self.model.name,
             "model_type": self.model.model_type,
+            # The support-matrix family the image counts follow (None: a family outside it).
+            "family": FAMILY_NAMES.get(self.model.model_type),
+            "count_source": count_source,
             "prompt_tokens": self.view.prompt_tokens,
             "routed_tokens": len(self.view.tokens),
             "block_size": self.view.block_size,
@@ -130,6 +156,7 @@ class PreparedRequest:
                     "height": image.height,
                     "tokens": image.tokens,
                     "start": image.start,
+                    "count_source": count_source,
                 }
                 for image in self.view.images
             ],
@@ -258,19 +285,22 @@ def prepare(chat: ChatRequest) -> PreparedRequest:
             view, inputs = processed
             return PreparedRequest(chat, model, prompt, images, view, frontend_decoding, processed=inputs)
     try:
+        layout = model.image_layout
         view = build_token_view(
             prompt_ids,
             images,
-            layout=model.image_layout,
+            layout=layout,
             placeholder_id=model.image_placeholder_id,
             block_size=settings.KV_BLOCK_SIZE,
             model_type=model.model_type,
-            text_prefix=_text_before_first_image(model, chat, prompt_ids)
-            if model.image_layout is None
-            else None,
+            text_prefix=_text_before_first_image(model, chat, prompt_ids) if layout is None else None,
             videos=[_video_facts(model, video) for video in videos],
             video_placeholder_id=model.video_placeholder_id,
+            token_ids=model.image_token_ids,
         )
+    except (LayoutConfigError, ModelDirectoryError) as exc:
+        # Refused at start-up too (check_served_model); a model swapped in later lands here.
+        raise ApiError(503, f"The model is not available: {exc}", code="model_unavailable") from exc
     except ImageSizeRefused as exc:
         raise ApiError(422, f"{exc}", code="image_size_refused", param="messages") from exc
     except PlaceholderMismatch as exc:

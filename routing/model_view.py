@@ -129,11 +129,13 @@ class ModelView:
     @cached_property
     def image_placeholder_id(self) -> int | None:
         """The token id of the one placeholder the chat template emits per image."""
-        for key in ("image_token_id", "image_token_index"):
-            value = self.config.get(key)
-            if isinstance(value, int):
-                return value
         layout = self.image_layout
+        # Llama 4's config names the patch token, not the <|image|> its template emits.
+        if layout is None or getattr(layout, "config_names_placeholder", True):
+            for key in ("image_token_id", "image_token_index", "img_context_token_id"):
+                value = self.config.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
         return self.token_id(layout.placeholder_token) if layout is not None else None
 
     @cached_property
@@ -149,6 +151,25 @@ class ModelView:
             return value
         layout = self.video_layout
         return self.token_id(layout.placeholder_token) if layout is not None else None
+
+    @cached_property
+    def image_token_ids(self) -> dict[str, int]:
+        """Ids of the marker tokens the layout's expansions hold besides the placeholder."""
+        layout = self.image_layout
+        if layout is None:
+            return {}
+        ids: dict[str, int] = {}
+        for token in layout.vocabulary:
+            if token == layout.placeholder_token:
+                continue
+            value = self.token_id(token)
+            if value is None:
+                raise ModelDirectoryError(
+                    f"the tokenizer in {self.path} has no {token!r} token, which "
+                    f"{layout.family} images are laid out with"
+                )
+            ids[token] = value
+        return ids
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

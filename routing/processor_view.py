@@ -56,8 +56,14 @@ def processor_for(model_dir: Path) -> Any:
         # Loading under the lock: concurrent first requests wait for one load instead of racing.
         processor = _processors.get(key)
         if processor is None:
-            processor = _load_processor(key)
+            try:
+                processor = _load_processor(key)
+            except UnsupportedProcessorLayout as exc:
+                # Remembered, so a processor that cannot load here is not retried on every request.
+                processor = exc
             _processors[key] = processor
+        if isinstance(processor, UnsupportedProcessorLayout):
+            raise processor
         return processor
 
 
@@ -82,7 +88,15 @@ def _load_processor(model_dir: Path) -> Any:
         processor = None
     if processor is None or getattr(processor, "image_processor", None) is None:
         # Without torchvision AutoProcessor may also return the bare tokenizer, silently.
-        processor = _images_only_processor_class(model_dir).from_pretrained(model_dir)
+        try:
+            processor = _images_only_processor_class(model_dir).from_pretrained(model_dir)
+        except (ImportError, ValueError) as exc:
+            # Llama 4's, Kimi K2.5's and Nemotron Omni's image processors exist only for
+            # torchvision, which this deployment lacks (transformers says so with either error):
+            # their registry layouts serve instead.
+            raise UnsupportedProcessorLayout(
+                f"the model's image processor cannot load here ({str(exc).strip().splitlines()[0]})"
+            ) from exc
     return processor
 
 
@@ -279,7 +293,13 @@ def processor_token_view(
             ImageInView(n, facts.identity, facts.routing_hash, facts.width, facts.height, end - start, start)
             for n, (facts, (start, end)) in enumerate(zip(image_facts, spans, strict=True))
         ]
-    view = TokenView(tokens=ids, block_size=block_size, images=in_view, prompt_tokens=len(ids))
+    view = TokenView(
+        tokens=ids,
+        block_size=block_size,
+        images=in_view,
+        prompt_tokens=len(ids),
+        count_source="transformers processor",
+    )
     return ProcessorView(view=view, processed=encode_processed(outputs))
 
 

@@ -10,7 +10,7 @@ will hold it. A family with no layout routes on the text before the first image.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -25,8 +25,8 @@ class ImageInView:
     routing_hash: int
     width: int
     height: int
-    tokens: int  # placeholder tokens; 0 when routing falls back to text
-    start: int  # position of its first placeholder token in the prompt
+    tokens: int  # tokens its placeholder became (markers included); 0 when routing falls back to text
+    start: int  # position of its first token in the prompt
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class TokenView:
     fallback: str | None = None  # why routing looks at less than the whole prompt, if it does
     prompt_tokens: int = 0  # the worker's prompt length (the whole prompt, even when routing falls back)
     videos: list[VideoInView] = field(default_factory=list)
+    # Who counted the image tokens: "registry" (the family's layout), "transformers processor"
+    # (the model's own processor), or None when routing falls back to the text prefix.
+    count_source: str | None = None
 
     @cached_property
     def block_hashes(self) -> list[int]:
@@ -95,16 +98,19 @@ def build_token_view(
     text_prefix: int | None = None,
     videos: Sequence[VideoFacts] = (),
     video_placeholder_id: int | None = None,
+    token_ids: Mapping[str, int] | None = None,
 ) -> TokenView:
-    """Expand each image's single placeholder in `prompt_ids` into its token count.
+    """Expand each image's single placeholder in `prompt_ids` as the family's processor does.
 
+    `token_ids`: the ids of the marker tokens the layout's expansion holds besides the
+    placeholder (Llama 4's tile separators, Nemotron's <img>), from the model's tokenizer.
     `text_prefix`: for a family routed on text, how many leading tokens come before the first
     image, when the caller knows better than the first placeholder token (a template that marks
     images with other tokens). Nothing after an image may be routed on without its identity.
     """
     if videos:
         return _view_with_videos(
-            prompt_ids, images, videos, layout, placeholder_id, video_placeholder_id, block_size
+            prompt_ids, images, videos, layout, placeholder_id, video_placeholder_id, block_size, token_ids
         )
     if not images:
         tokens = list(prompt_ids)
@@ -139,19 +145,50 @@ def build_token_view(
             prompt_tokens=len(prompt_ids),
         )
 
+    ids = _expansion_ids(layout, placeholder_id, token_ids)
     tokens: list[int] = []
     in_view: list[ImageInView] = []
     previous = 0
     for n, (position, image) in enumerate(zip(positions, images, strict=True)):
         tokens.extend(prompt_ids[previous:position])
-        count = layout.image_tokens(image.width, image.height)
-        in_view.append(
-            ImageInView(n, image.identity, image.routing_hash, image.width, image.height, count, len(tokens))
-        )
-        tokens.extend([placeholder_id] * count)
+        in_view.append(_expand_image(tokens, n, image, layout, ids, len(images)))
         previous = position + 1
     tokens.extend(prompt_ids[previous:])
-    return TokenView(tokens=tokens, block_size=block_size, images=in_view, prompt_tokens=len(tokens))
+    return TokenView(
+        tokens=tokens,
+        block_size=block_size,
+        images=in_view,
+        prompt_tokens=len(tokens),
+        count_source="registry",
+    )
+
+
+def _expansion_ids(
+    layout: ImageLayout, placeholder_id: int, token_ids: Mapping[str, int] | None
+) -> dict[str, int]:
+    ids = {**(token_ids or {}), layout.placeholder_token: placeholder_id}
+    missing = [token for token in layout.vocabulary if token not in ids]
+    if missing:
+        raise ValueError(f"no token ids given for {missing}, which the {layout.family} layout emits")
+    return ids
+
+
+def _expand_image(
+    tokens: list[int],
+    index: int,
+    image: ImageFacts,
+    layout: ImageLayout,
+    ids: Mapping[str, int],
+    images_in_prompt: int,
+) -> ImageInView:
+    """Append what the image's placeholder becomes to `tokens`; where it lies in them."""
+    start = len(tokens)
+    # Some families size each image by how many the prompt holds (Nemotron Omni's budget).
+    for token, count in layout.expansion(image.width, image.height, images_in_prompt):
+        tokens.extend([ids[token]] * count)
+    return ImageInView(
+        index, image.identity, image.routing_hash, image.width, image.height, len(tokens) - start, start
+    )
 
 
 def _view_with_videos(
@@ -162,6 +199,7 @@ def _view_with_videos(
     placeholder_id: int | None,
     video_placeholder_id: int | None,
     block_size: int,
+    token_ids: Mapping[str, int] | None,
 ) -> TokenView:
     """Images and videos expanded in prompt order; a video family always has an image layout."""
     if video_placeholder_id is None or (images and (layout is None or placeholder_id is None)):
@@ -187,14 +225,9 @@ def _view_with_videos(
     for position, kind, n in places:
         tokens.extend(prompt_ids[previous:position])
         if kind == "image":
-            image = images[n]
-            count = layout.image_tokens(image.width, image.height)  # type: ignore[union-attr]
-            in_view.append(
-                ImageInView(
-                    n, image.identity, image.routing_hash, image.width, image.height, count, len(tokens)
-                )
-            )
-            tokens.extend([placeholder_id] * count)  # type: ignore[list-item]
+            ids = _expansion_ids(layout, placeholder_id, token_ids)  # type: ignore[arg-type]
+            image = _expand_image(tokens, n, images[n], layout, ids, len(images))  # type: ignore[arg-type]
+            in_view.append(image)
         else:
             video = videos[n]
             videos_in_view.append(
@@ -211,4 +244,5 @@ def _view_with_videos(
         images=in_view,
         prompt_tokens=len(tokens),
         videos=videos_in_view,
+        count_source="registry",
     )

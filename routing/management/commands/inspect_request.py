@@ -40,6 +40,8 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(description))
             return
         self.stdout.write(f"model          {description['model']} ({description['model_type']})")
+        self.stdout.write(f"family         {description['family'] or 'outside the support matrix'}")
+        self.stdout.write(f"image counts   {description['count_source']}")
         self.stdout.write(
             f"prompt tokens  {description['prompt_tokens']} (routed on {description['routed_tokens']})"
         )
@@ -51,7 +53,7 @@ class Command(BaseCommand):
         for image in description["images"]:
             self.stdout.write(
                 f"image {image['index']}        {image['identity']}  {image['width']}x{image['height']}  "
-                f"{image['tokens']} tokens at {image['start']}"
+                f"{image['tokens']} tokens at {image['start']} ({image['count_source']})"
             )
         for video in description["videos"]:
             self.stdout.write(
