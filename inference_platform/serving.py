@@ -132,7 +132,9 @@ class PreparedRequest:
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
-        count_source = self.view.count_source or ("none: routed on the text prefix" if self.view.fallback else None)
+        count_source = self.view.count_source
+        if count_source is None and self.view.fallback:
+            count_source = "none: routed on the text prefix"
         return {
             "model": self.model.name,
             "model_type": self.model.model_type,
