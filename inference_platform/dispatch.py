@@ -19,7 +19,7 @@ from django.conf import settings
 from inference_platform.api.errors import ApiError
 from inference_platform.celery import app as celery_app
 from routing.affinity import SessionAffinity
-from routing.contract import CONTRACT_VERSION, DONE, ERROR, STARTED, TOKEN, GenerateTask
+from routing.contract import CONTRACT_VERSION, DONE, ERROR, ROLE_ENCODE, STARTED, TOKEN, GenerateTask
 from routing.index import KvIndex
 from routing.load import LoadTracker
 from routing.media_store import MediaRef, MediaStore, media_store_from_settings
@@ -117,7 +117,7 @@ class WorkerState:
 
 
 def _eligibility(
-    enabled: bool, draining: bool, beat: Heartbeat | None, model: str, block_size: int
+    enabled: bool, draining: bool, beat: Heartbeat | None, model: str, block_size: int, encoders: bool = False
 ) -> str | None:
     if not enabled:
         return "disabled in the admin"
@@ -133,17 +133,25 @@ def _eligibility(
         return f"serves {beat.model}"
     if beat.block_size != block_size:
         return f"block size {beat.block_size}, not {block_size}"
+    # E/PD: encode workers take image encoding (routing.encoders), never a whole request.
+    if beat.role == ROLE_ENCODE and not encoders:
+        return "encode worker"
+    if beat.role != ROLE_ENCODE and encoders:
+        return f"{beat.role} worker, not an encoder"
     return None
 
 
-async def worker_states(model: str, block_size: int) -> list[WorkerState]:
-    """Every registered worker with whether it may take a request for this model, and if not why."""
+async def worker_states(model: str, block_size: int, *, encoders: bool = False) -> list[WorkerState]:
+    """Every registered worker with whether it may take a request for this model (or, with
+    `encoders`, its images' encoding), and if not why."""
     rows = [row async for row in Worker.objects.values_list("name", "enabled", "draining")]
     alive = await asyncio.to_thread(registry().alive, [name for name, _, _ in rows])
     await asyncio.to_thread(_purge_lapsed, [name for name, _, _ in rows], alive)
     return [
         WorkerState(
-            name, alive.get(name), _eligibility(enabled, draining, alive.get(name), model, block_size)
+            name,
+            alive.get(name),
+            _eligibility(enabled, draining, alive.get(name), model, block_size, encoders),
         )
         for name, enabled, draining in rows
     ]
@@ -154,6 +162,15 @@ async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
     return {
         state.name: state.heartbeat
         for state in await worker_states(model, block_size)
+        if state.ineligible_because is None and state.heartbeat is not None
+    }
+
+
+async def eligible_encoders(model: str, block_size: int) -> dict[str, Heartbeat]:
+    """Encode workers an operator allows that are live and serve this model (E/PD)."""
+    return {
+        state.name: state.heartbeat
+        for state in await worker_states(model, block_size, encoders=True)
         if state.ineligible_because is None and state.heartbeat is not None
     }
 

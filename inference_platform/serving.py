@@ -30,6 +30,7 @@ from inference_platform.dispatch import (
     send_to_worker,
     worker_states,
 )
+from inference_platform.encoding import describe_encoding, plan_encoding
 from inference_platform.policy import current_policy
 from routing import telemetry
 from routing.contract import GenerateTask, ImageRef, VideoRef
@@ -457,6 +458,9 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     media, video_media = await store_media(prepared, dispatch)
     try:
         task = prepared.generate_task(request_id, scope_key, media, video_media)
+        # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
+        # are encoded apart, and the task names them (the aggregated path when there is none).
+        task, _ = await plan_encoding(task, view, model.name, decision.worker, decision.overlap)
         # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
         await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
     except BaseException:
@@ -511,6 +515,13 @@ async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[
             "overlap": decision.overlap,
             "reason": decision.reason,
         }
+    description["encode"] = await describe_encoding(
+        prepared.generate_task("route", None),
+        prepared.view,
+        prepared.model.name,
+        description.get("choice", {}).get("worker"),
+        description.get("choice", {}).get("overlap", 0),
+    )
     description["candidates"] = [
         {
             "worker": state.name,

@@ -124,6 +124,9 @@ WORKER_CONCURRENCY = env_int("WORKER_CONCURRENCY", 4, minimum=1)
 KV_CAPACITY_BLOCKS = env_int("KV_CAPACITY_BLOCKS", 4096, minimum=1)  # per worker, in blocks of KV_BLOCK_SIZE
 EMBEDDING_CACHE_MB = env_float("EMBEDDING_CACHE_MB", 256.0, minimum=0.0)
 IMAGE_LOCAL_CACHE_ENTRIES = env_int("IMAGE_LOCAL_CACHE_ENTRIES", 8, minimum=0)  # decoded images per worker
+# E/PD (encode workers): how long an LLM worker waits for an image's features before it encodes the
+# image itself (they travel through the media side store, MEDIA_STORE_*).
+EPD_ENCODE_WAIT_SECS = env_float("EPD_ENCODE_WAIT_SECS", 30.0, positive=True)
 # How long the API waits for a worker's first token, then between tokens, before a 504.
 REQUEST_FIRST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_FIRST_TOKEN_TIMEOUT_SECS", 120.0, positive=True)
 REQUEST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_TOKEN_TIMEOUT_SECS", 60.0, positive=True)

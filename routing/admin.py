@@ -16,13 +16,13 @@ from routing.registry import WorkerRegistry
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
     list_display = (
-        "name", "live", "enabled", "draining", "device", "model_name", "block_size",
+        "name", "live", "role", "enabled", "draining", "device", "model_name", "block_size",
         "session_scoped", "shared_image_cache", "host", "pid",
     )  # fmt: skip
     list_editable = ("enabled", "draining")
-    list_filter = ("enabled", "draining", "device")
+    list_filter = ("role", "enabled", "draining", "device")
     readonly_fields = (
-        "device", "model_name", "block_size", "host", "pid", "registered_at", "deregistered_at",
+        "role", "device", "model_name", "block_size", "host", "pid", "registered_at", "deregistered_at",
     )  # fmt: skip
     actions = ("drain", "enable")
 

@@ -34,6 +34,14 @@ VERSION_FIELD = "contract_version"
 # Celery task names: the web process sends by name and never imports the worker's code.
 GENERATE_TASK = "workers.generate"
 FLUSH_CACHES_TASK = "workers.flush_caches"
+ENCODE_TASK = "workers.encode"  # E/PD: an encode worker computes a request's image features
+
+# Worker roles (`run_worker --role`): `both` encodes its own images and generates; `llm` generates
+# from features an encode worker sends (encoding itself only as a fallback); `encode` holds only
+# the vision tower and projector and serves ENCODE_TASK.
+ROLE_BOTH, ROLE_LLM, ROLE_ENCODE = "both", "llm", "encode"
+ROLES = (ROLE_BOTH, ROLE_LLM, ROLE_ENCODE)
+GENERATING_ROLES = frozenset({ROLE_BOTH, ROLE_LLM})
 
 # Stream event types, in the order a worker sends them.
 STARTED = "started"  # the worker picked the request up
@@ -146,6 +154,12 @@ class GenerateTask:
     videos: tuple[VideoRef, ...] = ()
     # When the frontend sent it (unix seconds, its clock): the worker's queue-time histogram.
     dispatched_at: float | None = None
+    # E/PD: the encode worker computing the features of the images at these indices (those the
+    # chosen worker's cached prefix does not cover). Their features arrive through the media side
+    # store; the worker waits for them at most `encode_wait_s`, then encodes what is missing itself.
+    encoder: str | None = None
+    encoded_images: tuple[int, ...] = ()
+    encode_wait_s: float = 0.0
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
@@ -165,6 +179,7 @@ class GenerateTask:
             data["videos"] = tuple(_video_ref(video) for video in data.get("videos") or ())
             data["stop"] = tuple(str(s) for s in data.get("stop") or ())
             data["block_hashes"] = tuple(int(h) for h in data.get("block_hashes") or ())
+            data["encoded_images"] = tuple(int(i) for i in data.get("encoded_images") or ())
             task = _from_mapping(cls, data)
             return dataclasses.replace(
                 task,
@@ -191,6 +206,45 @@ def _video_ref(data: Mapping[str, Any]) -> VideoRef:
         grid_thw=tuple(int(n) for n in video.grid_thw),
         frame_shape=tuple(int(n) for n in video.frame_shape),
     )
+
+
+@dataclass(frozen=True)
+class EncodeTask:
+    """The payload of `workers.encode`: some of one request's images for an encode worker, which
+    puts each image's features in the media side store and signals the LLM worker
+    (routing.encoders) with the reference, or with why it could not."""
+
+    name: ClassVar[str] = ENCODE_TASK
+
+    request_id: str
+    images: tuple[ImageRef, ...]
+    indices: tuple[int, ...]  # each image's index in the request (what the LLM worker waits on)
+    scope_key: str | None = None
+    llm_worker: str = ""  # for the logs
+    # Add optional fields here, with defaults (see the module docstring).
+
+    def to_payload(self) -> dict[str, Any]:
+        payload = dataclasses.asdict(self)
+        payload[VERSION_FIELD] = CONTRACT_VERSION
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> EncodeTask:
+        if not isinstance(payload, Mapping):
+            raise ContractError(f"a {cls.name} payload is an object, not {type(payload).__name__}")
+        _check_version(payload, cls.name, worker)
+        data = dict(payload)
+        try:
+            data["images"] = tuple(_from_mapping(ImageRef, image) for image in data.get("images") or ())
+            data["indices"] = tuple(int(i) for i in data.get("indices") or ())
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, ContractError):
+                raise
+            raise ContractError(f"{cls.name}: a field has the wrong type: {exc}") from exc
+        task = _from_mapping(cls, data)
+        if len(task.indices) != len(task.images):
+            raise ContractError(f"{cls.name}: {len(task.images)} images but {len(task.indices)} indices")
+        return task
 
 
 @dataclass(frozen=True)
@@ -248,6 +302,8 @@ class DoneEvent:
     embedding_cache_hits: int = 0
     embedding_cache_misses: int = 0
     worker: str = ""
+    embeddings_received: int = 0  # E/PD: images whose features came from an encode worker
+    embedding_fallbacks: int = 0  # E/PD: images sent for encoding that this worker encoded itself
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ DONE_TTL_SECS = 300
 
 # Encode worker: images encoded, its embedding cache's hits and misses, microseconds encoding,
 # bytes and microseconds writing to the store. LLM worker: features received (bytes, microseconds
-# reading and checking them), and fallbacks to its own encoder by cause.
+# reading and checking them), and fallbacks to its own encoder by cause. Every worker: forward
+# passes of its vision tower (a forward hook), whatever the role.
 STAT_FIELDS: tuple[str, ...] = (
     "images",
     "cache_hits",
@@ -46,6 +47,7 @@ STAT_FIELDS: tuple[str, ...] = (
     "fallback_corrupt",
     "fallback_encoder_gone",
     "fallback_timeout",
+    "tower_forwards",
 )
 FALLBACK_CAUSES: tuple[str, ...] = ("missing", "corrupt", "encoder_gone", "timeout")
 

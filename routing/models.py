@@ -16,6 +16,17 @@ class Worker(models.Model):
     draining = models.BooleanField(
         default=False, help_text="A draining worker finishes what it has and receives nothing new."
     )
+    ROLES = [
+        ("both", "Encode and generate"),
+        ("llm", "Generate (LLM worker, E/PD)"),
+        ("encode", "Encode images (encode worker, E/PD)"),
+    ]
+    role = models.CharField(
+        max_length=8,
+        choices=ROLES,
+        default="both",
+        help_text="Set by the worker when it registers (run_worker --role).",
+    )
     device = models.CharField(max_length=32, blank=True)
     model_name = models.CharField(max_length=200, blank=True)
     block_size = models.PositiveIntegerField(default=16)

@@ -37,6 +37,7 @@ class Heartbeat:
     shared_image_cache: str = "off"  # its shared image cache URL, password redacted, or "off"
     contract_version: int = CONTRACT_VERSION  # the task contract it speaks (routing.contract)
     instance: str = ""  # this process's instance id: a restart under the same name is a new one
+    role: str = "both"  # routing.contract.ROLES: `encode` workers take no generate tasks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

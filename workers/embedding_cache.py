@@ -95,6 +95,10 @@ class EmbeddingCache:
                 return len(self._entries)
             return sum(1 for key in self._entries if key.scope_key == scope_key)
 
+    def keys(self) -> list[EmbeddingKey]:
+        with self._lock:
+            return list(self._entries)
+
     def clear(self) -> int:
         with self._lock:
             dropped = len(self._entries)

@@ -58,6 +58,7 @@ class WorkerRuntime:
     image_loader: ImageLoader | None = None
     instance: str = ""  # this process's instance id (routing.registry.new_instance_id)
     media: MediaStore | None = None  # the side store the frontend put image bytes in
+    features: Any = None  # workers.disaggregation.FeatureReceiver: E/PD features from encode workers
 
     def __post_init__(self) -> None:
         if self.media is None:
@@ -155,6 +156,10 @@ class WorkerRuntime:
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
                 processed=_processed_inputs(task.processed),
             )
+            receipt = None
+            if task.encoder and task.encoded_images and self.features is not None:
+                # Outside the model: other requests run while this one waits for its features.
+                receipt = self.features.receive(task, request.images)
             result = self.engine.generate(
                 request,
                 on_token=on_token,
@@ -198,6 +203,9 @@ class WorkerRuntime:
                 embedding_cache_hits=result.embedding_cache_hits,
                 embedding_cache_misses=result.embedding_cache_misses,
                 worker=self.name,
+                embeddings_received=result.embeddings_received,
+                embedding_fallbacks=result.embedding_fallbacks
+                + (sum(receipt.fallbacks.values()) if receipt is not None else 0),
             )
         )
 
@@ -219,6 +227,10 @@ class WorkerRuntime:
         telemetry.set_gauge("engine_waiting_requests", report.waiting, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_used", report.kv_blocks_used, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_free", report.kv_blocks_free, labels=labels)
+
+    def serve_encode(self, payload: dict[str, Any]) -> None:
+        if self.features is not None:
+            self.features.refuse_encode(payload)
 
     def _count(self, result: Any) -> None:
         if self.stats is None:
@@ -345,15 +357,16 @@ def _throttled(check, interval_s: float):
     return throttled
 
 
-_runtime: WorkerRuntime | None = None
+# A WorkerRuntime, or an encode worker's workers.disaggregation.EncodeRuntime (same task methods).
+_runtime: Any = None
 
 
-def install_runtime(runtime: WorkerRuntime) -> None:
+def install_runtime(runtime: Any) -> None:
     global _runtime
     _runtime = runtime
 
 
-def current_runtime() -> WorkerRuntime:
+def current_runtime() -> Any:
     if _runtime is None:
         raise NoRuntime("this process was not started by `manage.py run_worker`")
     return _runtime

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import shared_task
 
-from routing.contract import FLUSH_CACHES_TASK, GENERATE_TASK
+from routing.contract import ENCODE_TASK, FLUSH_CACHES_TASK, GENERATE_TASK
 
 
 @shared_task(name=GENERATE_TASK, ignore_result=True)
@@ -28,3 +28,10 @@ def flush_caches(payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 
     current_runtime().flush(payload)
+
+
+@shared_task(name=ENCODE_TASK, ignore_result=True)
+def encode(payload: dict[str, Any]) -> None:
+    from workers.runtime import current_runtime
+
+    current_runtime().serve_encode(payload)

@@ -1,4 +1,8 @@
-"""`manage.py run_worker --name gpu0 --device cuda:0`: one GPU worker process.
+"""`manage.py run_worker --name gpu0 --device cuda:0 [--role both|llm|encode]`: one GPU worker process.
+
+Roles (E/PD): `both` (the default) encodes its own images and generates; `llm` generates from
+features encode workers send, and drops its vision tower until a fallback needs it; `encode`
+loads only the vision tower and projector and serves the `workers.encode` task.
 
 It loads the model once, registers itself (the admin's Worker row plus a Redis heartbeat with
 a TTL), then consumes only the Celery queue `worker.<name>` with a thread pool (the model is
@@ -22,8 +26,11 @@ from django.utils import timezone
 
 from routing import telemetry
 from routing.cache_stats import CacheStats
+from routing.contract import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
+from routing.encoders import EncoderPool
 from routing.index import KvIndex
 from routing.kv_events import KvEventPublisher
+from routing.media_store import media_store_from_settings
 from routing.models import Worker, worker_queue
 from routing.redis_keys import redact_url, sync_client
 from routing.registry import Heartbeat, WorkerRegistry, new_instance_id
@@ -56,6 +63,13 @@ class Command(BaseCommand):
             default=int(os.environ.get("WORKER_TORCH_THREADS", "0")),
             help="torch CPU threads (0: torch's default). Use 1 when several workers share a CPU.",
         )
+        parser.add_argument(
+            "--role",
+            choices=ROLES,
+            default=ROLE_BOTH,
+            help="both: encode and generate (default); llm: generate from encode workers' features; "
+            "encode: vision tower and projector only, computing image features for llm workers.",
+        )
 
     def handle(self, *args, **options) -> None:
         name: str = options["name"]
@@ -68,8 +82,9 @@ class Command(BaseCommand):
                 "or point MODEL_PATH at a checkpoint directory"
             )
 
-        from workers.engine import Engine  # torch is imported here, in the worker process only
-        from workers.runtime import WorkerRuntime, build_image_loader, install_runtime
+        from workers.disaggregation import TowerCounter
+        from workers.runtime import build_image_loader, install_runtime
+        from workers.vision_encoder import vision_tower
 
         if options["threads"] > 0:
             import torch
@@ -82,37 +97,44 @@ class Command(BaseCommand):
         stats = CacheStats(client, namespace, name)
         metrics = telemetry.attach(client, namespace, name)
         image_loader = build_image_loader(name, stats)
+        role: str = options["role"]
         index = KvIndex(client, namespace)
-        publisher = None if options["no_kv_events"] else KvEventPublisher(client, namespace, index=index)
+        publisher = (
+            None
+            if options["no_kv_events"] or role == ROLE_ENCODE
+            else KvEventPublisher(client, namespace, index=index)
+        )
         if publisher is None:
             index.purge_worker(name)  # no `cleared` will come: forget what a previous life held
+        encoders = EncoderPool(client, namespace, pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS)
+        features = media_store_from_settings(client, namespace, settings)  # the media side store
+        towers = TowerCounter(encoders, name)
         started = time.monotonic()
-        engine = Engine.load(
-            model_path,
-            device=options["device"],
-            block_size=settings.KV_BLOCK_SIZE,
-            kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
-            embedding_cache_bytes=int(settings.EMBEDDING_CACHE_MB * 1024 * 1024),
-            load_image=image_loader.load_for_engine,
-            publish_events=publisher.publish if publisher is not None else None,
-            worker_name=name,
-        )
+        if role == ROLE_ENCODE:
+            runtime = _encode_runtime(
+                name, model_path, options["device"], client, encoders, features, image_loader
+            )
+            towers.attach(runtime.encoder.vision_module)
+            kv_capacity = 0
+        else:
+            runtime = _generating_runtime(
+                name, role, model_path, options["device"], client, encoders, features, image_loader, publisher
+            )
+            if runtime.engine.vision_loaded:
+                towers.attach(vision_tower(runtime.engine.model.model, runtime.engine.model_type))
+            else:
+                runtime.engine.on_vision_loaded = towers.attach
+            kv_capacity = settings.KV_CAPACITY_BLOCKS
+        runtime.instance = instance
+        runtime.stats = stats
         model_name = settings.MODEL_NAME or model_path.resolve().name
         self.stdout.write(
-            f"worker {name}: loaded {model_path} on {options['device']} in {time.monotonic() - started:.1f} s"
-        )
-        runtime = WorkerRuntime(
-            name=name,
-            engine=engine,
-            client=client,
-            namespace=namespace,
-            session_scoped=image_loader.session_scoped,
-            stats=stats,
-            image_loader=image_loader,
-            instance=instance,
+            f"worker {name} ({role}): loaded {model_path} on {options['device']} "
+            f"in {time.monotonic() - started:.1f} s"
         )
         install_runtime(runtime)
-        runtime.report_engine_gauges()
+        if role != ROLE_ENCODE:
+            runtime.report_engine_gauges()
 
         heartbeat = Heartbeat(
             name=name,
@@ -121,15 +143,17 @@ class Command(BaseCommand):
             device=options["device"],
             pid=os.getpid(),
             host=socket.gethostname(),
-            kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
+            kv_capacity_blocks=kv_capacity,
             publishes_events=publisher is not None,
             session_scoped=image_loader.session_scoped,
             shared_image_cache=image_loader.shared_cache_description,
             instance=instance,
+            role=role,
         )
         Worker.objects.update_or_create(
             name=name,
             defaults={
+                "role": role,
                 "device": heartbeat.device,
                 "model_name": model_name,
                 "block_size": heartbeat.block_size,
@@ -175,6 +199,67 @@ class Command(BaseCommand):
             image_loader.close()
             Worker.objects.filter(name=name).update(deregistered_at=timezone.now())
             self.stdout.write(f"worker {name}: deregistered")
+
+
+def _encode_runtime(name, model_path, device, client, encoders, features, image_loader):
+    """An encode worker: the vision tower and projector only, and an embedding cache whose entries
+    are listed in Redis for the frontend's embedding-cache affinity."""
+    from workers.disaggregation import EncodeRuntime
+    from workers.vision_encoder import VisionEncoder
+
+    encoders.reset_worker(name)  # a new process holds nothing and has nothing in progress
+    runtime = EncodeRuntime(
+        name=name,
+        encoder=VisionEncoder.load(model_path, device=device),
+        # The engine's name for the same checkpoint: the features' label must agree with it.
+        model_name=model_path.name,
+        client=client,
+        namespace=settings.REDIS_KEY_PREFIX,
+        pool=encoders,
+        store=features,
+        embedding_cache_bytes=int(settings.EMBEDDING_CACHE_MB * 1024 * 1024),
+        image_loader=image_loader,
+        session_scoped=image_loader.session_scoped,
+    )
+    return runtime
+
+
+def _generating_runtime(name, role, model_path, device, client, encoders, features, image_loader, publisher):
+    """A `both` or `llm` worker: the whole model (an `llm` worker drops its vision tower until a
+    fallback needs it) and the receipt of encode workers' features."""
+    from workers.disaggregation import FeatureReceiver
+    from workers.engine import Engine  # torch is imported here, in the worker process only
+    from workers.runtime import WorkerRuntime
+
+    engine = Engine.load(
+        model_path,
+        device=device,
+        block_size=settings.KV_BLOCK_SIZE,
+        kv_capacity_blocks=settings.KV_CAPACITY_BLOCKS,
+        embedding_cache_bytes=int(settings.EMBEDDING_CACHE_MB * 1024 * 1024),
+        load_image=image_loader.load_for_engine,
+        publish_events=publisher.publish if publisher is not None else None,
+        worker_name=name,
+    )
+    if role == ROLE_LLM:
+        engine.unload_vision(model_path)
+    return WorkerRuntime(
+        name=name,
+        engine=engine,
+        client=client,
+        namespace=settings.REDIS_KEY_PREFIX,
+        session_scoped=image_loader.session_scoped,
+        image_loader=image_loader,
+        media=features,
+        features=FeatureReceiver(
+            worker=name,
+            pool=encoders,
+            store=features,
+            registry=WorkerRegistry(client, settings.REDIS_KEY_PREFIX),
+            model_name=engine.model_name,
+            processor_fingerprint=engine.processor_fingerprint,
+        ),
+    )
 
 
 class _HeartbeatLoop:

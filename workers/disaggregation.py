@@ -1,0 +1,343 @@
+"""Encoder disaggregation (E/PD) on the workers: the encode worker's runtime, which turns images
+into features in the side store, and the LLM worker's receipt of them.
+
+The LLM worker waits for its features outside the model (other requests keep running), at most
+the task's `encode_wait_s`, and watches the encode worker's heartbeat meanwhile. Whatever does not
+arrive intact (the encoder failed, died or is late; the blob expired or fails its checksum) is
+encoded locally: logged, counted by cause, never a failed request.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from routing.contract import ContractError, EncodeTask, ErrorEvent, GenerateTask
+from routing.encoders import EncoderPool, cache_tag
+from routing.media_store import MediaRef, MediaStore, MediaStoreError
+from routing.registry import WorkerRegistry
+from routing.responses import ResponseWriter
+from workers.embedding_cache import EmbeddingCache, EmbeddingKey
+from workers.embedding_transfer import CorruptEmbedding, EmbeddingLabel, pack_embedding, unpack_embedding
+
+logger = logging.getLogger("workers.disaggregation")
+
+# The longest single wait for the next signal: between waits the encoder's heartbeat is checked.
+_SIGNAL_POLL_S = 0.5
+
+
+class TowerCounter:
+    """A forward hook on a vision tower: every run is counted (`tower_forwards`), so an operator
+    (and the tests) can see that an LLM worker fed by encode workers never encoded."""
+
+    def __init__(self, pool: EncoderPool, worker: str) -> None:
+        self._pool = pool
+        self._worker = worker
+        self.calls = 0
+
+    def attach(self, tower: Any) -> None:
+        tower.register_forward_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.calls += 1
+        try:
+            self._pool.count(self._worker, {"tower_forwards": 1})
+        except redis.RedisError:
+            logger.debug("could not count a vision tower forward on %s", self._worker, exc_info=True)
+
+
+# --- the encode worker ------------------------------------------------------------------------------
+@dataclass
+class EncodeRuntime:
+    """An encode worker's process state: the vision-only encoder, its embedding cache (listed in
+    Redis for the frontend's affinity), the image loader and the side store."""
+
+    name: str
+    encoder: Any  # workers.vision_encoder.VisionEncoder
+    model_name: str
+    client: redis.Redis
+    namespace: str
+    pool: EncoderPool
+    store: MediaStore  # the media side store: the task's image bytes come from it, features go to it
+    embedding_cache_bytes: int
+    image_loader: Any  # workers.runtime.EngineImageLoader
+    session_scoped: bool = False
+    instance: str = ""
+    stats: Any = None  # routing.cache_stats.CacheStats, for the image loader's counters
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.embedding_cache = EmbeddingCache(self.embedding_cache_bytes, on_evict=self.on_evicted)
+
+    def serve_encode(self, payload: dict[str, Any]) -> None:
+        raw_id = str(payload.get("request_id", "")) if isinstance(payload, dict) else ""
+        try:
+            task = EncodeTask.from_payload(payload, worker=self.name)
+        except ContractError as exc:
+            logger.warning("encode task for request %s refused: %s", raw_id, exc)
+            if raw_id:
+                self.pool.signal_done(raw_id, {"index": -1, "ok": False, "error": str(exc)})
+            return
+        use_cache = not (self.session_scoped and not task.scope_key)
+        for image, index in zip(task.images, task.indices, strict=True):
+            member = f"{task.request_id}:{index}"
+            self.pool.started(self.name)
+            try:
+                ref, counts = self._encode_one(task, image, use_cache)
+                self.pool.count(self.name, counts)
+                self.pool.signal_done(task.request_id, {"index": index, "ok": True, "ref": ref})
+            except Exception as exc:
+                logger.warning(
+                    "encode worker %s could not encode image %d of request %s: %s",
+                    self.name,
+                    index,
+                    task.request_id,
+                    exc,
+                    exc_info=not isinstance(exc, CorruptEmbedding | ValueError),
+                )
+                self.pool.signal_done(
+                    task.request_id, {"index": index, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                )
+            finally:
+                self.pool.finished(self.name, member)
+
+    def _encode_one(
+        self, task: EncodeTask, image: Any, use_cache: bool
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        identity = image.identity
+        key = EmbeddingKey(task.scope_key, identity, self.model_name, self.encoder.processor_fingerprint)
+        counts: dict[str, int] = {"images": 1}
+        embedding = self.embedding_cache.get(key) if use_cache else None
+        if embedding is not None:
+            counts["cache_hits"] = 1
+        else:
+            counts["cache_misses"] = 1
+            loaded = self._load(image, task.scope_key)
+            started = time.perf_counter()
+            with self._lock:  # one forward at a time: threads would only contend for the cores
+                embedding = self.encoder.encode(loaded).embedding
+            counts["encode_us"] = int((time.perf_counter() - started) * 1e6)
+            if use_cache and self.embedding_cache.put(key, embedding):
+                self.pool.cached(self.name, cache_tag(task.scope_key, identity))
+        blob = pack_embedding(
+            embedding, EmbeddingLabel(identity, self.model_name, self.encoder.processor_fingerprint)
+        )
+        started = time.perf_counter()
+        ref = self.store.put(features_owner(task.request_id), blob)
+        counts["put_us"] = int((time.perf_counter() - started) * 1e6)
+        counts["put_bytes"] = len(blob)
+        return ref.to_payload(), counts
+
+    def _load(self, image: Any, scope_key: str | None) -> Any:
+        from workers.engine import ImageInput
+
+        data = None
+        if image.media_ref:  # bytes the frontend holds, in the side store
+            data = self.store.get(MediaRef(image.media_ref, image.media_bytes))
+        elif image.data_b64:
+            data = base64.b64decode(image.data_b64)
+        source = ImageInput(
+            identity=image.identity, url=image.url, data=data, width=image.width, height=image.height
+        )
+        loaded = self.image_loader.load_for_engine(source, scope_key)
+        if image.width and image.height and (loaded.width, loaded.height) != (image.width, image.height):
+            # The LLM worker laid its prompt out for the declared size: other rows would not fit.
+            raise ValueError(
+                f"image {image.identity} is {loaded.width}x{loaded.height}, "
+                f"declared {image.width}x{image.height} when routed"
+            )
+        return loaded
+
+    def on_evicted(self, key: EmbeddingKey) -> None:
+        try:
+            self.pool.evicted(self.name, cache_tag(key.scope_key, key.identity))
+        except redis.RedisError:
+            logger.warning("encode worker %s could not unlist an evicted embedding", self.name)
+
+    def serve(self, payload: dict[str, Any]) -> None:
+        """A generate task that reached an encode worker (a misrouted send): refused on its stream."""
+        request_id = str(payload.get("request_id", "")) if isinstance(payload, dict) else ""
+        ResponseWriter(self.client, self.namespace, request_id).emit(
+            ErrorEvent(status=503, code="wrong_worker_role", message=f"{self.name} is an encode worker")
+        )
+
+    def flush(self, payload: dict[str, Any]) -> None:
+        from routing.contract import DONE, FlushCachesTask
+
+        task = FlushCachesTask.from_payload(payload, worker=self.name)
+        writer = ResponseWriter(self.client, self.namespace, task.flush_id)
+        report: dict[str, Any] = {"worker": self.name, "dry_run": task.dry_run}
+        if task.embeddings:
+            cache = self.embedding_cache
+            if task.dry_run:
+                report["embeddings"] = cache.count(task.scope_key)
+            elif task.scope_key is None:
+                report["embeddings"] = cache.clear()
+                self.pool.reset_worker(self.name)
+            else:
+                report["embeddings"] = cache.discard_scope(task.scope_key)
+                # its tags go too: the set is rebuilt from what is left
+                self.pool.reset_worker(self.name)
+                for key in cache.keys():  # noqa: SIM118 (a method, not a dict)
+                    self.pool.cached(self.name, cache_tag(key.scope_key, key.identity))
+        if task.images:
+            loader = self.image_loader
+            report["decoded_images"] = (
+                loader.local_count(task.scope_key) if task.dry_run else loader.clear_local(task.scope_key)
+            )
+        writer.send(DONE, **report)
+
+
+# --- the LLM worker ------------------------------------------------------------------------------
+@dataclass
+class Receipt:
+    received: int = 0
+    received_bytes: int = 0
+    get_us: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "received": self.received,
+            "received_bytes": self.received_bytes,
+            "get_us": self.get_us,
+            **{f"fallback_{cause}": n for cause, n in self.fallbacks.items()},
+        }
+
+    def fall_back(self, cause: str, n: int = 1) -> None:
+        self.fallbacks[cause] = self.fallbacks.get(cause, 0) + n
+
+
+def receive_features(
+    task: GenerateTask,
+    images: Sequence[Any],
+    *,
+    label: Callable[[str], EmbeddingLabel],
+    pool: EncoderPool,
+    store: MediaStore,
+    registry: WorkerRegistry,
+    worker: str,
+    clock: Callable[[], float] = time.monotonic,
+) -> Receipt:
+    """Sets `embedding` on each image of `task.encoded_images` whose features arrive intact."""
+    receipt = Receipt()
+    waiting = {i for i in task.encoded_images if 0 <= i < len(images)}
+    refs: list[MediaRef] = []
+    deadline = clock() + max(task.encode_wait_s, 0.0)
+    encoder = task.encoder or ""
+    try:
+        while waiting:
+            left = deadline - clock()
+            if left <= 0:
+                _log_fallback(task, waiting, f"no features within {task.encode_wait_s:g} s")
+                receipt.fall_back("timeout", len(waiting))
+                break
+            signal = pool.wait_done(task.request_id, min(left, _SIGNAL_POLL_S))
+            if signal is None:
+                if not registry.alive([encoder]):
+                    _log_fallback(task, waiting, f"encode worker {encoder} went away")
+                    receipt.fall_back("encoder_gone", len(waiting))
+                    break
+                continue
+            index = int(signal.get("index", -1))
+            if index == -1:  # the encoder refused the whole task
+                _log_fallback(task, waiting, f"encode worker refused the task: {signal.get('error')}")
+                receipt.fall_back("missing", len(waiting))
+                break
+            if index not in waiting:
+                continue
+            waiting.discard(index)
+            if not signal.get("ok"):
+                _log_fallback(task, [index], f"the encode worker failed: {signal.get('error')}")
+                receipt.fall_back("missing")
+                continue
+            started = time.perf_counter()
+            try:
+                ref = MediaRef.from_payload(signal.get("ref") or {})
+                refs.append(ref)
+                blob = store.get(ref)
+            except (MediaStoreError, KeyError, TypeError, ValueError) as exc:
+                _log_fallback(task, [index], f"its features are not in the side store: {exc}")
+                receipt.fall_back("missing")
+                continue
+            try:
+                embedding = unpack_embedding(blob, label(images[index].identity))
+            except CorruptEmbedding as exc:
+                _log_fallback(task, [index], f"its features are corrupt: {exc}")
+                receipt.fall_back("corrupt")
+                continue
+            receipt.get_us += int((time.perf_counter() - started) * 1e6)
+            receipt.received += 1
+            receipt.received_bytes += len(blob)
+            images[index].embedding = embedding
+    except redis.RedisError as exc:
+        _log_fallback(task, waiting, f"Redis failed: {exc}")
+        receipt.fall_back("missing", len(waiting))
+    finally:
+        try:
+            if refs:
+                store.release(features_owner(task.request_id), refs)
+            pool.forget_request(task.request_id)
+        except redis.RedisError:
+            pass  # both expire on their own
+    try:
+        pool.count(worker, receipt.counts())
+    except redis.RedisError:
+        logger.debug("could not count received features on %s", worker, exc_info=True)
+    return receipt
+
+
+@dataclass
+class FeatureReceiver:
+    """An LLM (or `both`) worker's side of E/PD, as `WorkerRuntime` holds it."""
+
+    worker: str
+    pool: EncoderPool
+    store: MediaStore
+    registry: WorkerRegistry
+    model_name: str
+    processor_fingerprint: str
+
+    def receive(self, task: GenerateTask, images: Sequence[Any]) -> Receipt:
+        return receive_features(
+            task,
+            images,
+            label=lambda identity: EmbeddingLabel(identity, self.model_name, self.processor_fingerprint),
+            pool=self.pool,
+            store=self.store,
+            registry=self.registry,
+            worker=self.worker,
+        )
+
+    def refuse_encode(self, payload: dict[str, Any]) -> None:
+        """An encode task that reached a generating worker: the LLM worker falls back at once."""
+        request_id = str(payload.get("request_id", "")) if isinstance(payload, dict) else ""
+        logger.warning(
+            "%s is not an encode worker: encode task for request %s refused", self.worker, request_id
+        )
+        if request_id:
+            self.pool.signal_done(
+                request_id, {"index": -1, "ok": False, "error": f"{self.worker} does not encode"}
+            )
+
+
+def features_owner(request_id: str) -> str:
+    """The side store owner of a request's features: apart from the frontend's image bytes, so
+    releasing one never frees the other."""
+    return f"{request_id}:features"
+
+
+def _log_fallback(task: GenerateTask, indices: Any, why: str) -> None:
+    logger.warning(
+        "request %s: encoding image(s) %s locally (fallback): %s",
+        task.request_id,
+        ", ".join(str(i) for i in sorted(indices)),
+        why,
+    )
