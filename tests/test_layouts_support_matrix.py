@@ -837,3 +837,47 @@ def test_inspect_request_names_the_family_and_the_source_of_each_count(
     assert layout is not None
     tokens = layout.image_tokens(640, 480)  # a 2x2 canvas: four tiles and the global one
     assert f"640x480  {tokens} tokens at" in printed and "(registry)" in printed
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_route_endpoint_names_the_family_and_the_source_of_each_count(
+    checkpoints: dict[str, Path], settings: Any
+) -> None:
+    from django.test import AsyncClient
+
+    # given: Nemotron Omni served, whose images are wrapped in <img>...</img>
+    settings.MODEL_PATH = checkpoints["nemotron_h_omni"]
+    settings.MODEL_NAME = ""
+    settings.DYN_MM_FRONTEND_DECODING = False
+    body = two_image_request("nemotron_h_omni", *(png_data_url(*size, colour) for size, colour in TWO_IMAGES))
+
+    # when
+    response = await AsyncClient().post("/v1/route", data=json.dumps(body), content_type="application/json")
+
+    # then
+    assert response.status_code == 200, response.content
+    described = json.loads(response.content)
+    assert described["family"] == "Nemotron 3 Nano Omni"
+    assert described["count_source"] == "registry"
+    layout = layout_for_model_dir(checkpoints["nemotron_h_omni"])
+    assert layout is not None
+    assert [(i["tokens"], i["count_source"]) for i in described["images"]] == [
+        (layout.image_tokens(*size, images_in_prompt=2), "registry") for size, _ in TWO_IMAGES
+    ]
+
+
+def test_kimi_published_media_proc_cfg_agrees_with_what_transformers_reads() -> None:
+    # The published checkpoint keeps its limits in media_proc_cfg (for its remote code); those
+    # values are the ones transformers' class uses, so the layout is the same either way.
+    published = {
+        "media_proc_cfg": {
+            "in_patch_limit": 16384,
+            "patch_size": 14,
+            "merge_kernel_size": 2,
+            "patch_limit_on_one_side": 512,
+            "fixed_output_tokens": None,
+        }
+    }
+    config = model_configs.kimi_k25_config()
+    native = layout_for_config(config, model_configs.kimi_k25_preprocessor())
+    assert layout_for_config(config, published) == native
