@@ -449,7 +449,8 @@ class Engine:
     def _load_declared(self, source: ImageInput, scope_key: str | None) -> Image.Image:
         """An image laid out from its declared size, loaded now; it must still have that size."""
         image = self._load_image(source, scope_key)
-        if (image.width, image.height) != (source.width, source.height):
+        # A loader may decode a large image reduced to the processor's size: its source size counts.
+        if image.info.get("source_size", image.size) != (source.width, source.height):
             raise PromptError(
                 f"image {source.identity} is {image.width}x{image.height} now but was "
                 f"{source.width}x{source.height} when the request was routed: it changed at its origin"

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OriginFetch = Callable[[str, Mapping[str, str]], bytes]
+# (width, height) of an image -> (width, height) the model's processor resizes it to.
+TargetSize = Callable[[int, int], tuple[int, int]]
+# The size an image had before it was decoded reduced, in `Image.info` (what token counts use).
+SOURCE_SIZE = "source_size"
 
 # Pillow's own bomb threshold; a loader can be given a lower one.
 DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
@@ -129,6 +133,7 @@ class ImageLoader:
         worker: str,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         fetch_threads: int = 8,
+        target_size: TargetSize | None = None,
     ) -> None:
         self._fetch = fetch
         self._shared = shared_cache
@@ -136,6 +141,9 @@ class ImageLoader:
         self.session_scoped = session_scoped
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
+        # With it, an image larger than the processor keeps is decoded reduced and resized to
+        # exactly what the processor would resize it to, so no worker holds a full-size copy.
+        self.target_size = target_size
         self._stats = stats
         self.worker = worker
         self._inflight: dict[str, Future[tuple[Image.Image, int, str]]] = {}
@@ -350,7 +358,18 @@ class ImageLoader:
                     f"image has {width}x{height} pixels, more than the {self.max_pixels} allowed",
                     "image_too_many_pixels",
                 )
-            return opened.convert("RGB")
+            target = self._target(width, height)
+            if target is None:
+                return opened.convert("RGB")
+            # JPEG decodes at 1/2, 1/4 or 1/8 scale straight from the DCT (never below the
+            # target); other formats decode whole, then shrink, and only the small copy is kept.
+            opened.draft("RGB", target)
+            decoded = opened if opened.mode == "RGB" else opened.convert("RGB")
+            # The resize the processor would make, from the original's size, so the image the
+            # engine gets has the grid the token count (of the original size) promised.
+            reduced = decoded.resize(target, Image.Resampling.BICUBIC)
+            reduced.info[SOURCE_SIZE] = (width, height)
+            return reduced
         except ImageLoadError:
             raise
         except Image.DecompressionBombError:
@@ -359,6 +378,18 @@ class ImageLoader:
             raise ImageLoadError(
                 400, f"image cannot be decoded: {type(exc).__name__}", "invalid_image"
             ) from None
+
+    def _target(self, width: int, height: int) -> tuple[int, int] | None:
+        """The processor's size for this image when it is smaller than the image, else None."""
+        if self.target_size is None:
+            return None
+        try:
+            target = self.target_size(width, height)
+        except ValueError:  # a size the layout refuses: the engine says why, with the full image
+            return None
+        if target[0] * target[1] >= width * height:
+            return None
+        return target
 
     def _count(self, cache: str, field: str, n: int = 1) -> None:
         if self._stats is not None:

@@ -258,8 +258,10 @@ class EngineImageLoader(ImageLoader):
         return self.load(image.url, image.identity, scope_key=scope_key).image
 
 
-def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoader:
-    """The loader with the deployment's caches: local LRU, in-flight dedup, shared cache, origin."""
+def build_image_loader(worker: str, stats: CacheStats | None, model_path: Any = None) -> EngineImageLoader:
+    """The loader with the deployment's caches: local LRU, in-flight dedup, shared cache, origin.
+
+    With the model's directory, images larger than its processor keeps are decoded reduced."""
     from django.conf import settings
 
     config = SharedImageCacheConfig.from_env(os.environ)
@@ -285,7 +287,26 @@ def build_image_loader(worker: str, stats: CacheStats | None) -> EngineImageLoad
         max_pixels=settings.MEDIA_MAX_PIXELS,
         stats=stats,
         worker=worker,
+        target_size=processor_target_size(model_path) if model_path is not None else None,
     )
+
+
+def processor_target_size(model_path: Any):
+    """(width, height) -> the (width, height) the model's processor resizes an image to, for the
+    families whose processor resizes every image to a size computed from its own (Qwen-VL); None
+    for others (LLaVA-NeXT's token count depends on the pixels it is given)."""
+    from routing.layouts import layout_for_model_dir
+
+    layout = layout_for_model_dir(model_path)
+    resized_size = getattr(layout, "resized_size", None)
+    if resized_size is None:
+        return None
+
+    def target(width: int, height: int) -> tuple[int, int]:
+        resized_height, resized_width = resized_size(width, height)
+        return resized_width, resized_height
+
+    return target
 
 
 def _image_inputs(image_input_class, images: Sequence[ImageRef], media: MediaStore) -> list:

@@ -96,7 +96,7 @@ class Command(BaseCommand):
         instance = new_instance_id()
         stats = CacheStats(client, namespace, name)
         metrics = telemetry.attach(client, namespace, name)
-        image_loader = build_image_loader(name, stats)
+        image_loader = build_image_loader(name, stats, model_path)
         role: str = options["role"]
         index = KvIndex(client, namespace)
         publisher = (
