@@ -120,7 +120,13 @@ MODEL_NAME = env_str("MODEL_NAME") or ""  # empty: the model directory's name
 KV_BLOCK_SIZE = env_int("KV_BLOCK_SIZE", 16, minimum=1)
 WORKER_HEARTBEAT_TTL_SECS = env_float("WORKER_HEARTBEAT_TTL_SECS", 6.0, positive=True)
 WORKER_HEARTBEAT_INTERVAL_SECS = env_float("WORKER_HEARTBEAT_INTERVAL_SECS", 2.0, positive=True)
-WORKER_CONCURRENCY = env_int("WORKER_CONCURRENCY", 4, minimum=1)
+# The worker's engine batches requests: each step is one forward pass over up to
+# ENGINE_MAX_BATCH_TOKENS tokens (decodes plus prompt chunks) of at most ENGINE_MAX_RUNNING requests.
+ENGINE_MAX_RUNNING = env_int("ENGINE_MAX_RUNNING", 16, minimum=1)
+ENGINE_MAX_BATCH_TOKENS = env_int("ENGINE_MAX_BATCH_TOKENS", 512, minimum=1)
+# Celery threads per worker: enough for a full batch plus a small waiting queue in the engine.
+ENGINE_WAITING_SLOTS = env_int("ENGINE_WAITING_SLOTS", 4, minimum=0)
+WORKER_CONCURRENCY = env_int("WORKER_CONCURRENCY", ENGINE_MAX_RUNNING + ENGINE_WAITING_SLOTS, minimum=1)
 KV_CAPACITY_BLOCKS = env_int("KV_CAPACITY_BLOCKS", 4096, minimum=1)  # per worker, in blocks of KV_BLOCK_SIZE
 EMBEDDING_CACHE_MB = env_float("EMBEDDING_CACHE_MB", 256.0, minimum=0.0)
 IMAGE_LOCAL_CACHE_ENTRIES = env_int("IMAGE_LOCAL_CACHE_ENTRIES", 8, minimum=0)  # decoded images per worker

@@ -38,6 +38,15 @@ class Heartbeat:
     contract_version: int = CONTRACT_VERSION  # the task contract it speaks (routing.contract)
     instance: str = ""  # this process's instance id: a restart under the same name is a new one
     role: str = "both"  # routing.contract.ROLES: `encode` workers take no generate tasks
+    # The engine's state when the beat was sent (workers.engine.EngineLoad; 0 for encode workers).
+    running: int = 0  # requests in the engine's batch
+    waiting: int = 0  # requests accepted, not yet in the batch
+    max_running: int = 0  # ENGINE_MAX_RUNNING: the batch's cap
+    kv_blocks_used: int = 0  # KV pool blocks held by running requests
+    kv_blocks_free: int = 0  # blocks a new request could get (free, or cached and evictable)
+    running_peak: int = 0  # the most requests ever in one batch (since the process started)
+    forward_passes: int = 0  # model steps since start
+    generated_tokens: int = 0  # tokens generated since start
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

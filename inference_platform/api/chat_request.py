@@ -7,6 +7,7 @@ to fix; nothing past this module has to re-check shapes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,8 @@ def _number(
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _invalid(name, f"'{name}' must be a number.")
+    if not math.isfinite(value):  # JSON's NaN and Infinity parse; NaN compares false to any bound
+        raise _invalid(name, f"'{name}' must be a finite number; got {value}.")
     if value > high or value < low or (low_open and value == low):
         bound = f"greater than {low}" if low_open else f"at least {low}"
         raise _invalid(name, f"'{name}' must be {bound} and at most {high}; got {value}.")

@@ -49,7 +49,8 @@ class Command(BaseCommand):
             "--concurrency",
             type=int,
             default=settings.WORKER_CONCURRENCY,
-            help="Requests accepted at once (threads); the model itself runs one forward at a time.",
+            help="Requests accepted at once (Celery threads): the engine batches up to ENGINE_MAX_RUNNING "
+            "of them, the rest wait in its queue.",
         )
         parser.add_argument(
             "--no-kv-events",
@@ -164,7 +165,7 @@ class Command(BaseCommand):
             },
         )
         registry = WorkerRegistry(client, settings.REDIS_KEY_PREFIX)
-        beats = _HeartbeatLoop(registry, heartbeat)
+        beats = _HeartbeatLoop(registry, heartbeat, runtime if role != ROLE_ENCODE else None)
         beats.start()
 
         from celery.signals import worker_shutting_down
@@ -240,6 +241,8 @@ def _generating_runtime(name, role, model_path, device, client, encoders, featur
         load_image=image_loader.load_for_engine,
         publish_events=publisher.publish if publisher is not None else None,
         worker_name=name,
+        max_batch_tokens=settings.ENGINE_MAX_BATCH_TOKENS,
+        max_running=settings.ENGINE_MAX_RUNNING,
     )
     if role == ROLE_LLM:
         engine.unload_vision(model_path)
@@ -263,11 +266,13 @@ def _generating_runtime(name, role, model_path, device, client, encoders, featur
 
 
 class _HeartbeatLoop:
-    """Refreshes the worker's heartbeat key every interval, well inside its TTL."""
+    """Refreshes the worker's heartbeat key every interval, well inside its TTL, with the engine's
+    state at that moment (and its gauges)."""
 
-    def __init__(self, registry: WorkerRegistry, heartbeat: Heartbeat) -> None:
+    def __init__(self, registry: WorkerRegistry, heartbeat: Heartbeat, runtime=None) -> None:
         self._registry = registry
         self._heartbeat = heartbeat
+        self._runtime = runtime  # a generating worker's WorkerRuntime; None for an encode worker
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -289,6 +294,8 @@ class _HeartbeatLoop:
         with self._lock:
             heartbeat = self._heartbeat
         try:
+            if self._runtime is not None:
+                heartbeat = _with_engine_load(heartbeat, self._runtime)
             self._registry.beat(heartbeat, settings.WORKER_HEARTBEAT_TTL_SECS)
         except Exception:  # a Redis hiccup: the next beat may land before the TTL lapses
             logger.warning("worker %s: heartbeat failed", heartbeat.name, exc_info=True)
@@ -296,3 +303,20 @@ class _HeartbeatLoop:
     def _run(self) -> None:
         while not self._stop.wait(settings.WORKER_HEARTBEAT_INTERVAL_SECS):
             self._beat()
+
+
+def _with_engine_load(heartbeat: Heartbeat, runtime) -> Heartbeat:
+    engine = runtime.engine
+    load = engine.load_report()
+    runtime.report_engine_gauges()
+    return dataclasses.replace(
+        heartbeat,
+        running=load.running,
+        waiting=load.waiting,
+        max_running=engine.scheduler.max_running,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_free=load.kv_blocks_free,
+        running_peak=load.running_peak,
+        forward_passes=load.forward_passes,
+        generated_tokens=load.generated_tokens,
+    )
