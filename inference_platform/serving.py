@@ -76,6 +76,11 @@ def check_served_model() -> None:
         model.image_token_ids  # noqa: B018 - the tokenizer must hold the layout's marker tokens
     except (LayoutConfigError, ModelDirectoryError) as exc:
         raise ImproperlyConfigured(f"the served model at {model.path} cannot be routed: {exc}") from exc
+    if layout is not None and model.image_placeholder_id is None:
+        raise ImproperlyConfigured(
+            f"the served model at {model.path} cannot be routed: its tokenizer has no "
+            f"{layout.placeholder_token!r} token, which its chat template marks images with"
+        )
     if layout is None:
         logger.info(
             "model type %r has no image layout: image requests route on the text prefix", model.model_type

@@ -45,6 +45,11 @@ class ProcessorView:
     processed: dict[str, Any]  # JSON-safe processed inputs for the worker (see encode_processed)
 
 
+@dataclass(frozen=True)
+class _CannotLoad:
+    reason: str
+
+
 _processors: dict[Path, Any] = {}
 _processors_lock = threading.Lock()
 
@@ -60,10 +65,10 @@ def processor_for(model_dir: Path) -> Any:
                 processor = _load_processor(key)
             except UnsupportedProcessorLayout as exc:
                 # Remembered, so a processor that cannot load here is not retried on every request.
-                processor = exc
+                processor = _CannotLoad(str(exc))
             _processors[key] = processor
-        if isinstance(processor, UnsupportedProcessorLayout):
-            raise processor
+        if isinstance(processor, _CannotLoad):
+            raise UnsupportedProcessorLayout(processor.reason)  # a fresh one: no traceback piles up
         return processor
 
 

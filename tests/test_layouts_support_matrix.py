@@ -881,3 +881,32 @@ def test_kimi_published_media_proc_cfg_agrees_with_what_transformers_reads() -> 
     config = model_configs.kimi_k25_config()
     native = layout_for_config(config, model_configs.kimi_k25_preprocessor())
     assert layout_for_config(config, published) == native
+
+
+def test_a_tokenizer_without_the_layouts_marker_tokens_stops_the_start_up(
+    checkpoints: dict[str, Path], settings: Any, tmp_path: Path
+) -> None:
+    import shutil
+
+    from django.core.exceptions import ImproperlyConfigured
+
+    from inference_platform.serving import check_served_model
+
+    # given: Llama 4's settings beside a tokenizer that knows none of its image tokens
+    directory = tmp_path / "llama4-without-its-tokens"
+    shutil.copytree(checkpoints["nemotron_h_omni"], directory)
+    model_configs.write_model_dir(
+        directory,
+        model_configs.llama4_config(),
+        model_configs.llama4_preprocessor(),
+        model_configs.llama4_processor(),
+    )
+    settings.MODEL_PATH = directory
+    settings.MODEL_NAME = ""
+
+    # when / then
+    with pytest.raises(ImproperlyConfigured, match=r"no '<\|image_start\|>' token"):
+        check_served_model()
+    # and the served checkpoints themselves pass
+    settings.MODEL_PATH = checkpoints["llama4"]
+    check_served_model()

@@ -41,7 +41,7 @@ class Command(BaseCommand):
             return
         self.stdout.write(f"model          {description['model']} ({description['model_type']})")
         self.stdout.write(f"family         {description['family'] or 'outside the support matrix'}")
-        self.stdout.write(f"image counts   {description['count_source']}")
+        self.stdout.write(f"image counts   {description['count_source'] or 'no images'}")
         self.stdout.write(
             f"prompt tokens  {description['prompt_tokens']} (routed on {description['routed_tokens']})"
         )
