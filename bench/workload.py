@@ -254,7 +254,12 @@ def send(client: httpx.Client, base_url: str, turn: Turn, image_urls: Sequence[s
     )
 
 
-def run_sessions(base_url: str, sessions: list[list[Turn]], image_urls: Sequence[str]) -> ModeResult:
+def run_sessions(
+    base_url: str,
+    sessions: list[list[Turn]],
+    image_urls: Sequence[str],
+    headers: dict[str, str] | None = None,
+) -> ModeResult:
     """CONCURRENCY users, each taking the next session and asking its questions one after another."""
     pending: queue.Queue[list[Turn]] = queue.Queue()
     for session in sessions:
@@ -264,7 +269,7 @@ def run_sessions(base_url: str, sessions: list[list[Turn]], image_urls: Sequence
     lock = threading.Lock()
 
     def user() -> None:
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, headers=headers) as client:
             while True:
                 try:
                     session = pending.get_nowait()
@@ -290,10 +295,12 @@ def run_sessions(base_url: str, sessions: list[list[Turn]], image_urls: Sequence
     return ModeResult("", outcomes, time.perf_counter() - started, failures)
 
 
-def route_views(base_url: str, turns: set[Turn], image_urls: Sequence[str]) -> dict[tuple[int, int], dict]:
+def route_views(
+    base_url: str, turns: set[Turn], image_urls: Sequence[str], headers: dict[str, str] | None = None
+) -> dict[tuple[int, int], dict]:
     """The router's view (block hashes, prompt tokens) of each distinct (product, question)."""
     views: dict[tuple[int, int], dict] = {}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=headers) as client:
         for turn in sorted(turns, key=lambda t: (t.image, t.question)):
             key = (turn.image, turn.question)
             if key in views:
@@ -396,10 +403,14 @@ def run_mode(
             platform.wait_for_workers(*WORKERS)
             base_url = platform.start_server()
             print(f"[{mode}] platform up in {time.perf_counter() - started:.1f} s", flush=True)
-            result = run_sessions(base_url, sessions, image_urls)
+            result = run_sessions(base_url, sessions, image_urls, platform.headers)
             result.mode = mode
             read_reasons(platform.log("server"), result.outcomes)
-            views = route_views(base_url, {o.turn for o in result.outcomes}, image_urls) if route else {}
+            views = (
+                route_views(base_url, {o.turn for o in result.outcomes}, image_urls, platform.headers)
+                if route
+                else {}
+            )
         finally:
             platform.close()
     return result, views

@@ -26,4 +26,12 @@ from inference_platform.serving import check_served_model  # noqa: E402 - needs 
 # Image settings the model's processor refuses stop the start-up here, with the reason.
 check_served_model()
 
+if not settings.API_AUTH_REQUIRED:
+    import logging
+
+    logging.getLogger("inference_platform").warning(
+        "API AUTHENTICATION IS OFF (API_AUTH_REQUIRED=0): anyone who reaches this server can call "
+        "every /v1/ endpoint, the operators' ones included. Only for a local demo."
+    )
+
 application = ProtocolTypeRouter({"http": RequestBodyLimit(django_asgi_app, settings.API_MAX_BODY_BYTES)})

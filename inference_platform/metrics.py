@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from inference_platform.api.auth import api_key_required
 from routing import telemetry
 from routing.cache_stats import CACHES
 from routing.dashboard import Snapshot, shared_reader
@@ -72,6 +73,7 @@ KV_TOKEN_COUNTERS: tuple[tuple[str, str], ...] = (
 
 @csrf_exempt  # a scraper's POST is a 405, not the CSRF failure page
 @require_GET
+@api_key_required(operator=True, metrics_token=True)
 def metrics(request: HttpRequest) -> HttpResponse:
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     try:

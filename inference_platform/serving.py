@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from django.conf import settings
 
 from inference_platform.api.chat_request import ChatRequest
@@ -33,7 +34,7 @@ from inference_platform.dispatch import (
 from inference_platform.encoding import describe_encoding, plan_encoding
 from inference_platform.policy import current_policy
 from routing import telemetry
-from routing.contract import GenerateTask, ImageRef, VideoRef
+from routing.contract import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.media import (
     MediaError,
@@ -46,12 +47,16 @@ from routing.media import (
 )
 from routing.media_store import MediaRef, MediaStoreError
 from routing.model_view import ModelDirectoryError, ModelView, model_view
+from routing.redis_keys import sync_client
 from routing.registry import Heartbeat
 from routing.router import RoutingDecision
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
 from routing.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
 from routing.video import SampledVideo, VideoLimits, resolve_videos
 from routing.video_layouts import video_expansion_ids
+from tenants.keys import ANONYMOUS, Caller
+from tenants.limits import LimitExceeded, TenantLimiter
+from tenants.usage import TenantUsage
 
 logger = logging.getLogger("inference_platform.serving")
 
@@ -87,10 +92,12 @@ def check_served_model() -> None:
         )
 
 
-def session_scope_hash(headers: Mapping[str, str]) -> str | None:
+def session_scope_hash(headers: Mapping[str, str], caller: Caller = ANONYMOUS) -> str | None:
     """The keyed hash of the request's session scope, or None without one.
 
-    The one place a scope is read: raw scope ids are secrets and go no further than this.
+    The one place a scope is read: raw scope ids are secrets and go no further than this. The
+    hash binds the scope to the caller's tenant: a scope id another tenant learns (or guesses)
+    names a different partition there.
     """
     try:
         scope = resolve_session_scope(headers)
@@ -98,7 +105,80 @@ def session_scope_hash(headers: Mapping[str, str]) -> str | None:
         raise ApiError(400, str(exc), code="invalid_session_scope", param=exc.header) from exc
     if scope is None:
         return None
-    return scope_hash(scope, settings.SECRET_KEY.encode())
+    return scope_hash(scope, settings.SECRET_KEY.encode(), bind_to=caller.scope_binding)
+
+
+def tenant_limiter() -> TenantLimiter:
+    return TenantLimiter(
+        sync_client(settings.REDIS_URL),
+        settings.REDIS_KEY_PREFIX,
+        slot_ttl_s=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS + settings.TENANT_SLOT_TTL_SECS,
+    )
+
+
+def tenant_usage() -> TenantUsage:
+    return TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+
+
+def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
+    logger.info("request %s of %s refused: over %s", request_id, caller.label, exceeded.limit)
+    tenant_usage().refused(caller.tenant_id)  # type: ignore[arg-type]
+    return ApiError(
+        429,
+        exceeded.describe(),
+        code="rate_limit_exceeded" if exceeded.retry_after_s is not None else "request_too_large",
+        param=exceeded.limit,
+        headers={"Retry-After": str(exceeded.retry_after_s)} if exceeded.retry_after_s is not None else {},
+    )
+
+
+async def admit(caller: Caller, request_id: str) -> None:
+    """Count the request against its tenant's limits (requests per minute, concurrency), or 429."""
+    if caller.tenant_id is None:
+        return
+    try:
+        await asyncio.to_thread(
+            tenant_limiter().admit,
+            caller.tenant_id,
+            request_id,
+            requests_per_minute=caller.requests_per_minute,
+            max_concurrent=caller.max_concurrent_requests,
+        )
+    except LimitExceeded as exceeded:
+        raise _over_limit(caller, exceeded, request_id) from None
+
+
+async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> None:
+    if caller.tenant_id is None:
+        return
+    try:
+        await asyncio.to_thread(
+            tenant_limiter().charge_prompt_tokens,
+            caller.tenant_id,
+            prompt_tokens,
+            limit=caller.prompt_tokens_per_minute,
+        )
+    except LimitExceeded as exceeded:
+        raise _over_limit(caller, exceeded, request_id) from None
+
+
+async def finish_request(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
+    """The request ended (answered or not): free its tenant's slot, count what it used."""
+    if caller.tenant_id is None:
+        return
+    try:
+        await asyncio.to_thread(tenant_limiter().release, caller.tenant_id, request_id)
+        if done is not None:
+            await asyncio.to_thread(
+                tenant_usage().record,
+                caller.tenant_id,
+                prompt=int(done.prompt_tokens),
+                cached=int(done.cached_tokens),
+                completion=int(done.completion_tokens),
+            )
+    except redis.RedisError:
+        # The slot expires on its own; a lost usage increment must not fail an answered request.
+        logger.warning("could not record the end of request %s for %s", request_id, caller.label)
 
 
 def media_policy() -> MediaPolicy:
@@ -240,11 +320,24 @@ class PreparedRequest:
                 )
                 for video in self.videos
             ),
+            # The caller's cache partition, folded into the first block's hash here and there.
+            cache_salt=None if self.view.cache_salt is None else f"{self.view.cache_salt:016x}",
         )
 
 
-def prepare(chat: ChatRequest) -> PreparedRequest:
-    """Render the prompt, resolve the images (identity, size), and build the routing token view."""
+def prepare(chat: ChatRequest, cache_salt: int | None = None) -> PreparedRequest:
+    """Render the prompt, resolve the images (identity, size), and build the routing token view.
+
+    `cache_salt` is the caller's cache partition (tenants.keys.Caller.cache_salt): it folds
+    into the view's block hashes, and the worker folds the same salt into its own.
+    """
+    prepared = _prepare(chat)
+    if cache_salt is not None:
+        prepared = dataclasses.replace(prepared, view=prepared.view.salted(cache_salt))
+    return prepared
+
+
+def _prepare(chat: ChatRequest) -> PreparedRequest:
     model = served_model()
     if chat.model != model.name:
         raise ApiError(
@@ -438,10 +531,23 @@ def _processor_view(
     return result.view, result.processed
 
 
-async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str, str]) -> Dispatch:
-    scope_key = session_scope_hash(headers)
-    prepared = await asyncio.to_thread(prepare, chat)
+async def plan_request(
+    chat: ChatRequest, request_id: str, headers: Mapping[str, str], caller: Caller = ANONYMOUS
+) -> Dispatch:
+    """Admit, prepare, route and send one request; on any refusal its tenant's slot is freed."""
+    scope_key = session_scope_hash(headers, caller)
+    await admit(caller, request_id)
+    try:
+        return await _plan(chat, request_id, scope_key, caller)
+    except BaseException:
+        await finish_request(caller, request_id, None)
+        raise
+
+
+async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, caller: Caller) -> Dispatch:
+    prepared = await asyncio.to_thread(prepare, chat, caller.cache_salt(chat.cache_salt))
     model, view = prepared.model, prepared.view
+    await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
 
     workers = await eligible_workers(model.name, view.block_size)
     if not workers:
@@ -474,8 +580,9 @@ async def plan_request(chat: ChatRequest, request_id: str, headers: Mapping[str,
     # Counted only once the task is queued, so a refused send leaves no phantom load behind.
     await asyncio.to_thread(router().dispatch, decision, request_id, view.prompt_tokens, view.block_size)
     logger.info(
-        "request %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, %s)",
+        "request %s of %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, %s)",
         request_id,
+        caller.label,
         decision.worker,
         view.prompt_tokens,
         decision.overlap,
@@ -504,10 +611,16 @@ async def store_media(
     return image_refs, video_refs
 
 
-async def describe_route(chat: ChatRequest, headers: Mapping[str, str]) -> dict[str, Any]:
-    """`/v1/route`: the request in the router's eyes, and the live workers it would choose among."""
-    session_scope_hash(headers)  # a malformed scope is refused here as in a real request
-    prepared = await asyncio.to_thread(prepare, chat)
+async def describe_route(
+    chat: ChatRequest, headers: Mapping[str, str], caller: Caller = ANONYMOUS
+) -> dict[str, Any]:
+    """`/v1/route`: the request in the router's eyes, and the live workers it would choose among.
+
+    Computed in the caller's own cache partition: it shows what this caller's request would
+    reuse, never another tenant's prefixes.
+    """
+    session_scope_hash(headers, caller)  # a malformed scope is refused here as in a real request
+    prepared = await asyncio.to_thread(prepare, chat, caller.cache_salt(chat.cache_salt))
     description = prepared.describe()
     states = await worker_states(prepared.model.name, prepared.view.block_size)
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}

@@ -32,6 +32,7 @@ INSTALLED_APPS = [
     "inference_platform",
     "routing",
     "workers",
+    "tenants",
 ]
 
 MIDDLEWARE = [
@@ -59,6 +60,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "tenants.context_processors.api_auth",
             ],
         },
     },
@@ -137,6 +139,16 @@ EPD_ENCODE_WAIT_SECS = env_float("EPD_ENCODE_WAIT_SECS", 30.0, positive=True)
 REQUEST_FIRST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_FIRST_TOKEN_TIMEOUT_SECS", 120.0, positive=True)
 REQUEST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_TOKEN_TIMEOUT_SECS", 60.0, positive=True)
 MAX_TOKENS_LIMIT = env_int("MAX_TOKENS_LIMIT", 4096, minimum=1)
+
+# --- API keys and tenants ----------------------------------------------------------------------
+# Every /v1/* call needs a tenant's key. Off only for a local demo: the admin and the start-up
+# banner then say so loudly, and every caller shares one anonymous, unlimited tenant.
+API_AUTH_REQUIRED = env_bool("API_AUTH_REQUIRED", True)
+# Prometheus may scrape /metrics with this bearer token instead of a staff key (empty: staff keys only).
+METRICS_TOKEN = env_str("METRICS_TOKEN") or ""
+# A concurrency slot a crashed frontend never freed expires after the first-token timeout plus
+# this long (a request streaming for longer than that stops counting against the limit).
+TENANT_SLOT_TTL_SECS = env_float("TENANT_SLOT_TTL_SECS", 600.0, positive=True)
 
 # --- Routing (defaults are Dynamo's) ----------------------------------------------------------
 ROUTER_MODE = (env_str("ROUTER_MODE") or "kv").lower()  # kv | round_robin | random (baselines)

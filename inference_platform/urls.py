@@ -3,15 +3,18 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from inference_platform import admin_dashboard, metrics
+from inference_platform import admin_dashboard, health, metrics
 from inference_platform.api import views
 
 urlpatterns = [
     path("admin/", include(admin_dashboard.urlpatterns)),  # before the admin's catch-all
     path("admin/", admin.site.urls),
     path("metrics", metrics.metrics, name="metrics"),
+    path("health", health.health, name="health"),
+    path("ready", health.ready, name="ready"),
     path("v1/chat/completions", views.chat_completions, name="chat-completions"),
     path("v1/models", views.list_models, name="models"),
+    path("v1/models/<path:model_id>", views.retrieve_model, name="model"),
     path("v1/route", views.route, name="route"),
 ]
 

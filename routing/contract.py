@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 # The version the frontend writes and the worker prefers; every heartbeat carries it.
-CONTRACT_VERSION = 3  # 3: image bytes by reference to the media side store (ImageRef.media_ref)
+# 3: image bytes by reference to the media side store (ImageRef.media_ref);
+# 4: the caller's cache partition (GenerateTask.cache_salt).
+CONTRACT_VERSION = 4
 # Versions this code can read (a worker refuses any other, naming both sides).
 SUPPORTED_VERSIONS = frozenset({CONTRACT_VERSION})
 VERSION_FIELD = "contract_version"
@@ -160,6 +162,11 @@ class GenerateTask:
     encoder: str | None = None
     encoded_images: tuple[int, ...] = ()
     encode_wait_s: float = 0.0
+    # The caller's cache partition (routing.hashing.cache_salt, 16 hex digits; None: the shared
+    # pool): the worker folds it into the first block's hash, as the router did, and partitions
+    # its image and embedding caches by it. A worker that ignored it would share one tenant's
+    # cache with another: hence contract version 4.
+    cache_salt: str | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:

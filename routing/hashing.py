@@ -102,11 +102,27 @@ def local_block_hashes(
     return hashes
 
 
-def chain_sequence_hashes(local: Sequence[int]) -> list[int]:
-    """Chain local hashes so each one also stands for every block before it."""
+def cache_salt(*parts: str) -> int:
+    """The u64 a cache partition folds into the first block (a tenant, a request's `cache_salt`).
+
+    Length-prefixed parts, so ("ab", "c") and ("a", "bc") give two salts.
+    """
+    message = b"".join(len(part.encode()).to_bytes(4, "little") + part.encode() for part in parts)
+    return _xxh3_64(message, BLOCK_HASH_SEED)
+
+
+def chain_sequence_hashes(local: Sequence[int], salt: int | None = None) -> list[int]:
+    """Chain local hashes so each one also stands for every block before it.
+
+    A salt (a cache partition's, see `cache_salt`) folds into the first block's sequence hash
+    and so into every later one: two partitions never share a block, while the local hashes
+    (what a block holds) stay the same.
+    """
     if not local:
         return []
-    previous = local[0]
+    previous = (
+        local[0] if salt is None else _xxh3_64(_U64_PAIR.pack(salt & _U64_MAX, local[0]), BLOCK_HASH_SEED)
+    )
     sequence = [previous]
     append = sequence.append
     pack = _U64_PAIR.pack
@@ -116,6 +132,8 @@ def chain_sequence_hashes(local: Sequence[int]) -> list[int]:
     return sequence
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, media: Sequence[MediaPlacement] = ()) -> list[int]:
+def block_hashes(
+    tokens: Sequence[int], block_size: int, media: Sequence[MediaPlacement] = (), *, salt: int | None = None
+) -> list[int]:
     """Sequence hashes of the prompt's full blocks: what the index and the KV cache key on."""
-    return chain_sequence_hashes(local_block_hashes(tokens, block_size, media))
+    return chain_sequence_hashes(local_block_hashes(tokens, block_size, media), salt)

@@ -9,6 +9,7 @@ will hold it. A family with no layout routes on the text before the first image.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,13 +51,18 @@ class TokenView:
     # Who counted the image tokens: "registry" (the family's layout), "transformers processor"
     # (the model's own processor), or None when routing falls back to the text prefix.
     count_source: str | None = None
+    cache_salt: int | None = None  # the caller's cache partition, folded into the first block
+
+    def salted(self, cache_salt: int | None) -> TokenView:
+        """The same view in another cache partition (its hashes computed afresh)."""
+        return dataclasses.replace(self, cache_salt=cache_salt)
 
     @cached_property
     def block_hashes(self) -> list[int]:
         media = [MediaPlacement(i.routing_hash, i.start, i.tokens) for i in self.images if i.tokens]
         # A video's identity covers its whole run: the timestamps between its frames depend on it too.
         media += [MediaPlacement(v.routing_hash, v.start, v.tokens) for v in self.videos]
-        return block_hashes(self.tokens, self.block_size, media)
+        return block_hashes(self.tokens, self.block_size, media, salt=self.cache_salt)
 
     @property
     def total_blocks(self) -> int:

@@ -22,12 +22,26 @@ if [ ! -f "$model_path/config.json" ]; then
   $PY manage.py build_demo_model "$model_path"
 fi
 $PY manage.py ensure_admin
+# A key for the demo tenant, printed once (like the admin password); afterwards only its prefix.
+$PY manage.py ensure_demo_key
+auth_required=$($PY -c "import django,os;os.environ.setdefault('DJANGO_SETTINGS_MODULE','inference_platform.settings');django.setup();from django.conf import settings;print(int(settings.API_AUTH_REQUIRED))")
+if [ "$auth_required" != "1" ]; then
+  cat <<'WARN'
+
+  !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+  !!  API AUTHENTICATION IS OFF (API_AUTH_REQUIRED=0): anyone who reaches this server can   !!
+  !!  call every /v1/ endpoint, the operators' ones included. Only for a local demo.          !!
+  !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+WARN
+fi
 
 cat <<MSG
 
   API:    http://$WEB_HOST:$WEB_PORT/v1/chat/completions   (models: http://$WEB_HOST:$WEB_PORT/v1/models)
-  Admin:  http://$WEB_HOST:$WEB_PORT/admin/
-  Try:    curl -s http://$WEB_HOST:$WEB_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+  Admin:  http://$WEB_HOST:$WEB_PORT/admin/   (tenants, API keys, limits, usage)
+  Try:    export API_KEY=<the demo key printed above>
+          curl -s http://$WEB_HOST:$WEB_PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+            -H "Authorization: Bearer \$API_KEY" \\
             -d '{"model": "$(basename "$model_path")", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
 
 MSG

@@ -120,6 +120,28 @@ def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: 
         processes.close()
 
 
+@pytest.fixture
+def make_api_key():
+    """Makes an API key (and its tenant, if new) in the test database; returns the plaintext.
+
+    Authentication stays on in the tests: in-process API tests send one of these.
+    """
+    from tenants.keys import create_api_key
+    from tenants.models import Tenant
+
+    def make(tenant: str = "tenant-a", *, staff: bool = False, **tenant_fields) -> str:
+        owner, _ = Tenant.objects.get_or_create(name=tenant, defaults=tenant_fields)
+        return create_api_key(owner, f"test key of {tenant}", staff=staff)[1]
+
+    return make
+
+
+@pytest.fixture
+def api_headers(make_api_key) -> dict[str, str]:
+    """An operator key's Authorization header (it may also call /v1/route and /metrics)."""
+    return {"Authorization": f"Bearer {make_api_key('operators', staff=True)}"}
+
+
 @pytest.fixture(autouse=True)
 def _fresh_live_policy():
     """Each test sees the policy its own settings make (processes cache it for a second)."""

@@ -27,6 +27,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_MIGRATE_AND_CREATE_KEY = """
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", interactive=False, verbosity=0)
+call_command("api_keys", "create", "--tenant", "harness", "--name", "harness", "--staff")
+"""
+
+
 class PlatformProcesses:
     def __init__(
         self, tmp: Path, model_dir: Path, redis_url: str, namespace: str, env: dict[str, str] | None = None
@@ -59,13 +68,19 @@ class PlatformProcesses:
         self.servers: list[subprocess.Popen] = []
         self.base_url = ""  # the first server's
         self._logs: list[Path] = []
-        subprocess.run(
-            [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+        # Migrations and the test's API key in one process (authentication stays on): an
+        # operator key of the tenant "harness", isolated from any other tenant a test creates.
+        created = subprocess.run(
+            [sys.executable, "-c", _MIGRATE_AND_CREATE_KEY],
             cwd=REPO,
             env=self.env,
             check=True,
             timeout=120,
+            capture_output=True,
+            text=True,
         )
+        self.api_key = created.stdout.strip().splitlines()[-1]
+        self.headers = {"Authorization": f"Bearer {self.api_key}"}
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
         log = self.tmp / f"{label}.log"
@@ -122,7 +137,7 @@ class PlatformProcesses:
             if server.poll() is not None:
                 raise AssertionError(f"server exited early:\n{self.log_tail(label)}")
             try:
-                if httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{base_url}/v1/models", headers=self.headers, timeout=2).status_code == 200:
                     return base_url
             except httpx.HTTPError:
                 time.sleep(0.2)

@@ -20,6 +20,7 @@ from django.test import AsyncClient
 from routing.models import Worker
 from routing.registry import Heartbeat, WorkerRegistry
 from routing.responses import ERROR, STARTED, ResponseWriter
+from tests.api_client import KeyedAsyncClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,8 +34,8 @@ def served_demo_model(settings, demo_model_dir):
 
 
 @pytest.fixture
-def client() -> AsyncClient:
-    return AsyncClient()
+def client(api_headers) -> AsyncClient:
+    return KeyedAsyncClient(api_headers)
 
 
 @pytest.fixture

@@ -61,7 +61,12 @@ def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_c
                 }
             ],
         }
-        assert httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert (
+            httpx.post(
+                f"{base_url}/v1/chat/completions", json=body, headers=platform.headers, timeout=60
+            ).status_code
+            == 200
+        )
 
     index = KvIndex(platform.redis, platform.namespace)
     blocks = index.worker_blocks("keeper")
@@ -73,7 +78,7 @@ def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_c
     assert dry["workers"]["keeper"]["kv_blocks"] == len(blocks)
     assert dry["workers"]["keeper"]["decoded_images"] == 1
     assert dry["shared_images"] == 1
-    scoped = flush(platform, "--scope", "session-123")
+    scoped = flush(platform, "--scope", "session-123", "--tenant", "harness")
     assert "kv_blocks" not in scoped["workers"]["keeper"]
     assert index.worker_blocks("keeper") == blocks
     assert list(platform.redis.scan_iter(match=f"{shared_prefix}*"))

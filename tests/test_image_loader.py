@@ -484,12 +484,17 @@ def test_with_scoping_a_request_without_scope_bypasses_every_cache(
     stats.close()
 
 
-def test_without_scoping_sessions_share_the_caches(origin: Origin, make_loader: object) -> None:
+def test_without_scoping_the_loader_keys_on_the_partition_the_worker_gives_it(
+    origin: Origin, make_loader: object
+) -> None:
+    # The worker passes no session scope when scoping is off (sessions share), but it does pass
+    # a tenant's cache partition: one tenant never reuses (or times) another's images.
     loader = make_loader(None)  # type: ignore[operator]
     url = origin.url("/public/logo.png")
-    load(loader, url, scope_key=scope_hash("alice", SCOPE_KEY))
-    assert load(loader, url, scope_key=scope_hash("bob", SCOPE_KEY)).source == "local"
+    load(loader, url)
     assert load(loader, url).source == "local"
+    assert load(loader, url, scope_key="salt-00000000000000aa").source == "origin"
+    assert load(loader, url, scope_key="salt-00000000000000aa").source == "local"
 
 
 def test_cache_key_is_the_identity_prefixed_by_the_scope_hash() -> None:

@@ -23,14 +23,22 @@ Sample = tuple[str, dict[str, str], float]
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
+METRICS_TOKEN = "metrics-token-of-the-tests"
+
+
 @pytest.fixture
 def deployment(settings, redis_client: redis.Redis, redis_url: str, key_namespace: str) -> float:
+    settings.METRICS_TOKEN = METRICS_TOKEN  # what Prometheus would scrape with
     return set_up_deployment(settings, redis_client, redis_url, key_namespace)
+
+
+def scraper() -> Client:
+    return Client(headers={"Authorization": f"Bearer {METRICS_TOKEN}"})
 
 
 def scrape(accept: str = "") -> tuple[list[Sample], dict[str, Any]]:
     """GET /metrics, parsed by prometheus_client's parser for the format the server chose."""
-    response = Client().get("/metrics", HTTP_ACCEPT=accept) if accept else Client().get("/metrics")
+    response = scraper().get("/metrics", HTTP_ACCEPT=accept) if accept else scraper().get("/metrics")
     assert response.status_code == 200
     text = response.content.decode()
     if response["Content-Type"].startswith("application/openmetrics-text"):
@@ -60,7 +68,7 @@ def test_metrics_parse_in_both_formats_with_help_and_type_for_every_metric(
     recorder.observe("ttft_seconds", 0.2, labels={"worker": "gpu0"})
     recorder.close()
     # when: scraped as Prometheus asks (text) and as OpenMetrics scrapers ask
-    response = Client().get("/metrics", HTTP_ACCEPT=accept)
+    response = scraper().get("/metrics", HTTP_ACCEPT=accept)
     samples, families = scrape(accept)
     # then: the strict parser accepted it (no "Clashing name"), and each family has help and type
     expected_type = "application/openmetrics-text" if accept == OPENMETRICS else "text/plain; version=0.0.4"
@@ -142,11 +150,11 @@ def test_label_values_are_escaped(deployment: float, redis_client: redis.Redis, 
 @pytest.mark.django_db
 def test_metrics_answer_503_when_redis_is_unreachable(deployment: float, settings) -> None:
     settings.REDIS_URL = f"redis://default:pw-for-metrics@127.0.0.1:{closed_port()}/0"
-    response = Client().get("/metrics")
+    response = scraper().get("/metrics")
     assert response.status_code == 503
     assert "pw-for-metrics" not in response.content.decode()
 
 
 @pytest.mark.django_db
 def test_metrics_refuse_other_methods(deployment: float) -> None:
-    assert Client().post("/metrics").status_code == 405
+    assert scraper().post("/metrics").status_code == 405

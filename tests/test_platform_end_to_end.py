@@ -21,7 +21,8 @@ from tests.platform_harness import REPO
 pytestmark = pytest.mark.integration
 
 
-def ask(base_url: str, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
+def ask(platform, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
+    """A chat request to the platform's first frontend, with the harness's API key."""
     body = {
         "model": "demo",
         "messages": [{"role": "user", "content": text}],
@@ -29,7 +30,9 @@ def ask(base_url: str, text: str, *, max_tokens: int = 8, **extra) -> httpx.Resp
         "temperature": 0,
         **extra,
     }
-    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    return httpx.post(
+        f"{platform.base_url}/v1/chat/completions", json=body, headers=platform.headers, timeout=60
+    )
 
 
 def test_two_worker_processes_answer_requests_with_the_model(platform_processes):
@@ -38,11 +41,11 @@ def test_two_worker_processes_answer_requests_with_the_model(platform_processes)
     platform.start_worker("alpha")
     platform.start_worker("beta")
     platform.wait_for_workers("alpha", "beta")
-    base_url = platform.start_server()
+    platform.start_server()
 
     answers: dict[str, list[str]] = {"alpha": [], "beta": []}
     for _ in range(4):
-        response = ask(base_url, "Describe a red bicycle.")
+        response = ask(platform, "Describe a red bicycle.")
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["object"] == "chat.completion"
@@ -62,7 +65,7 @@ def test_two_worker_processes_answer_requests_with_the_model(platform_processes)
     # Answered requests leave no response stream behind in Redis.
     assert not list(platform.redis.scan_iter(match=f"{platform.namespace}resp:*"))
     # A different prompt makes the model say something else: the text comes from the model.
-    other = ask(base_url, "What is the capital of a country made of glass?", max_tokens=8).json()
+    other = ask(platform, "What is the capital of a country made of glass?", max_tokens=8).json()
     assert other["choices"][0]["message"]["content"] != answers["alpha"][0]
 
 
@@ -77,7 +80,7 @@ def test_streaming_sends_chunks_then_done(platform_processes):
     css = httpx.get(f"{base_url}/static/admin/css/base.css", timeout=10)
     assert css.status_code == 200 and "text/css" in css.headers["content-type"]
 
-    whole = ask(base_url, "Tell me about rivers.", max_tokens=12).json()["choices"][0]["message"]["content"]
+    whole = ask(platform, "Tell me about rivers.", max_tokens=12).json()["choices"][0]["message"]["content"]
     body = {
         "model": "demo",
         "messages": [{"role": "user", "content": "Tell me about rivers."}],
@@ -87,7 +90,9 @@ def test_streaming_sends_chunks_then_done(platform_processes):
         "stream_options": {"include_usage": True},
     }
     pieces, finish, usage = [], None, None
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{base_url}/v1/chat/completions", json=body, headers=platform.headers, timeout=60
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
@@ -110,13 +115,13 @@ def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(platform_p
     platform.start_worker("stays")
     platform.start_worker("leaves")
     platform.wait_for_workers("stays", "leaves")
-    base_url = platform.start_server()
+    platform.start_server()
 
     assert platform.stop_worker("leaves", signal.SIGTERM) == 0
     assert not platform.redis.exists(platform.heartbeat_key("leaves"))
     assert "deregistered" in platform.log_tail("worker-leaves")
 
-    routed = [ask(base_url, f"Question {i}").headers["X-Routed-Worker"] for i in range(4)]
+    routed = [ask(platform, f"Question {i}").headers["X-Routed-Worker"] for i in range(4)]
     assert routed == ["stays"] * 4
     assert platform.redis.llen(f"{platform.namespace}worker.leaves") == 0
 
@@ -125,8 +130,8 @@ def test_sigkill_leaves_the_live_set_after_the_heartbeat_ttl(platform_processes)
     platform = platform_processes()
     platform.start_worker("doomed")
     platform.wait_for_workers("doomed")
-    base_url = platform.start_server()
-    assert ask(base_url, "Hello").status_code == 200
+    platform.start_server()
+    assert ask(platform, "Hello").status_code == 200
 
     index = KvIndex(platform.redis, platform.namespace)
     assert index.worker_blocks("doomed"), "the worker's KV events reached the index"
@@ -137,7 +142,7 @@ def test_sigkill_leaves_the_live_set_after_the_heartbeat_ttl(platform_processes)
         assert time.monotonic() - killed_at < 2 + 1.5, "heartbeat outlived its 2 s TTL"
         time.sleep(0.1)
     time.sleep(2.0)  # the frontend sweeps lapsed workers at most every 2 s
-    response = ask(base_url, "Anyone there?")
+    response = ask(platform, "Anyone there?")
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "no_live_worker"
     # What it had cached left the index with it: nobody will be routed there for its blocks.
@@ -148,13 +153,13 @@ def test_a_worker_killed_mid_request_is_a_502_with_the_request_id(platform_proce
     platform = platform_processes()
     platform.start_worker("fragile")
     platform.wait_for_workers("fragile")
-    base_url = platform.start_server()
+    platform.start_server()
 
     import threading
 
     result: dict[str, httpx.Response] = {}
     thread = threading.Thread(
-        target=lambda: result.setdefault("r", ask(base_url, "Write a very long story.", max_tokens=2000))
+        target=lambda: result.setdefault("r", ask(platform, "Write a very long story.", max_tokens=2000))
     )
     thread.start()
     # Kill it once it has started streaming tokens for the request.
@@ -198,7 +203,7 @@ def test_the_official_openai_client_works_against_the_platform(platform_processe
     platform.start_worker("compat")
     platform.wait_for_workers("compat")
     base_url = platform.start_server()
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=platform.api_key, max_retries=0)
 
     assert [model.id for model in client.models.list()] == ["demo"]
     completion = client.chat.completions.create(

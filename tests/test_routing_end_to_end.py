@@ -62,8 +62,12 @@ def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_pr
     base_url = platform.start_server()
     url = origin.add("/demo.png", picture(1), content_type="image/png")
 
-    first = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
-    second = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    first = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
+    second = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
     assert first.status_code == 200, first.text
     assert second.status_code == 200, second.text
 
@@ -85,7 +89,9 @@ def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_pr
 
     # A different image under the same question shares only the text before it.
     other = origin.add("/other.png", picture(2), content_type="image/png")
-    third = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(other), timeout=60)
+    third = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(other), headers=platform.headers, timeout=60
+    )
     assert overlap_of(third)[0] < second_overlap
 
 
@@ -98,12 +104,14 @@ def test_two_frontend_processes_make_identical_choices(platform_processes, origi
     second_frontend = platform.start_server()
     url = origin.add("/shared.png", picture(3), content_type="image/png")
 
-    served = httpx.post(f"{first_frontend}/v1/chat/completions", json=image_request(url), timeout=60)
+    served = httpx.post(
+        f"{first_frontend}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
     assert served.status_code == 200
 
     body = image_request(url, "Describe this image.")
     seen = [
-        httpx.post(f"{frontend}/v1/route", json=body, timeout=30).json()
+        httpx.post(f"{frontend}/v1/route", json=body, headers=platform.headers, timeout=30).json()
         for frontend in (first_frontend, second_frontend)
     ]
     assert seen[0]["choice"] == seen[1]["choice"]
@@ -111,7 +119,9 @@ def test_two_frontend_processes_make_identical_choices(platform_processes, origi
     assert seen[0]["choice"]["worker"] == served.headers["X-Routed-Worker"]
     assert seen[0]["choice"]["overlap"] > 0
     # The second frontend never served anything, yet routes the repeat to the worker holding it.
-    repeat = httpx.post(f"{second_frontend}/v1/chat/completions", json=body, timeout=60)
+    repeat = httpx.post(
+        f"{second_frontend}/v1/chat/completions", json=body, headers=platform.headers, timeout=60
+    )
     assert repeat.headers["X-Routed-Worker"] == served.headers["X-Routed-Worker"]
 
 
@@ -121,7 +131,9 @@ def test_a_worker_without_kv_events_is_routed_in_approximate_mode(platform_proce
     platform.wait_for_workers("quiet")
     base_url = platform.start_server()
     url = origin.add("/quiet.png", picture(7), content_type="image/png")
-    first = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    first = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
     assert first.headers["X-Routed-Worker"] == "quiet"
     assert not platform.redis.exists(f"{platform.namespace}kv:w:quiet"), "it published no events"
 
@@ -129,7 +141,9 @@ def test_a_worker_without_kv_events_is_routed_in_approximate_mode(platform_proce
     # still goes to the worker that cached the prompt, credited with it, and it really hits.
     platform.start_worker("chatty")
     platform.wait_for_workers("chatty")
-    again = httpx.post(f"{base_url}/v1/chat/completions", json=image_request(url), timeout=60)
+    again = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
     assert again.headers["X-Routed-Worker"] == "quiet"
     assert overlap_of(again)[0] == overlap_of(first)[1] - 1 or overlap_of(again)[0] == overlap_of(first)[1]
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -70,7 +70,7 @@ def test_an_edit_reaches_a_running_frontend_without_a_restart(platform_processes
     platform.wait_for_workers("only")
     base_url = platform.start_server()
     body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}]}
-    before = httpx.post(f"{base_url}/v1/route", json=body, timeout=30).json()
+    before = httpx.post(f"{base_url}/v1/route", json=body, headers=platform.headers, timeout=30).json()
     assert before["choice"]["reason"] == "only-candidate"
 
     # Another process (an operator's shell) saves the policy in the shared database.
@@ -80,5 +80,5 @@ def test_an_edit_reaches_a_running_frontend_without_a_restart(platform_processes
         cwd=REPO, env=platform.env, check=True, timeout=60,
     )  # fmt: skip
     time.sleep(REFRESH_S + 0.2)
-    after = httpx.post(f"{base_url}/v1/route", json=body, timeout=30).json()
+    after = httpx.post(f"{base_url}/v1/route", json=body, headers=platform.headers, timeout=30).json()
     assert after["choice"]["reason"] == "round_robin"

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 from django.core.management import call_command
-from django.test import AsyncClient
 from PIL import Image
 
 from inference_platform.api.chat_request import parse_chat_request
@@ -19,6 +18,7 @@ from routing.hashing import MediaPlacement, block_hashes
 from routing.media import routing_hash, url_identity
 from routing.media_store import MediaRef
 from routing.model_view import model_view
+from tests.api_client import KeyedAsyncClient
 
 # The frontend reads the live policy (the admin's row, if any) from the database.
 pytestmark = pytest.mark.django_db
@@ -161,9 +161,11 @@ def test_inspect_request_prints_the_view_as_json(tmp_path, capsys):
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_route_endpoint_shows_the_view_without_dispatching():
+async def test_route_endpoint_shows_the_view_without_dispatching(api_headers):
     body = two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))
-    response = await AsyncClient().post("/v1/route", data=json.dumps(body), content_type="application/json")
+    response = await KeyedAsyncClient(api_headers).post(
+        "/v1/route", data=json.dumps(body), content_type="application/json"
+    )
     assert response.status_code == 200, response.content
     described = json.loads(response.content)
     assert described["prompt_tokens"] == len(
@@ -174,9 +176,9 @@ async def test_route_endpoint_shows_the_view_without_dispatching():
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it():
+async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it(api_headers):
     body = two_image_request("demo", png_data_url(10, 10), "http://169.254.169.254/latest/meta-data/x.png")
-    response = await AsyncClient().post(
+    response = await KeyedAsyncClient(api_headers).post(
         "/v1/chat/completions", data=json.dumps(body), content_type="application/json"
     )
     assert response.status_code == 403
@@ -184,7 +186,7 @@ async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it():
     assert error["code"] == "address_refused"
     assert error["message"].startswith("image 1")
     bad = two_image_request("demo", "ftp://example.com/a.png", png_data_url(10, 10))
-    response = await AsyncClient().post(
+    response = await KeyedAsyncClient(api_headers).post(
         "/v1/chat/completions", data=json.dumps(bad), content_type="application/json"
     )
     assert response.status_code == 400

@@ -84,6 +84,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     scope_key: str | None = None  # session scope hash when scoping is on
+    cache_salt: int | None = None  # the caller's cache partition (routing.hashing.cache_salt)
     # False when scoping is on and the request has no scope: it must not read or fill shared caches.
     use_embedding_cache: bool = True
     # The frontend processor's model inputs (routing.processor_view.decode_processed): input_ids,
@@ -334,7 +335,7 @@ class Engine:
             )
         media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
         local_hashes = local_block_hashes(input_ids, self.block_size, media)
-        sequence_hashes = chain_sequence_hashes(local_hashes)
+        sequence_hashes = chain_sequence_hashes(local_hashes, request.cache_salt)
         # A look, not a hold: pinning blocks while waiting would keep them from eviction. If they
         # are evicted before the request runs, the engine loads what it then lacks.
         cached = self.kv_pool.cached_prefix_blocks(sequence_hashes)

@@ -187,7 +187,7 @@ class ImageLoader:
                 self._fetchers.submit(self._fetch_unshared, url, headers), timeout
             )
             return LoadedImage(image, size_bytes, "origin")
-        scope = scope_key if self.session_scoped else None
+        scope = scope_key
         key = cache_key(identity, scope)
         cached = self._local_lookup(key)
         if cached is not None:
@@ -219,7 +219,7 @@ class ImageLoader:
         self._check_size(data)
         if self._bypasses(scope_key):
             return LoadedImage(self._decode(data), len(data), source)
-        key = cache_key(identity, scope_key if self.session_scoped else None)
+        key = cache_key(identity, scope_key)
         cached = self._local_lookup(key)
         if cached is not None:
             return cached
@@ -304,7 +304,7 @@ class ImageLoader:
         if self._bypasses(scope_key):
             data = self._data_url_bytes(url)
             return LoadedImage(self._decode(data), len(data), "data")
-        key = cache_key(identity, scope_key if self.session_scoped else None)
+        key = cache_key(identity, scope_key)
         cached = self._local_lookup(key)
         if cached is not None:
             return cached

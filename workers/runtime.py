@@ -114,6 +114,17 @@ class WorkerRuntime:
         logger.info("caches flushed on worker %s: %s", self.name, report)
         writer.send(DONE, **report)
 
+    def cache_partition(self, scope_key: str | None, cache_salt: int | None) -> str | None:
+        """The key that partitions this request's image and embedding caches.
+
+        With session scoping on, the scope (the frontend binds it to the tenant; none: the
+        caches are bypassed); otherwise the caller's cache partition, so one tenant's cached
+        images and embeddings are neither reused nor timed by another (None: the shared pool).
+        """
+        if self.session_scoped:
+            return scope_key
+        return None if cache_salt is None else f"salt-{cache_salt:016x}"
+
     def serve(self, payload: dict[str, Any] | GenerateTask) -> None:
         from workers.engine import GenerationRequest, ImageInput
 
@@ -142,6 +153,8 @@ class WorkerRuntime:
         on_token = _timing_tokens(lambda text: writer.emit(TokenEvent(text=text)), labels)
         self._engine_entered(+1)
         try:
+            cache_salt = _cache_salt(task.cache_salt)
+            partition = self.cache_partition(task.scope_key, cache_salt)
             request = GenerationRequest(
                 request_id=request_id,
                 prompt=task.prompt,
@@ -151,7 +164,8 @@ class WorkerRuntime:
                 top_p=task.top_p,
                 seed=task.seed,
                 stop=list(task.stop),
-                scope_key=task.scope_key,
+                scope_key=partition,
+                cache_salt=cache_salt,
                 # With scoping on, a request without a scope shares no cache with anyone.
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
                 processed=_processed_inputs(task.processed),
@@ -330,6 +344,23 @@ def _image_input(image_input_class, image: ImageRef, stored: bytes | None = None
         width=image.width,
         height=image.height,
     )
+
+
+def _cache_salt(raw: Any) -> int | None:
+    """The task's cache salt (16 hex digits) as the u64 the block hashes fold in."""
+    if raw is None:
+        return None
+    try:
+        salt = int(str(raw), 16)
+    except ValueError:
+        from workers.engine import PromptError
+
+        raise PromptError("the task's cache_salt is not a hex u64") from None
+    if not 0 <= salt < 1 << 64:
+        from workers.engine import PromptError
+
+        raise PromptError("the task's cache_salt is not a hex u64")
+    return salt
 
 
 def _processed_inputs(processed: dict[str, Any] | None) -> dict[str, Any] | None:

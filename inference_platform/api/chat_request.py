@@ -17,6 +17,11 @@ ROLES = {"system", "user", "assistant", "developer", "tool"}
 MAX_STOP_SEQUENCES = 4
 # Far deeper than any chat request needs, far shallower than the parser's recursion limit.
 MAX_JSON_DEPTH = 400
+MAX_CACHE_SALT_LENGTH = 256
+
+# Fields OpenAI defines that this platform cannot honour: refused by name rather than silently
+# ignored (a caller relying on them must know). Unknown fields stay ignored, as OpenAI does.
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio")
 
 
 @dataclass
@@ -45,6 +50,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     videos: list[VideoPart] = field(default_factory=list)
+    cache_salt: str | None = None  # vLLM's per-request cache partition, inside the tenant's
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -151,6 +157,30 @@ def _content(
     return parts
 
 
+def _unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, message, code="unsupported_parameter", param=param)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name) not in (None, [], False):
+            raise _unsupported(name, f"'{name}' is not supported by this platform.")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise _unsupported("n", "Only n=1 is supported: one choice per request.")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise _unsupported(
+                "response_format",
+                "Only response_format {'type': 'text'} is supported (no JSON mode or schema).",
+            )
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}):
+        raise _unsupported("modalities", "Only the 'text' output modality is supported (no audio).")
+
+
 def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -184,9 +214,7 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
             }
         )
 
-    n = body.get("n", 1)
-    if n != 1:
-        raise ApiError(400, "Only n=1 is supported.", code="unsupported_value", param="n")
+    _refuse_unsupported(body)
 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -224,6 +252,14 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
     if not isinstance(stream_options, dict):
         raise _invalid("stream_options", "'stream_options' must be an object.")
 
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (
+        not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_CACHE_SALT_LENGTH
+    ):
+        raise _invalid(
+            "cache_salt", f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT_LENGTH} characters."
+        )
+
     return ChatRequest(
         model=model,
         messages=messages,
@@ -236,4 +272,5 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
         videos=videos,
+        cache_salt=cache_salt,
     )

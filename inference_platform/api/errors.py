@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.http import JsonResponse
 
@@ -28,6 +28,7 @@ class ApiError(Exception):
     message: str
     code: str | None = None
     param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. Retry-After on a 429
 
     @property
     def type(self) -> str:
@@ -43,6 +44,8 @@ def error_response(error: ApiError, request_id: str | None = None) -> JsonRespon
         level, "request %s failed with %s %s: %s", request_id or "-", error.status, error.code, error.message
     )
     response = JsonResponse(error.body(), status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
     if request_id:
         response["X-Request-Id"] = request_id
     return response

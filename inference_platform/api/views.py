@@ -1,4 +1,7 @@
-"""The OpenAI-compatible REST API: `/v1/chat/completions` and `/v1/models`."""
+"""The OpenAI-compatible REST API: `/v1/chat/completions`, `/v1/models` and the operators' `/v1/route`.
+
+Every view here runs for an authenticated caller (`api_key_required`): the caller's tenant
+bounds what its requests may use (limits) and see (its own cache partition)."""
 
 from __future__ import annotations
 
@@ -12,14 +15,18 @@ from typing import Any
 import redis
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
 
-from inference_platform.api.boundary import is_api_path, json_endpoint, only_get
+from inference_platform.api.auth import api_key_required
+from inference_platform.api.boundary import is_api_path, json_endpoint, new_request_id, only_get
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
 from inference_platform.request_metrics import RequestClock
-from inference_platform.serving import describe_route, plan_request, served_model
+from inference_platform.serving import describe_route, finish_request, plan_request, served_model
 from routing.contract import DoneEvent, ErrorEvent, TokenEvent
+from routing.model_view import ModelView
+from tenants.keys import Caller
 
 logger = logging.getLogger("inference_platform.api")
 
@@ -27,16 +34,37 @@ logger = logging.getLogger("inference_platform.api")
 CLIENT_CLOSED = 499
 
 
+def _model_card(view: ModelView) -> dict[str, Any]:
+    created = int(view.path.stat().st_mtime) if view.path.exists() else 0
+    return {"id": view.name, "object": "model", "created": created, "owned_by": "platform"}
+
+
+@api_key_required
 @only_get
 def list_models(request: HttpRequest) -> HttpResponse:
+    return JsonResponse({"object": "list", "data": [_model_card(served_model())]})
+
+
+@csrf_exempt
+@api_key_required
+def retrieve_model(request: HttpRequest, model_id: str) -> HttpResponse:
+    if request.method not in ("GET", "HEAD"):
+        response = error_response(
+            ApiError(405, f"Use GET for {request.path}.", code="method_not_allowed"), new_request_id()
+        )
+        response["Allow"] = "GET, HEAD"
+        return response
     view = served_model()
-    created = int(view.path.stat().st_mtime) if view.path.exists() else 0
-    return JsonResponse(
-        {
-            "object": "list",
-            "data": [{"id": view.name, "object": "model", "created": created, "owned_by": "platform"}],
-        }
-    )
+    if model_id != view.name:
+        return error_response(
+            ApiError(
+                404,
+                f"The model '{model_id}' does not exist; this platform serves '{view.name}'.",
+                code="model_not_found",
+                param="model",
+            )
+        )
+    return JsonResponse(_model_card(view))
 
 
 def _headers(response: HttpResponse, dispatch: Dispatch) -> HttpResponse:
@@ -65,12 +93,14 @@ def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
     return ApiError(status, message, code=error.code or "worker_error", param=error.param)
 
 
+@api_key_required
 @json_endpoint
 async def chat_completions(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
     clock = RequestClock()
+    caller: Caller = request.caller
     try:
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
-        dispatch = await plan_request(chat, request_id, dict(request.headers))
+        dispatch = await plan_request(chat, request_id, dict(request.headers), caller)
     except ApiError as error:
         clock.finish(error.status, None)
         return error_response(error, request_id)
@@ -80,12 +110,15 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         return error_response(error, request_id)
 
     if chat.stream:
-        response = StreamingHttpResponse(_stream(chat, dispatch, clock), content_type="text/event-stream")
+        response = StreamingHttpResponse(
+            _stream(chat, dispatch, clock, caller), content_type="text/event-stream"
+        )
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
         return _headers(response, dispatch)
 
     text: list[str] = []
+    done: DoneEvent | None = None
     try:
         async for entry in follow(dispatch):
             event = entry.event
@@ -103,6 +136,11 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         clock.finish(CLIENT_CLOSED, dispatch.worker)
         await request_cancel(request_id)
         raise
+    finally:
+        await finish_request(caller, request_id, done)
+    if done is None:  # the stream ended without an answer: follow() should have raised
+        error = ApiError(502, f"Request {request_id} ended without an answer.", code="worker_error")
+        return _headers(error_response(error, request_id), dispatch)
     clock.finish(200, dispatch.worker, done)
     body = {
         "id": request_id,
@@ -122,13 +160,15 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
     return _headers(JsonResponse(body), dispatch)
 
 
+@api_key_required(operator=True)
 @json_endpoint
 async def route(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
-    """What the router sees of a chat request, without dispatching it."""
+    """What the router sees of a chat request, without dispatching it (operators only), in the
+    caller's own cache partition."""
     try:
         body.setdefault("model", served_model().name)
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
-        description = await describe_route(chat, dict(request.headers))
+        description = await describe_route(chat, dict(request.headers), request.caller)
     except ApiError as error:
         return error_response(error, request_id)
     except Exception as exc:
@@ -165,9 +205,12 @@ def _event(request_id: str, model: str, choices: list[dict[str, Any]], **extra: 
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _stream(chat: ChatRequest, dispatch: Dispatch, clock: RequestClock) -> AsyncIterator[bytes]:
+async def _stream(
+    chat: ChatRequest, dispatch: Dispatch, clock: RequestClock, caller: Caller
+) -> AsyncIterator[bytes]:
     rid = dispatch.request_id
     finished = False
+    done: DoneEvent | None = None
     try:
         yield _chunk(rid, chat.model, {"role": "assistant", "content": ""})
         async for entry in follow(dispatch):
@@ -178,6 +221,7 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch, clock: RequestClock) ->
             elif isinstance(event, ErrorEvent):
                 raise _worker_error(event, dispatch)
             elif isinstance(event, DoneEvent):
+                done = event
                 clock.finish(200, dispatch.worker, event)
                 yield _chunk(rid, chat.model, {}, event.finish_reason)
                 if chat.include_usage:
@@ -193,6 +237,7 @@ async def _stream(chat: ChatRequest, dispatch: Dispatch, clock: RequestClock) ->
         if not finished:  # the client went away mid-stream
             clock.finish(CLIENT_CLOSED, dispatch.worker)
             await request_cancel(rid)
+        await finish_request(caller, rid, done)
     yield b"data: [DONE]\n\n"
 
 

@@ -40,6 +40,11 @@ class Command(BaseCommand):
             help="Only this session scope's entries (the raw session id; never logged).",
         )
         parser.add_argument(
+            "--tenant",
+            default=None,
+            help="The tenant whose session scope --scope names (scopes are bound to their tenant).",
+        )
+        parser.add_argument(
             "--cache", action="append", choices=CACHES, default=[], help="Only these caches (default: all)."
         )
         parser.add_argument(
@@ -52,7 +57,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         caches = set(options["cache"] or CACHES)
-        scope_key = self._scope_key(options["scope"])
+        scope_key = self._scope_key(options["scope"], options["tenant"])
         client = sync_client(settings.REDIS_URL)
         report: dict[str, Any] = {
             "dry_run": options["dry_run"],
@@ -101,16 +106,25 @@ class Command(BaseCommand):
         if "shared_images" in report:
             self.stdout.write(f"shared image cache: {verb} {report['shared_images']}")
 
-    def _scope_key(self, scope: str | None) -> str | None:
+    def _scope_key(self, scope: str | None, tenant_name: str | None) -> str | None:
         if scope is None:
+            if tenant_name is not None:
+                raise CommandError("--tenant goes with --scope")
             return None
+        bind_to = None
+        if tenant_name is not None:
+            from tenants.keys import tenant_scope_binding
+
+            bind_to = tenant_scope_binding(tenant_name)
+            if bind_to is None:
+                raise CommandError(f"No tenant is named {tenant_name!r}.")
         try:
             resolved = resolve_session_scope({"x-dynamo-session-id": scope})
         except SessionScopeError as exc:
             raise CommandError(str(exc)) from exc
         if resolved is None:
             raise CommandError("--scope is blank")
-        return scope_hash(resolved, settings.SECRET_KEY.encode())
+        return scope_hash(resolved, settings.SECRET_KEY.encode(), bind_to=bind_to)
 
     def _answers(self, client, pending: dict[str, str], timeout: float) -> dict[str, Any]:
         answers: dict[str, Any] = {}

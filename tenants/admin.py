@@ -1,0 +1,158 @@
+"""Operators' admin for tenants (limits, cache sharing, usage) and their API keys.
+
+A key's plaintext exists once: on the page that answers its creation, rendered straight from
+the request (no message, session or cookie holds it). After that only its prefix is shown.
+"""
+
+from __future__ import annotations
+
+import redis
+from django.conf import settings
+from django.contrib import admin, messages
+from django.template.response import TemplateResponse
+from django.utils import timezone
+
+from routing.redis_keys import sync_client
+from tenants.keys import hash_key, new_key_parts, revoke_api_key
+from tenants.models import ApiKey, Tenant
+from tenants.usage import TenantUsage
+
+
+class ApiKeyInline(admin.TabularInline):
+    model = ApiKey
+    fields = ("name", "masked", "staff", "created_at", "expires_at", "revoked_at")
+    readonly_fields = ("name", "masked", "staff", "created_at", "expires_at", "revoked_at")
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False  # from the API key page, which shows the new key once
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = (
+        "name", "share_prefix_cache", "requests_per_minute", "prompt_tokens_per_minute",
+        "max_concurrent_requests", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
+        "usage_completion_tokens", "usage_refused",
+    )  # fmt: skip
+    list_filter = ("share_prefix_cache",)
+    search_fields = ("name",)
+    fields = (
+        "name", "share_prefix_cache", "requests_per_minute", "prompt_tokens_per_minute",
+        "max_concurrent_requests", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
+        "usage_completion_tokens", "usage_refused", "created_at",
+    )  # fmt: skip
+    readonly_fields = (
+        "usage_requests", "usage_prompt_tokens", "usage_cached_tokens", "usage_completion_tokens",
+        "usage_refused", "created_at",
+    )  # fmt: skip
+    inlines = (ApiKeyInline,)
+
+    def _usage(self, tenant: Tenant) -> dict[str, int]:
+        cache = getattr(self, "_usage_cache", None)
+        if cache is None or tenant.pk not in cache:
+            try:
+                usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+                cache = usage.totals([tenant.pk, *(cache or {})])
+            except redis.RedisError:
+                cache = {}
+            self._usage_cache = cache
+        return cache.get(tenant.pk, {})
+
+    def get_queryset(self, request):
+        queryset = super().get_queryset(request)
+        self._usage_cache = None  # counters are read once per page, for every tenant it lists
+        return queryset
+
+    def changelist_view(self, request, extra_context=None):
+        response = super().changelist_view(request, extra_context)
+        tenants = getattr(getattr(response, "context_data", {}).get("cl"), "result_list", None)
+        if tenants is not None:
+            try:
+                usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+                self._usage_cache = usage.totals([t.pk for t in tenants])
+            except redis.RedisError:
+                self._usage_cache = {}
+        return response
+
+    @admin.display(description="Requests")
+    def usage_requests(self, tenant: Tenant) -> int | str:
+        return self._usage(tenant).get("requests", "?")
+
+    @admin.display(description="Prompt tokens")
+    def usage_prompt_tokens(self, tenant: Tenant) -> int | str:
+        return self._usage(tenant).get("prompt_tokens", "?")
+
+    @admin.display(description="Cached tokens")
+    def usage_cached_tokens(self, tenant: Tenant) -> int | str:
+        return self._usage(tenant).get("cached_tokens", "?")
+
+    @admin.display(description="Completion tokens")
+    def usage_completion_tokens(self, tenant: Tenant) -> int | str:
+        return self._usage(tenant).get("completion_tokens", "?")
+
+    @admin.display(description="Refused (over a limit)")
+    def usage_refused(self, tenant: Tenant) -> int | str:
+        return self._usage(tenant).get("refused", "?")
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ("name", "tenant", "masked", "staff", "state", "created_at", "expires_at", "revoked_at")
+    list_filter = ("staff", "tenant")
+    search_fields = ("name", "prefix", "tenant__name")
+    actions = ("revoke",)
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("tenant", "name", "staff", "expires_at")
+        return ("tenant", "name", "masked", "staff", "state", "created_at", "expires_at", "revoked_at")
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is None:
+            return ()
+        return ("tenant", "masked", "state", "created_at", "revoked_at")
+
+    @admin.display(description="Key")
+    def masked(self, key: ApiKey) -> str:
+        return key.masked
+
+    @admin.display(description="State")
+    def state(self, key: ApiKey) -> str:
+        return key.refusal() or "active"
+
+    def save_model(self, request, obj: ApiKey, form, change) -> None:
+        if not change:
+            prefix, plaintext = new_key_parts()
+            obj.prefix, obj.hashed_key = prefix, hash_key(plaintext)
+            request._new_api_key = plaintext  # for response_add only; never stored
+        super().save_model(request, obj, form, change)
+
+    def response_add(self, request, obj: ApiKey, post_url_continue=None):
+        plaintext = getattr(request, "_new_api_key", None)
+        if plaintext is None:
+            return super().response_add(request, obj, post_url_continue)
+        response = TemplateResponse(
+            request,
+            "admin/tenants/apikey/created.html",
+            {
+                **self.admin_site.each_context(request),
+                "title": "API key created",
+                "key": obj,
+                "plaintext": plaintext,
+                "opts": self.model._meta,
+            },
+        )
+        response["Cache-Control"] = "no-store"
+        return response
+
+    @admin.action(description="Revoke the selected keys")
+    def revoke(self, request, queryset) -> None:
+        revoked = sum(revoke_api_key(key) for key in queryset)
+        self.message_user(
+            request,
+            f"Revoked {revoked} key(s) as of {timezone.now():%Y-%m-%d %H:%M:%S} UTC.",
+            messages.SUCCESS,
+        )

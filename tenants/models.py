@@ -1,0 +1,82 @@
+"""Tenants and their API keys: who may call the API, within which limits, sharing which caches.
+
+A key's secret is never stored: only its SHA-256 and a short public prefix that identifies it
+in the admin, in logs and in the database lookup (see tenants/keys.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from django.db import models
+from django.utils import timezone
+
+
+def new_cache_salt() -> str:
+    return secrets.token_hex(16)
+
+
+class Tenant(models.Model):
+    """A customer of the platform. Every API key belongs to one; limits and usage are per tenant."""
+
+    name = models.CharField(max_length=100, unique=True)
+    # Secret: it keys the tenant's partition of every cache (prefix KV, embeddings, images).
+    # Never shown: knowing it would not let anyone in, but nothing needs to see it.
+    cache_salt = models.CharField(max_length=64, default=new_cache_salt, editable=False)
+    share_prefix_cache = models.BooleanField(
+        default=False,
+        help_text=(
+            "Share cached prefixes, embeddings and images with the other tenants that opted in "
+            "(a common system prompt across teams). Off: nothing cached for this tenant is "
+            "reused by, or observable to, any other tenant."
+        ),
+    )
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Empty: no limit. Shared by every frontend through Redis."
+    )
+    prompt_tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Empty: no limit."
+    )
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: no limit.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ApiKey(models.Model):
+    """One bearer key of a tenant. `staff` keys may also call the operators' endpoints."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, help_text="What the key is for (who holds it).")
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    hashed_key = models.CharField(max_length=64, editable=False)  # SHA-256 hex of the whole key
+    staff = models.BooleanField(
+        default=False, help_text="Operator key: may also call /v1/route and /metrics."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="Empty: never expires.")
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["tenant__name", "name"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.masked})"
+
+    @property
+    def masked(self) -> str:
+        """How the key is shown anywhere after its creation."""
+        return f"sk-{self.prefix}.…"
+
+    def refusal(self, now=None) -> str | None:
+        """Why this key may not be used now, or None if it may."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= (now or timezone.now()):
+            return "expired"
+        return None

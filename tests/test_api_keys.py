@@ -1,0 +1,185 @@
+"""API keys: made, stored hashed, checked on every /v1/* call, revoked and expired; operators'
+endpoints; the admin and the commands that manage keys. In-process against the real Redis."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from tenants.keys import KeyRefused, authenticate, create_api_key, hash_key
+from tenants.models import ApiKey, Tenant
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def served_demo_model(settings, demo_model_dir):
+    settings.MODEL_PATH = demo_model_dir
+    settings.MODEL_NAME = ""
+    return demo_model_dir.name
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_openai_error(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.content
+    body = json.loads(response.content)
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code
+    return body["error"]
+
+
+def test_it_stores_only_the_hash_and_a_prefix():
+    tenant = Tenant.objects.create(name="acme")
+    key, plaintext = create_api_key(tenant, "ci")
+    stored = ApiKey.objects.get(pk=key.pk)
+    assert plaintext.startswith(f"sk-{stored.prefix}.")
+    assert stored.hashed_key == hash_key(plaintext) != plaintext
+    row = json.dumps(list(ApiKey.objects.values()), default=str)
+    assert plaintext not in row and plaintext.split(".", 1)[1] not in row
+    assert stored.masked == f"sk-{stored.prefix}.…"
+    assert authenticate(plaintext).tenant_name == "acme"
+
+
+@pytest.mark.parametrize(
+    "presented", ["", "sk-anything", "Bearer", "sk-0123abcd.wrongwrongwrongwrongwrongwrongwrong12"]
+)
+def test_it_refuses_keys_that_open_nothing(presented):
+    with pytest.raises(KeyRefused):
+        authenticate(presented)
+
+
+def test_it_refuses_a_right_prefix_with_a_wrong_secret():
+    tenant = Tenant.objects.create(name="acme")
+    key, _plaintext = create_api_key(tenant, "ci")
+    forged = f"sk-{key.prefix}.{'x' * 43}"
+    with pytest.raises(KeyRefused):
+        authenticate(forged)
+
+
+def test_it_answers_401_without_a_key_or_with_a_bad_one(served_demo_model):
+    body = json.dumps({"model": served_demo_model, "messages": [{"role": "user", "content": "hi"}]})
+    for headers in ({}, bearer("sk-anything"), {"Authorization": "Basic Zm9vOmJhcg=="}):
+        response = Client(headers=headers).post(
+            "/v1/chat/completions", data=body, content_type="application/json"
+        )
+        error = assert_openai_error(
+            response, 401, "missing_api_key" if not headers or "Basic" in str(headers) else "invalid_api_key"
+        )
+        assert error["type"] == "authentication_error"
+        assert response["WWW-Authenticate"].startswith("Bearer")
+    for path in ("/v1/models", f"/v1/models/{served_demo_model}"):
+        assert (Client(headers={}).get(path)).status_code == 401
+
+
+def test_revoked_and_expired_keys_are_refused_and_say_why(make_api_key, served_demo_model):
+    revoked, expired = make_api_key("acme"), make_api_key("acme")
+    assert (Client(headers=bearer(revoked)).get("/v1/models")).status_code == 200
+    call_command("api_keys", "revoke", revoked.split(".")[0])
+    prefix = expired.split(".")[0].removeprefix("sk-")
+    ApiKey.objects.filter(prefix=prefix).update(expires_at=timezone.now() - timedelta(seconds=1))
+    for key, why in ((revoked, "revoked"), (expired, "expired")):
+        response = Client(headers=bearer(key)).get("/v1/models")
+        error = assert_openai_error(response, 401, "invalid_api_key")
+        assert why in error["message"]
+        assert key not in error["message"]
+
+
+def test_operator_endpoints_refuse_a_tenant_key_and_take_a_staff_key_or_the_metrics_token(
+    make_api_key, settings, served_demo_model
+):
+    settings.METRICS_TOKEN = "scrape-me"
+    tenant, staff = bearer(make_api_key("acme")), bearer(make_api_key("ops", staff=True))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    route = Client(headers=tenant).post("/v1/route", data=body, content_type="application/json")
+    assert_openai_error(route, 403, "operator_only")
+    route = Client(headers=staff).post("/v1/route", data=body, content_type="application/json")
+    assert route.status_code == 200
+    assert Client(headers=tenant).get("/metrics").status_code == 403
+    assert Client().get("/metrics").status_code == 401
+    assert Client(headers=bearer("scrape-me")).get("/metrics").status_code == 200
+    assert Client(headers=staff).get("/metrics").status_code == 200
+    assert Client(headers=bearer("scrape-me-not")).get("/metrics").status_code == 401
+
+
+def test_with_authentication_off_anyone_is_served_and_the_admin_says_so(
+    settings, served_demo_model, admin_client
+):
+    settings.API_AUTH_REQUIRED = False
+    assert (Client(headers={}).get("/v1/models")).status_code == 200
+    # a presented key that is wrong is still refused: a typo must not go unnoticed
+    assert (Client(headers=bearer("sk-typo")).get("/v1/models")).status_code == 401
+
+
+def test_the_admin_warns_loudly_while_authentication_is_off(settings, admin_client):
+    settings.API_AUTH_REQUIRED = False
+    assert b"API authentication is OFF" in admin_client.get("/admin/").content
+    settings.API_AUTH_REQUIRED = True
+    assert b"API authentication is OFF" not in admin_client.get("/admin/").content
+
+
+def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
+    tenant = Tenant.objects.create(name="acme")
+    response = admin_client.post(
+        "/admin/tenants/apikey/add/",
+        {"tenant": tenant.pk, "name": "laptop", "expires_at_0": "", "expires_at_1": ""},
+    )
+    assert response.status_code == 200, response.content[:2000]
+    assert "no-store" in response["Cache-Control"]
+    key = ApiKey.objects.get(name="laptop")
+    page = response.content.decode()
+    start = page.index(f"sk-{key.prefix}.")
+    plaintext = page[start : page.index("<", start)]
+    assert authenticate(plaintext).tenant_name == "acme"
+    for url in (
+        "/admin/tenants/apikey/",
+        f"/admin/tenants/apikey/{key.pk}/change/",
+        f"/admin/tenants/tenant/{tenant.pk}/change/",
+        "/admin/tenants/tenant/",
+    ):
+        shown = admin_client.get(url)
+        assert shown.status_code == 200
+        assert plaintext not in shown.content.decode()
+        assert plaintext.split(".", 1)[1] not in shown.content.decode()
+    assert key.masked in admin_client.get("/admin/tenants/apikey/").content.decode()
+
+
+def test_the_admin_revokes_keys(admin_client):
+    tenant = Tenant.objects.create(name="acme")
+    key, plaintext = create_api_key(tenant, "old")
+    admin_client.post("/admin/tenants/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    with pytest.raises(KeyRefused, match="revoked"):
+        authenticate(plaintext)
+
+
+def test_the_api_keys_command_creates_lists_and_revokes(capsys):
+    call_command("api_keys", "create", "--tenant", "acme", "--name", "ci", "--expires-in-days", "30")
+    printed = capsys.readouterr().out
+    plaintext = printed.strip().splitlines()[-1]
+    caller = authenticate(plaintext)
+    assert caller.tenant_name == "acme" and not caller.staff
+    call_command("api_keys", "list")
+    listed = capsys.readouterr().out
+    assert "acme" in listed and "active" in listed and plaintext not in listed
+    call_command("api_keys", "revoke", plaintext.split(".")[0] + ".…")
+    assert "Revoked" in capsys.readouterr().out
+    call_command("api_keys", "list", "--tenant", "acme")
+    assert "revoked" in capsys.readouterr().out
+
+
+def test_ensure_demo_key_prints_a_key_once(capsys):
+    call_command("ensure_demo_key")
+    plaintext = capsys.readouterr().out.strip().rsplit(" ", 1)[-1]
+    assert authenticate(plaintext).tenant_name == "demo"
+    call_command("ensure_demo_key")
+    again = capsys.readouterr().out
+    assert "exists already" in again and plaintext not in again
+    assert ApiKey.objects.filter(tenant__name="demo").count() == 1
