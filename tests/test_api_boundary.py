@@ -12,6 +12,8 @@ import json
 import pytest
 from django.test import AsyncClient
 
+from tests.api_client import KeyedAsyncClient
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -23,8 +25,8 @@ def served_demo_model(settings, demo_model_dir):
 
 
 @pytest.fixture
-def client() -> AsyncClient:
-    return AsyncClient()
+def client(api_headers) -> AsyncClient:
+    return KeyedAsyncClient(api_headers)
 
 
 def assert_openai_error(response, status: int, code: str) -> dict:

@@ -10,13 +10,13 @@ import json
 import time
 
 import pytest
-from django.test import AsyncClient
 
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.serving import prepare
 from routing.media import MediaError, MediaPolicy
 from routing.video import VideoLimits, resolve_videos, sample_video
 from routing.video_layouts import video_layout_for_config
+from tests.api_client import KeyedAsyncClient
 from tests.image_server import ImageServer
 from tests.video_files import (
     data_url,
@@ -212,9 +212,11 @@ def test_the_token_view_holds_the_video_and_its_identity_reaches_the_block_hashe
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_route_shows_each_video(served_demo):
+async def test_route_shows_each_video(served_demo, api_headers):
     body = _video_request(data_url(make_clip(frames=48, width=160, height=120, fps=12)))
-    response = await AsyncClient().post("/v1/route", data=json.dumps(body), content_type="application/json")
+    response = await KeyedAsyncClient(api_headers).post(
+        "/v1/route", data=json.dumps(body), content_type="application/json"
+    )
     assert response.status_code == 200, response.content
     (video,) = json.loads(response.content)["videos"]
     assert len(video["identity"]) == 32
@@ -236,9 +238,9 @@ def test_inspect_request_prints_each_video(served_demo, tmp_path, capsys):
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_a_hostile_video_in_a_chat_request_is_a_4xx_in_openai_format(served_demo):
+async def test_a_hostile_video_in_a_chat_request_is_a_4xx_in_openai_format(served_demo, api_headers):
     body = _video_request(data_url(b"not a video at all" * 10))
-    response = await AsyncClient().post(
+    response = await KeyedAsyncClient(api_headers).post(
         "/v1/chat/completions", data=json.dumps(body), content_type="application/json"
     )
     assert response.status_code == 400
