@@ -67,7 +67,9 @@ class ObservedPlatform:
             "max_tokens": 3,
             "temperature": 0,
         }
-        response = httpx.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=60)
+        response = httpx.post(
+            f"{self.base_url}/v1/chat/completions", json=body, headers=self.processes.headers, timeout=60
+        )
         ledger = self.ledger
         ledger.requests += 1
         ledger.statuses[response.status_code] = ledger.statuses.get(response.status_code, 0) + 1

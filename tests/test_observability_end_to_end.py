@@ -102,9 +102,10 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
     assert f"requests           {platform.ledger.requests} (200: {platform.ledger.requests})" in text
 
 
-def scrape(base_url: str, *, openmetrics: bool = False) -> dict[str, Any]:
+def scrape(base_url: str, auth: dict[str, str], *, openmetrics: bool = False) -> dict[str, Any]:
+    """GET /metrics with an operator key (`auth`): /metrics is for operators."""
     accept = "application/openmetrics-text; version=1.0.0" if openmetrics else "text/plain"
-    text = httpx.get(f"{base_url}/metrics", headers={"Accept": accept}, timeout=30).text
+    text = httpx.get(f"{base_url}/metrics", headers={"Accept": accept, **auth}, timeout=30).text
     parse = (
         openmetrics_parser.text_string_to_metric_families if openmetrics else text_string_to_metric_families
     )
@@ -144,7 +145,7 @@ def test_metrics_are_the_same_whichever_frontend_is_scraped_and_survive_its_rest
             sent,
         )
 
-    samples = eventually(lambda: scrape(first), flushed)
+    samples = eventually(lambda: scrape(first, platform.processes.headers), flushed)
     # every process recorded its part: the frontend, both workers' engines and image loads
     assert flushed(samples)
     assert total(samples, "mmr_ttft_seconds_count") == sent
@@ -156,12 +157,12 @@ def test_metrics_are_the_same_whichever_frontend_is_scraped_and_survive_its_rest
 
     # when: a second frontend process answers the scrape, and then again after it restarts
     second = platform.processes.start_server()
-    at_second = counters_and_histograms(scrape(second, openmetrics=True))
+    at_second = counters_and_histograms(scrape(second, platform.processes.headers, openmetrics=True))
     platform.processes.servers[-1].terminate()
     platform.processes.servers[-1].wait(timeout=30)
     restarted = platform.processes.start_server()
-    after_restart = counters_and_histograms(scrape(restarted))
+    after_restart = counters_and_histograms(scrape(restarted, platform.processes.headers))
 
     # then: the same figures (OpenMetrics names counters' samples as text does)
-    at_first = counters_and_histograms(scrape(first))
+    at_first = counters_and_histograms(scrape(first, platform.processes.headers))
     assert at_first == at_second == after_restart
