@@ -37,7 +37,9 @@ def test_eight_concurrent_requests_run_in_one_batch_with_fewer_steps_than_tokens
             "temperature": 1.0,
             "seed": n,
         }
-        responses[n] = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+        responses[n] = httpx.post(
+            f"{base_url}/v1/chat/completions", json=body, headers=platform.headers, timeout=120
+        )
 
     threads = [threading.Thread(target=ask, args=(n,)) for n in range(CONCURRENT)]
     for thread in threads:

@@ -841,9 +841,9 @@ def test_inspect_request_names_the_family_and_the_source_of_each_count(
 
 @pytest.mark.django_db(transaction=True)
 async def test_the_route_endpoint_names_the_family_and_the_source_of_each_count(
-    checkpoints: dict[str, Path], settings: Any
+    checkpoints: dict[str, Path], settings: Any, api_headers: dict[str, str]
 ) -> None:
-    from django.test import AsyncClient
+    from tests.api_client import KeyedAsyncClient
 
     # given: Nemotron Omni served, whose images are wrapped in <img>...</img>
     settings.MODEL_PATH = checkpoints["nemotron_h_omni"]
@@ -852,7 +852,9 @@ async def test_the_route_endpoint_names_the_family_and_the_source_of_each_count(
     body = two_image_request("nemotron_h_omni", *(png_data_url(*size, colour) for size, colour in TWO_IMAGES))
 
     # when
-    response = await AsyncClient().post("/v1/route", data=json.dumps(body), content_type="application/json")
+    response = await KeyedAsyncClient(api_headers).post(
+        "/v1/route", data=json.dumps(body), content_type="application/json"
+    )
 
     # then
     assert response.status_code == 200, response.content

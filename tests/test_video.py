@@ -267,7 +267,9 @@ def ghost_worker(served_demo, settings):
 
 
 @pytest.mark.django_db(transaction=True)
-async def test_video_frames_travel_to_the_worker_through_the_side_store_not_the_task(ghost_worker, settings):
+async def test_video_frames_travel_to_the_worker_through_the_side_store_not_the_task(
+    ghost_worker, settings, api_headers
+):
     import asyncio
     import base64
 
@@ -289,7 +291,7 @@ async def test_video_frames_travel_to_the_worker_through_the_side_store_not_the_
 
     # when it is dispatched
     reader = asyncio.create_task(read_the_task())
-    response = await AsyncClient().post(
+    response = await KeyedAsyncClient(api_headers).post(
         "/v1/chat/completions", data=json.dumps(body), content_type="application/json"
     )
     await reader
