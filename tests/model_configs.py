@@ -145,17 +145,21 @@ def llava_next_processor(**overrides: Any) -> dict[str, Any]:
 
 # Where the published settings below come from. Each was found with the code search over public
 # repositories (no download at run time: the values are embedded here):
-# - Qwen3.5 / Qwen3.6: Qwen/Qwen3.5-397B-A17B's preprocessor_config.json lists min 65536 and max
-#   16777216 pixels (a public table of "released image-processor settings", code-search excerpt
-#   71552061222), patch 16 and merge 2 as in transformers' Qwen3_5VisionConfig; Qwen3.6-35B-A3B is
-#   architecture `qwen3_5_moe` (a public LoRA provenance note, excerpt 57862596444).
+# - Qwen3.5 / Qwen3.6: Qwen/Qwen3.5-397B-A17B's config.json (ai-dynamo/aiconfigurator,
+#   src/aiconfigurator/model_configs/Qwen--Qwen3.5-397B-A17B_config.json): model_type
+#   qwen3_5_moe, vision patch_size 16, spatial_merge_size 2, temporal_patch_size 2; its
+#   preprocessor_config.json lists min 65536 and max 16777216 pixels (a public table of "released
+#   image-processor settings", code-search excerpt 71552061222), as Qwen3-VL's; Qwen3.6-35B-A3B is
+#   architecture `qwen3_5_moe` too (a public LoRA provenance note, excerpt 57862596444).
 # - Llama 4: meta-llama/Llama-4-Scout-17B-16E-Instruct and Maverick, bundled checkpoint JSON checked
 #   by a public test (excerpt 68383952491): image_processor_config max_patches 16,
 #   resize_to_max_canvas false, global tile added; vision_config image_size 336, patch_size 14,
 #   pixel_shuffle_ratio 0.5; image_token_index 200092 (<|patch|>), boi 200080, eoi 200081. The
 #   size 336x336 default of the image processor is quoted in the same way (excerpt 68374371179).
-# - Kimi K2.5: moonshotai/Kimi-K2.5's preprocessor_config.json media_proc_cfg: patch_size 14,
-#   merge_kernel_size 2, in_patch_limit 16384, patch_limit_on_one_side 512 (public ports quoting it:
+# - Kimi K2.5: moonshotai/Kimi-K2.5's config.json (ai-dynamo/aiconfigurator,
+#   src/aiconfigurator/model_configs/moonshotai--Kimi-K2.5_config.json): model_type kimi_k25,
+#   vision patch_size 14, merge_kernel_size [2, 2]; its preprocessor_config.json media_proc_cfg:
+#   patch_size 14, merge_kernel_size 2, in_patch_limit 16384, patch_limit_on_one_side 512 (ports quoting it:
 #   excerpts 54589287414, 57858465447; the same table as above, 71552061222). transformers'
 #   Kimi_K25ImageProcessor names them patch_size, merge_size, max_patches, size.max_height/width.
 # - Nemotron 3 Nano Omni: the checkpoint's preprocessor_config.json (quoted in public port notes,
@@ -168,7 +172,13 @@ def llava_next_processor(**overrides: Any) -> dict[str, Any]:
 def qwen3_5_config(model_type: str = "qwen3_5") -> dict[str, Any]:
     return {
         "model_type": model_type,
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "architectures": [
+            "Qwen3_5MoeForConditionalGeneration" if "moe" in model_type else "Qwen3_5ForConditionalGeneration"
+        ],
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
         "vision_config": {"patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
     }
 

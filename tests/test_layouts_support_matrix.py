@@ -912,3 +912,25 @@ def test_a_tokenizer_without_the_layouts_marker_tokens_stops_the_start_up(
     # and the served checkpoints themselves pass
     settings.MODEL_PATH = checkpoints["llama4"]
     check_served_model()
+
+
+def test_nemotron_omni_single_image_counts_equal_dynamos_vllm_goldens() -> None:
+    # An independent cross-check: the vLLM 0.28 dynamic-resolution counts that Dynamo's own
+    # router is tested against (ai-dynamo/dynamo, lib/llm/src/preprocessor/mm_routing/nemotron.rs,
+    # counts_match_vllm_0_28_dynamic_resolution_goldens), one image under the full 13312 budget.
+    # They exclude the <img> and </img> the transformers processor wraps each image in.
+    published = model_configs.nemotron_omni_preprocessor()
+    layout = layout_for_config(model_configs.nemotron_omni_config(), published)
+    assert isinstance(layout, NemotronOmniLayout)
+    goldens = {
+        (224, 224): 256,
+        (64, 32): 276,
+        (512, 512): 256,
+        (1000, 500): 512,
+        (500, 1000): 512,
+        (1024, 1024): 1024,
+        (1536, 1536): 2304,
+        (1920, 1080): 2040,
+    }
+
+    assert {size: layout.image_tokens(*size) - 2 for size in goldens} == goldens
