@@ -30,6 +30,7 @@ from inference_platform.api.auth import api_key_required
 from routing import telemetry
 from routing.cache_stats import CACHES
 from routing.dashboard import Snapshot, shared_reader
+from routing.encoders import FALLBACK_CAUSES
 from routing.metric_catalog import CATALOG
 from routing.models import Worker
 from routing.redis_keys import redact_text, sync_client
@@ -64,6 +65,30 @@ CACHE_COUNTERS: tuple[tuple[str, str], ...] = (
     ("bypasses", "Requests that skipped the cache."),
     ("errors", "Cache operations that failed."),
     ("bytes", "Bytes the cache served."),
+)
+# E/PD, per worker (routing.encoders): gauges of the snapshot's entry, and counters with their scale
+# to the exposition's units (microseconds become seconds).
+ENCODER_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("encoder_pending_images", "pending", "Images sent to the encode worker and not finished (its queue)."),
+    ("encoder_busy_images", "busy", "Images the encode worker is encoding now (its load)."),
+    ("encoder_cached_embeddings", "cached_entries", "Entries of the encode worker's embedding cache."),
+)
+ENCODER_COUNTERS: tuple[tuple[str, str, float, str], ...] = (
+    (
+        "epd_images_encoded",
+        "images",
+        1.0,
+        "Images an encode worker answered for (from its cache or encoded).",
+    ),
+    ("epd_embedding_cache_hits", "cache_hits", 1.0, "Encode worker embedding cache hits."),
+    ("epd_embedding_cache_misses", "cache_misses", 1.0, "Encode worker embedding cache misses (encoded)."),
+    ("epd_encode_seconds", "encode_us", 1e-6, "Time an encode worker spent in its vision tower."),
+    ("epd_put_bytes", "put_bytes", 1.0, "Feature bytes an encode worker put in the media side store."),
+    ("epd_put_seconds", "put_us", 1e-6, "Time an encode worker spent putting features in the side store."),
+    ("epd_features_received", "received", 1.0, "Images whose features an LLM worker received intact."),
+    ("epd_received_bytes", "received_bytes", 1.0, "Feature bytes an LLM worker read from the side store."),
+    ("epd_get_seconds", "get_us", 1e-6, "Time an LLM worker spent reading and checking features."),
+    ("vision_tower_forwards", "tower_forwards", 1.0, "Forward passes of the worker's vision tower."),
 )
 KV_TOKEN_COUNTERS: tuple[tuple[str, str], ...] = (
     ("cached_tokens", "Prompt tokens served from the worker's prefix KV cache."),
@@ -146,6 +171,31 @@ def snapshot_families(snapshot: Snapshot) -> Iterator[Metric]:
         for w in workers:
             family.add_metric((w["name"],), w["caches"]["kv"][field])
         yield family
+    yield from encoder_families(snapshot.get("encoders") or {"workers": []})
+
+
+def encoder_families(section: dict) -> Iterator[Metric]:
+    """E/PD: encoder load and queue, embedding cache, transfer bytes and time, fallbacks by cause."""
+    entries = section["workers"]
+    for name, key, help_text in ENCODER_GAUGES:
+        family = GaugeMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))
+        for e in entries:
+            family.add_metric((e["name"],), float(e[key]))
+        yield family
+    for name, field, scale, help_text in ENCODER_COUNTERS:
+        family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))
+        for e in entries:
+            family.add_metric((e["name"],), e["counters"][field] * scale)
+        yield family
+    fallbacks = CounterMetricFamily(
+        f"{PREFIX}epd_fallbacks",
+        "Images an LLM worker encoded itself instead of receiving their features, by cause.",
+        labels=("worker", "cause"),
+    )
+    for e in entries:
+        for cause in FALLBACK_CAUSES:
+            fallbacks.add_metric((e["name"], cause), e["counters"][f"fallback_{cause}"])
+    yield fallbacks
 
 
 def telemetry_families(totals: telemetry.Parsed, gauges: telemetry.Parsed) -> Iterator[Metric]:

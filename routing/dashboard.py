@@ -13,6 +13,7 @@ import redis
 
 from routing import telemetry
 from routing.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
+from routing.encoders import EncoderPool, dashboard_section
 from routing.index import KvIndex, execute_pipeline
 from routing.load import IDLE, LoadTracker
 from routing.registry import Heartbeat, WorkerRegistry
@@ -80,6 +81,7 @@ class DashboardReader:
         self._registry = WorkerRegistry(client, namespace)
         self._index = KvIndex(client, namespace)
         self._load = LoadTracker(client, namespace)
+        self._encoders = EncoderPool(client, namespace)
 
     def snapshot(
         self, rows: Iterable[WorkerRow], *, minutes: int = DEFAULT_MINUTES, now: float | None = None
@@ -138,6 +140,8 @@ class DashboardReader:
             "series": all_series,
             # ... and the chosen window's figures, read from the per-minute buckets only.
             "window": self._window(minute_starts, window_caches) if minutes else None,
+            # E/PD: encoder load and queue, embedding-cache hit rate, transfer bytes and time per image.
+            "encoders": dashboard_section(self._encoders, {w["name"]: w["role"] for w in workers}),
         }
 
     def _window(self, minute_starts: Sequence[int], caches: dict[str, Counts]) -> dict[str, Any]:
@@ -228,6 +232,7 @@ def _worker_entry(
         "model": beat.model if beat else (row.model_name if row else ""),
         "device": beat.device if beat else (row.device if row else ""),
         "block_size": beat.block_size if beat else None,
+        "role": beat.role if beat else getattr(row, "role", "both"),
         "active_requests": requests,
         "active_prefill_tokens": prefill,
         "active_decode_blocks": decode_blocks,

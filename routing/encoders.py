@@ -263,3 +263,30 @@ def summarize(counters: Mapping[str, int]) -> dict[str, float | None]:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def dashboard_section(pool: EncoderPool, roles: Mapping[str, str]) -> dict[str, Any]:
+    """E/PD as the dashboard and /metrics show it: per worker of an E/PD role (or with E/PD
+    counters) its load, queue, cached entries, counters and per-image figures, and their sum."""
+    snapshot = pool.snapshot(roles)
+    entries = []
+    summed: dict[str, int] = {field: 0 for field in STAT_FIELDS}
+    for name, figures in snapshot.items():
+        counters = {field: figures[field] for field in STAT_FIELDS}
+        for field in STAT_FIELDS:
+            summed[field] += counters[field]
+        role = roles[name]
+        if role == "both" and not any(counters[f] for f in ("images", "received", "tower_forwards")):
+            continue
+        entries.append(
+            {
+                "name": name,
+                "role": role,
+                "pending": figures["pending"],
+                "busy": figures["busy"],
+                "cached_entries": figures["cached_entries"],
+                "counters": counters,
+                **summarize(counters),
+            }
+        )
+    return {"workers": entries, "totals": summarize(summed)}

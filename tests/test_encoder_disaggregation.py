@@ -165,7 +165,7 @@ def test_an_epd_request_is_answered_with_the_llm_workers_encoder_never_called(
     assert "fallback" not in platform.log("worker-llm")
 
 
-def test_the_same_image_again_hits_the_encode_workers_embedding_cache(platform) -> None:
+def test_the_same_image_again_hits_the_encode_workers_embedding_cache(platform, admin) -> None:
     # given the image was encoded by the first test; another question about it is not covered by
     # the LLM worker's cached prefix (the text comes before the image)
     request = body("Name the colours you can see in it.", data_url(1))
@@ -179,6 +179,18 @@ def test_the_same_image_again_hits_the_encode_workers_embedding_cache(platform) 
     enc = counters(platform, "enc")
     assert enc["cache_hits"] >= 1 and enc["cache_misses"] == 1 and enc["tower_forwards"] == 1
     assert counters(platform, "llm")["tower_forwards"] == 0
+
+    # and the operator sees it: the dashboard's E/PD figures and /metrics
+    section = admin.get("/admin/dashboard.json").json()["encoders"]
+    figures = {entry["name"]: entry for entry in section["workers"]}
+    assert figures["enc"]["role"] == "encode" and figures["llm"]["role"] == "llm"
+    assert figures["enc"]["embedding_cache_hit_rate"] == enc["cache_hits"] / (enc["cache_hits"] + 1)
+    assert figures["enc"]["put_bytes_per_image"] > 0 and figures["llm"]["get_ms_per_image"] is not None
+    assert (figures["enc"]["pending"], figures["enc"]["busy"]) == (0, 0)
+    metrics = admin.get("/metrics").text
+    assert 'mmr_vision_tower_forwards_total{worker="llm"} 0.0' in metrics
+    assert f'mmr_epd_embedding_cache_hits_total{{worker="enc"}} {float(enc["cache_hits"])}' in metrics
+    assert 'mmr_encoder_pending_images{worker="enc"} 0.0' in metrics
 
 
 def test_a_drained_encode_worker_gets_nothing_new(platform, admin) -> None:
