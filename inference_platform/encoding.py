@@ -20,7 +20,7 @@ from django.conf import settings
 from inference_platform.celery import app as celery_app
 from inference_platform.dispatch import eligible_encoders, worker_states
 from routing.contract import EncodeTask, GenerateTask
-from routing.encoders import EncoderPool, EncoderScore, cache_tag
+from routing.encoders import EncoderPool, EncoderScore, cache_partition, cache_tag
 from routing.models import worker_queue
 from routing.redis_keys import sync_client
 from routing.token_view import TokenView
@@ -50,6 +50,12 @@ def uncovered_images(view: TokenView, image_count: int, overlap_blocks: int) -> 
     return [image.index for image in view.images if image.start + image.tokens > covered]
 
 
+def _tags(task: GenerateTask, indices: list[int], session_scoped: bool) -> list[str]:
+    """The encode workers' cache tags of these images (partitioned as their caches are)."""
+    partition = cache_partition(session_scoped, task.scope_key, task.cache_salt)
+    return [cache_tag(partition, task.images[i].identity) for i in indices]
+
+
 def _candidate_images(task: GenerateTask, view: TokenView, overlap_blocks: int) -> list[int]:
     if task.processed is not None:
         return []  # the processor path sends pixel values already made: nothing to gain
@@ -68,7 +74,7 @@ async def plan_encoding(
     if not encoders:
         return task, None
     pool = encoder_pool()
-    tags = [cache_tag(task.scope_key, task.images[i].identity) for i in indices]
+    tags = _tags(task, indices, any(beat.session_scoped for beat in encoders.values()))
     choice = await asyncio.to_thread(pool.choose, encoders, tags)
     if choice is None:
         return task, None
@@ -78,6 +84,7 @@ async def plan_encoding(
         indices=tuple(indices),
         scope_key=task.scope_key,
         llm_worker=llm_worker,
+        cache_salt=task.cache_salt,
     )
     members = [f"{task.request_id}:{i}" for i in indices]
     await asyncio.to_thread(pool.reserve, choice.worker, members)
@@ -117,7 +124,7 @@ async def describe_encoding(
     encoders = [state for state in states if state.heartbeat is not None and state.heartbeat.role == "encode"]
     eligible = [state.name for state in encoders if state.ineligible_because is None]
     indices = _candidate_images(task, view, overlap_blocks) if llm_worker else []
-    tags = [cache_tag(task.scope_key, task.images[i].identity) for i in indices]
+    tags = _tags(task, indices, any(state.heartbeat.session_scoped for state in encoders))
     pool = encoder_pool()
     scores = {s.worker: s for s in await asyncio.to_thread(pool.scores, [s.name for s in encoders], tags)}
     choice = None

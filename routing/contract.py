@@ -228,6 +228,9 @@ class EncodeTask:
     indices: tuple[int, ...]  # each image's index in the request (what the LLM worker waits on)
     scope_key: str | None = None
     llm_worker: str = ""  # for the logs
+    # The caller's cache partition, as in GenerateTask: the encode worker's embedding cache is
+    # partitioned by it exactly as the LLM worker's is.
+    cache_salt: str | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:

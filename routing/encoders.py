@@ -52,10 +52,18 @@ STAT_FIELDS: tuple[str, ...] = (
 FALLBACK_CAUSES: tuple[str, ...] = ("missing", "corrupt", "encoder_gone", "timeout")
 
 
-def cache_tag(scope_key: str | None, identity: str) -> str:
-    """How an embedding cache entry is named in Redis: by scope and image (model and processor are
-    one per deployment, as for the KV index)."""
-    return f"{scope_key or '-'}:{identity}"
+def cache_tag(partition: str | None, identity: str) -> str:
+    """How an embedding cache entry is named in Redis: by cache partition and image (model and
+    processor are one per deployment, as for the KV index)."""
+    return f"{partition or '-'}:{identity}"
+
+
+def cache_partition(session_scoped: bool, scope_key: str | None, cache_salt: str | None) -> str | None:
+    """What partitions a request's embedding cache entries on a worker (workers.runtime's rule):
+    with session scoping the scope, otherwise the caller's cache salt (None: the shared pool)."""
+    if session_scoped:
+        return scope_key
+    return None if cache_salt is None else f"salt-{int(cache_salt, 16):016x}"
 
 
 def cached_key(namespace: str, worker: str) -> str:

@@ -120,7 +120,9 @@ def counters(platform: PlatformProcesses, worker: str) -> dict[str, int]:
 
 
 def ask(platform: PlatformProcesses, payload: dict) -> httpx.Response:
-    response = httpx.post(f"{platform.base_url}/v1/chat/completions", json=payload, timeout=90)
+    response = httpx.post(
+        f"{platform.base_url}/v1/chat/completions", json=payload, headers=platform.headers, timeout=90
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -138,7 +140,9 @@ def test_an_epd_request_is_answered_with_the_llm_workers_encoder_never_called(
     listing = admin.get("/admin/routing/worker/").text
     assert "Generate (LLM worker, E/PD)" in listing and "Encode images (encode worker, E/PD)" in listing
     request = body("What is in this picture?", data_url(1))
-    route = httpx.post(f"{platform.base_url}/v1/route", json=request, timeout=30).json()
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30
+    ).json()
     assert route["choice"]["worker"] == "llm"
     assert route["encode"]["mode"] == "epd" and route["encode"]["images"] == [0]
     assert route["encode"]["choice"] == "enc"
@@ -169,7 +173,9 @@ def test_the_same_image_again_hits_the_encode_workers_embedding_cache(platform, 
     # given the image was encoded by the first test; another question about it is not covered by
     # the LLM worker's cached prefix (the text comes before the image)
     request = body("Name the colours you can see in it.", data_url(1))
-    route = httpx.post(f"{platform.base_url}/v1/route", json=request, timeout=30).json()
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30
+    ).json()
     assert route["encode"]["candidates"][0]["cached"] == 1, route["encode"]
 
     ask(platform, request)
@@ -187,7 +193,7 @@ def test_the_same_image_again_hits_the_encode_workers_embedding_cache(platform, 
     assert figures["enc"]["embedding_cache_hit_rate"] == enc["cache_hits"] / (enc["cache_hits"] + 1)
     assert figures["enc"]["put_bytes_per_image"] > 0 and figures["llm"]["get_ms_per_image"] is not None
     assert (figures["enc"]["pending"], figures["enc"]["busy"]) == (0, 0)
-    metrics = admin.get("/metrics").text
+    metrics = httpx.get(f"{platform.base_url}/metrics", headers=platform.headers, timeout=30).text
     assert 'mmr_vision_tower_forwards_total{worker="llm"} 0.0' in metrics
     assert f'mmr_epd_embedding_cache_hits_total{{worker="enc"}} {float(enc["cache_hits"])}' in metrics
     assert 'mmr_encoder_pending_images{worker="enc"} 0.0' in metrics
@@ -198,7 +204,12 @@ def test_a_drained_encode_worker_gets_nothing_new(platform, admin) -> None:
     admin_action(admin, "drain", "enc")
     time.sleep(1.2)  # the frontend rereads the workers' rows per request; give the admin's write a moment
 
-    route = httpx.post(f"{platform.base_url}/v1/route", json=body("And now?", data_url(2)), timeout=30).json()
+    route = httpx.post(
+        f"{platform.base_url}/v1/route",
+        json=body("And now?", data_url(2)),
+        headers=platform.headers,
+        timeout=30,
+    ).json()
     assert route["encode"]["mode"] == "aggregated"
     assert route["encode"]["candidates"][0]["ineligible_because"] == "draining"
     ask(platform, body("And now?", data_url(2)))
@@ -218,7 +229,7 @@ def test_an_encode_worker_killed_mid_request_leaves_it_answered_through_the_fall
     time.sleep(1.2)  # the admin's "enable" from the previous test
     fallbacks_before = counters(platform, "llm")["fallback_encoder_gone"]
 
-    with httpx.Client(timeout=90) as client:
+    with httpx.Client(timeout=90, headers=platform.headers) as client:
         answers: list[httpx.Response] = []
         sender = threading.Thread(
             target=lambda: answers.append(
@@ -256,7 +267,9 @@ def test_with_no_live_encode_worker_requests_take_the_aggregated_path_with_the_s
     )
     assert flushed.returncode == 0, flushed.stderr
     request = body("What is in this picture?", data_url(1))
-    route = httpx.post(f"{platform.base_url}/v1/route", json=request, timeout=30).json()
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30
+    ).json()
     assert route["encode"]["mode"] == "aggregated"
     received = counters(platform, "llm")["received"]
 

@@ -11,6 +11,7 @@ import pytest
 from routing.encoders import (
     EncoderPool,
     EncoderScore,
+    cache_partition,
     cache_tag,
     pending_key,
     score_encoders,
@@ -102,3 +103,14 @@ def test_counters_sum_into_the_operators_figures(pool: EncoderPool) -> None:
     assert encoder["embedding_cache_hit_rate"] == 0.25
     assert (encoder["put_bytes_per_image"], encoder["put_ms_per_image"]) == (1000, 2.0)
     assert (llm["received_bytes_per_image"], llm["get_ms_per_image"], llm["fallbacks"]) == (1000, 0.5, 1)
+
+
+def test_the_frontend_tags_images_with_the_partition_the_workers_cache_them_under() -> None:
+    from workers.runtime import WorkerRuntime
+
+    for scoped in (False, True):
+        runtime = WorkerRuntime.__new__(WorkerRuntime)  # only the partition rule, no process state
+        runtime.session_scoped = scoped
+        for scope, salt in ((None, None), ("s" * 32, None), (None, "00000000000000ff"), ("s" * 32, "ab" * 8)):
+            expected = runtime.cache_partition(scope, None if salt is None else int(salt, 16))
+            assert cache_partition(scoped, scope, salt) == expected

@@ -20,12 +20,13 @@ from typing import Any
 import redis
 
 from routing.contract import ContractError, EncodeTask, ErrorEvent, GenerateTask
-from routing.encoders import EncoderPool, cache_tag
+from routing.encoders import EncoderPool, cache_partition, cache_tag
 from routing.media_store import MediaRef, MediaStore, MediaStoreError
 from routing.registry import WorkerRegistry
 from routing.responses import ResponseWriter
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.embedding_transfer import CorruptEmbedding, EmbeddingLabel, pack_embedding, unpack_embedding
+from workers.image_loader import SOURCE_SIZE
 
 logger = logging.getLogger("workers.disaggregation")
 
@@ -85,12 +86,17 @@ class EncodeRuntime:
             if raw_id:
                 self.pool.signal_done(raw_id, {"index": -1, "ok": False, "error": str(exc)})
             return
+        # With scoping on, a request without a scope shares no cache with anyone (as on the LLM worker).
         use_cache = not (self.session_scoped and not task.scope_key)
+        try:
+            partition = cache_partition(self.session_scoped, task.scope_key, task.cache_salt)
+        except ValueError:
+            partition, use_cache = None, False  # a malformed salt shares nothing
         for image, index in zip(task.images, task.indices, strict=True):
             member = f"{task.request_id}:{index}"
             self.pool.started(self.name)
             try:
-                ref, counts = self._encode_one(task, image, use_cache)
+                ref, counts = self._encode_one(task, image, partition, use_cache)
                 self.pool.count(self.name, counts)
                 self.pool.signal_done(task.request_id, {"index": index, "ok": True, "ref": ref})
             except Exception as exc:
@@ -109,23 +115,23 @@ class EncodeRuntime:
                 self.pool.finished(self.name, member)
 
     def _encode_one(
-        self, task: EncodeTask, image: Any, use_cache: bool
+        self, task: EncodeTask, image: Any, partition: str | None, use_cache: bool
     ) -> tuple[dict[str, Any], dict[str, int]]:
         identity = image.identity
-        key = EmbeddingKey(task.scope_key, identity, self.model_name, self.encoder.processor_fingerprint)
+        key = EmbeddingKey(partition, identity, self.model_name, self.encoder.processor_fingerprint)
         counts: dict[str, int] = {"images": 1}
         embedding = self.embedding_cache.get(key) if use_cache else None
         if embedding is not None:
             counts["cache_hits"] = 1
         else:
             counts["cache_misses"] = 1
-            loaded = self._load(image, task.scope_key)
+            loaded = self._load(image, partition if use_cache else None)
             started = time.perf_counter()
             with self._lock:  # one forward at a time: threads would only contend for the cores
                 embedding = self.encoder.encode(loaded).embedding
             counts["encode_us"] = int((time.perf_counter() - started) * 1e6)
             if use_cache and self.embedding_cache.put(key, embedding):
-                self.pool.cached(self.name, cache_tag(task.scope_key, identity))
+                self.pool.cached(self.name, cache_tag(partition, identity))
         blob = pack_embedding(
             embedding, EmbeddingLabel(identity, self.model_name, self.encoder.processor_fingerprint)
         )
@@ -147,12 +153,12 @@ class EncodeRuntime:
             identity=image.identity, url=image.url, data=data, width=image.width, height=image.height
         )
         loaded = self.image_loader.load_for_engine(source, scope_key)
-        if image.width and image.height and (loaded.width, loaded.height) != (image.width, image.height):
+        # The loader may decode a large image reduced; its original size is what was declared.
+        width, height = loaded.info.get(SOURCE_SIZE, loaded.size)
+        if image.width and image.height and (width, height) != (image.width, image.height):
             # The LLM worker laid its prompt out for the declared size: other rows would not fit.
-            raise ValueError(
-                f"image {image.identity} is {loaded.width}x{loaded.height}, "
-                f"declared {image.width}x{image.height} when routed"
-            )
+            declared = f"{image.width}x{image.height}"
+            raise ValueError(f"image {image.identity} is {width}x{height}, declared {declared} when routed")
         return loaded
 
     def on_evicted(self, key: EmbeddingKey) -> None:
