@@ -41,9 +41,11 @@ from workers.prompt_layout import (
     PromptError,
     PromptImage,
     PromptLayout,
+    VideoInput,
 )
 from workers.sampler import RequestSampler, SamplingParams, choose_tokens
 from workers.scheduler import ScheduledChunk, Scheduler, SequenceState, fits
+from workers.video_inputs import VideoPreprocessor
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +71,7 @@ __all__ = [
     "IncrementalDetokenizer",
     "PromptError",
     "RequestHandle",
+    "VideoInput",
     "load_image_directly",
 ]
 
@@ -91,6 +94,8 @@ class GenerationRequest:
     # pixel_values, and image_grid_thw (Qwen) or image_sizes (LLaVA-NeXT). When present the engine
     # neither loads nor preprocesses images.
     processed: dict[str, Any] | None = None
+    # Videos, decoded and sampled by the frontend (one <|video_pad|> each in the prompt).
+    videos: list[VideoInput] = field(default_factory=list)
 
 
 @dataclass
@@ -196,6 +201,7 @@ class Engine:
         load_image: ImageLoader,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_running: int = DEFAULT_MAX_RUNNING,
+        video: VideoPreprocessor | None = None,
     ) -> None:
         from workers.model_runner import ModelRunner
 
@@ -212,7 +218,14 @@ class Engine:
         self._load_image = load_image
         self.image_token = processor.image_token
         self.image_token_id: int = model.config.image_token_id
-        self.layout = PromptLayout(processor, image_token_id=self.image_token_id, model_type=self.model_type)
+        self.video = video  # the model's video settings; None: it takes no video
+        self.layout = PromptLayout(
+            processor,
+            image_token_id=self.image_token_id,
+            model_type=self.model_type,
+            video=video,
+            video_token_id=getattr(model.config, "video_token_id", None),
+        )
         self.uses_mrope = self.layout.uses_mrope
         self.runner = ModelRunner(
             model, self.layout, device=device, blocks=kv_pool.capacity_blocks, block_size=self.block_size
@@ -220,6 +233,10 @@ class Engine:
         self.scheduler = Scheduler(kv_pool, max_batch_tokens=max_batch_tokens, max_running=max_running)
         self._eos_ids = self._end_of_sequence_ids()
         self.processor_fingerprint = self._fingerprint_image_processor()
+        # Video embeddings depend on the video settings, not the image processor's.
+        self.video_fingerprint = (
+            xxhash.xxh3_64_hexdigest(video.fingerprint.encode()) if video is not None else "no-video"
+        )
         # An `llm` worker drops the vision tower after loading (encode workers compute its images'
         # features); it is read back from this checkpoint on the first fallback.
         self.vision_unloaded_from: Path | None = None
@@ -275,6 +292,7 @@ class Engine:
             load_image=load_image or load_image_directly,
             max_batch_tokens=max_batch_tokens,
             max_running=max_running,
+            video=VideoPreprocessor.for_model_dir(model_dir),
         )
 
     # --- public ------------------------------------------------------------------------------------
@@ -340,7 +358,9 @@ class Engine:
         # are evicted before the request runs, the engine loads what it then lacks.
         cached = self.kv_pool.cached_prefix_blocks(sequence_hashes)
         usable = min(cached, (len(input_ids) - 1) // self.block_size)
-        self._load_uncovered(placed, usable * self.block_size, request.scope_key)
+        self._load_uncovered(
+            placed, usable * self.block_size, request.scope_key, cached_embeddings=request.use_embedding_cache
+        )
         events: queue.SimpleQueue = queue.SimpleQueue()
         state = _RequestState(
             request=request,
@@ -436,16 +456,42 @@ class Engine:
             )
         if all(image.width and image.height for image in request.images):
             sizes = [DeclaredSize(int(image.width), int(image.height)) for image in request.images]  # type: ignore[arg-type]
-            return self.layout.expand(request.prompt, request.images, sizes)
+            return self.layout.expand(request.prompt, request.images, sizes, request.videos)
         loaded = [self._load_image(image, request.scope_key) for image in request.images]
-        return self.layout.expand(request.prompt, request.images, loaded)
+        return self.layout.expand(request.prompt, request.images, loaded, request.videos)
 
-    def _load_uncovered(self, placed: list[PromptImage], reused: int, scope_key: str | None) -> None:
+    def _load_uncovered(
+        self,
+        placed: list[PromptImage],
+        reused: int,
+        scope_key: str | None,
+        *,
+        cached_embeddings: bool = False,
+    ) -> None:
         for image in placed:
+            if image.kind == "video":
+                if image.frames is None and image.end > reused:
+                    # A video whose embedding is cached needs no frames (a look, not a use).
+                    key = EmbeddingKey(
+                        scope_key, image.source.identity, self.model_name, self.video_fingerprint
+                    )
+                    if not (cached_embeddings and key in self.embedding_cache):
+                        image.frames = self._load_frames(image.source)  # type: ignore[arg-type]
+                continue
             if image.source.embedding is not None and image.source.embedding.shape[0] == image.length:
                 continue  # E/PD: an encode worker's features stand in for the pixels
             if image.image is None and image.pixel_values is None and image.end > reused:
                 image.image = self._load_declared(image.source, scope_key)
+
+    def _load_frames(self, video: VideoInput) -> bytes:
+        """A video's sampled frames, from where the frontend left them (never the origin)."""
+        if video.load_frames is None:
+            raise PromptError(f"video {video.identity} came without its frames")
+        frames = video.load_frames()
+        count, height, width, channels = video.frame_shape
+        if len(frames) != count * height * width * channels:
+            raise PromptError(f"video {video.identity}: its stored frames are not {tuple(video.frame_shape)}")
+        return frames
 
     def _load_declared(self, source: ImageInput, scope_key: str | None) -> Image.Image:
         """An image laid out from its declared size, loaded now; it must still have that size."""
@@ -517,10 +563,13 @@ class Engine:
         for index, image in enumerate(state.placed):
             if image.end <= chunk.start or image.start >= end:
                 continue  # outside the chunk (inside the reused prefix, say): not even looked up
+            runs = image.placeholder_rows(chunk.start, end)
+            if not runs:
+                continue  # only a video's timestamp text is in this chunk
             embedding = self._image_embedding(state, index)
-            first, last = max(image.start, chunk.start), min(image.end, end)
             # An image cut by the prefix or a chunk boundary gives only its rows inside (trap 5).
-            image_rows.append((first - chunk.start, embedding[first - image.start : last - image.start]))
+            for position, row, count in runs:
+                image_rows.append((position - chunk.start, embedding[row : row + count]))
         return ChunkInput(
             tokens=sequence.tokens[chunk.start : end],
             start=chunk.start,
@@ -537,9 +586,8 @@ class Engine:
         if embedding is not None:
             return embedding
         request, image = state.request, state.placed[index]
-        key = EmbeddingKey(
-            request.scope_key, image.source.identity, self.model_name, self.processor_fingerprint
-        )
+        fingerprint = self.video_fingerprint if image.kind == "video" else self.processor_fingerprint
+        key = EmbeddingKey(request.scope_key, image.source.identity, self.model_name, fingerprint)
         received = image.source.embedding
         if received is not None:
             if received.shape[0] == image.length:
@@ -561,7 +609,10 @@ class Engine:
             else:
                 state.embedding_misses += 1
         if embedding is None:
-            if image.image is None and image.pixel_values is None:
+            if image.kind == "video":
+                if image.frames is None:  # the prefix that covered it was evicted meanwhile
+                    image.frames = self._load_frames(image.source)  # type: ignore[arg-type]
+            elif image.image is None and image.pixel_values is None:
                 # The prefix that covered it at submission was evicted before the request ran.
                 image.image = self._load_declared(image.source, request.scope_key)
             if self.vision_unloaded_from is not None:

@@ -1,7 +1,8 @@
 """Runs one engine step on the model: every scheduled token of every request packed into one
 sequence, attention over the paged pool (`workers.paged_attention`), explicit positions (M-RoPE
-for Qwen2-VL/2.5-VL, 1-D for LLaVA), image embeddings placed in each request's rows. Also encodes
-images with the model's vision tower.
+for Qwen2-VL/2.5-VL/Qwen3-VL, 1-D for LLaVA), image and video embeddings placed in each request's
+rows (and Qwen3-VL's DeepStack features added at them). Also encodes images and videos with the
+model's vision tower.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class ChunkInput:
     # M-RoPE positions of the whole prompt (3, prompt_len) and the delta of later tokens; None: 1-D.
     mrope: torch.Tensor | None = None
     rope_delta: int = 0
-    # (row in this chunk, embedding rows) of images whose placeholders fall in the chunk
+    # (row in this chunk, embedding rows) of images whose placeholders fall in the chunk. Qwen3-VL
+    # rows carry the DeepStack features after the embedding, in the same row (see `encode_image`).
     image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     sample: bool = True  # whether the chunk's last token's logits are wanted
 
@@ -62,6 +64,11 @@ class ModelRunner:
         self.lm_head = model.lm_head
         self.uses_mrope = layout.uses_mrope
         self._offsets = torch.arange(block_size, device=self.device)
+        self.hidden_size = text_config.hidden_size
+        # Qwen3-VL adds vision features of several tower layers to the first decoder layers (DeepStack).
+        vision_config = getattr(model.config, "vision_config", None)
+        self.deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+        self.second_per_grid = model.config.model_type == "qwen2_5_vl"  # its video positions use time
 
     # --- positions and images ------------------------------------------------------------------------
     def rope_positions(self, input_ids: list[int], placed: list[PromptImage]) -> tuple[torch.Tensor, int]:
@@ -69,21 +76,44 @@ class ModelRunner:
         (ENGINE-NOTES trap 3: never the 1-D fallback, never the model's remembered delta)."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         mm_token_type_ids = (ids == self.layout.image_token_id).to(torch.int)
-        grids = (
-            torch.tensor([image.grid_thw for image in placed], dtype=torch.long, device=self.device)
-            if placed
-            else None
-        )
+        if self.layout.video_token_id is not None:
+            mm_token_type_ids[ids == self.layout.video_token_id] = 2  # video (0 text, 1 image)
+        images = [media.grid_thw for media in placed if media.kind == "image"]
+        videos = [media for media in placed if media.kind == "video"]
+        extra: dict[str, torch.Tensor] = {}
+        if videos:
+            extra["video_grid_thw"] = torch.tensor(
+                [video.grid_thw for video in videos], dtype=torch.long, device=self.device
+            )
+            if self.second_per_grid:
+                # Qwen2.5-VL places video frames in time: seconds per temporal patch.
+                extra["second_per_grid_ts"] = torch.tensor(
+                    [self.layout.video.layout.temporal_patch_size / self.layout.video.layout.fps]
+                    * len(videos)
+                )
         with torch.inference_mode():
             positions, deltas = self.model.model.get_rope_index(
-                ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grids
+                ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_grid_thw=torch.tensor(images, dtype=torch.long, device=self.device) if images else None,
+                **extra,
             )
         return positions[:, 0], int(deltas.reshape(-1)[0])
 
     def encode_image(self, image: PromptImage) -> torch.Tensor:
-        """The image's features as the language model takes them: one row per placeholder token."""
+        """The image's (or video's) features as the language model takes them: one row per
+        placeholder token. Qwen3-VL: each row is the embedding followed by its DeepStack features
+        (hidden size each), so the rows slice and cache as one tensor."""
         with torch.inference_mode():
-            if self.uses_mrope:
+            if image.kind == "video":
+                output = self.model.model.get_video_features(
+                    self.layout.video.pixel_values(image.frames, tuple(image.source.frame_shape)).to(
+                        self.device, self.model.dtype
+                    ),
+                    torch.tensor([image.grid_thw], dtype=torch.long, device=self.device),
+                    return_dict=True,
+                )
+            elif self.uses_mrope:
                 pixel_values, grid_thw = self._image_pixels(image)
                 output = self.model.model.get_image_features(
                     pixel_values.to(self.device), grid_thw.to(self.device), return_dict=True
@@ -96,10 +126,13 @@ class ModelRunner:
                     **{name: tensor.to(self.device) for name, tensor in pixels.items()}, return_dict=True
                 )
         embedding = output.pooler_output[0]
-        if embedding.shape[0] != image.length:
+        placeholders = image.length if image.pad_positions is None else len(image.pad_positions)
+        if embedding.shape[0] != placeholders:
             raise RuntimeError(
-                f"the vision tower made {embedding.shape[0]} features for {image.length} placeholder tokens"
+                f"the vision tower made {embedding.shape[0]} features for {placeholders} placeholder tokens"
             )
+        if self.deepstack:
+            embedding = torch.cat([embedding, *(layer[0] for layer in output.deepstack_features)], dim=-1)
         return embedding
 
     def _llava_pixels(self, image: PromptImage) -> dict[str, torch.Tensor]:
@@ -175,16 +208,34 @@ class ModelRunner:
 
         with torch.inference_mode():
             embeds = self.embed_tokens(torch.tensor([ids], dtype=torch.long, device=self.device))
+            hidden_size = self.hidden_size
+            visual: list[tuple[int, torch.Tensor]] = []  # (packed row, features) for DeepStack
             offset = len(decodes)
             for chunk in longer:
                 for row, rows in chunk.image_rows:
-                    embeds[0, offset + row : offset + row + rows.shape[0]] = rows.to(embeds.dtype)
+                    at = offset + row
+                    embeds[0, at : at + rows.shape[0]] = rows[:, :hidden_size].to(embeds.dtype)
+                    if self.deepstack:
+                        visual.append((at, rows))
                 offset += len(chunk.tokens)
             positions = self._positions(decodes, longer)
+            extra: dict[str, Any] = {}
+            if visual:
+                # The model adds each vision layer's features at the visual positions, in order.
+                visual.sort(key=lambda item: item[0])
+                mask = torch.zeros(1, len(ids), dtype=torch.bool, device=self.device)
+                for at, rows in visual:
+                    mask[0, at : at + rows.shape[0]] = True
+                features = torch.cat([rows for _, rows in visual]).to(embeds.dtype)
+                extra["visual_pos_masks"] = mask
+                extra["deepstack_visual_embeds"] = [
+                    features[:, hidden_size * (1 + layer) : hidden_size * (2 + layer)]
+                    for layer in range(self.deepstack)
+                ]
             step = PagedStep(self.pool, torch.cat(slot_tensors), decode_group, prefill_chunks)
             with paged_attention.paged_step(step):
                 hidden = self.language_model(
-                    inputs_embeds=embeds, position_ids=positions, use_cache=False
+                    inputs_embeds=embeds, position_ids=positions, use_cache=False, **extra
                 ).last_hidden_state
             last: list[int] = []
             offset = 0

@@ -1,5 +1,5 @@
-"""Loads a checkpoint's processor (tokenizer plus image processor) for the Qwen2-VL and LLaVA
-families, offline and without torchvision."""
+"""Loads a checkpoint's processor (tokenizer plus image processor) for the Qwen2-VL, Qwen3-VL and
+LLaVA families, offline and without torchvision (videos: workers.video_inputs)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def _processor_class(model_type: str) -> Any:
         base = Qwen2_5_VLProcessor
     elif model_type == "qwen2_vl":
         base = Qwen2VLProcessor
+    elif model_type == "qwen3_vl":
+        from transformers import Qwen3VLProcessor
+
+        base = Qwen3VLProcessor
     else:
         raise ValueError(f"no image processor known for model type {model_type!r}")
     return images_only(base)

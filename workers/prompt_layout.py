@@ -5,7 +5,8 @@ the cached prefix covers is never loaded or preprocessed (ENGINE-NOTES trap 7). 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ from PIL import Image
 
 if TYPE_CHECKING:
     import torch
+
+    from workers.video_inputs import VideoPreprocessor
 
 # Families whose images are fixed tiles of a CLIP-like tower and whose positions are 1-D (no M-RoPE).
 LLAVA_MODEL_TYPES = frozenset({"llava", "llava_next"})
@@ -40,6 +43,23 @@ class ImageInput:
     embedding: torch.Tensor | None = None
 
 
+@dataclass
+class VideoInput:
+    """A video as the frontend decoded and sampled it (routing.contract.VideoRef): laid out from
+    these facts; its frames are read (from the media side store) only if the prefix misses it."""
+
+    identity: str  # hash of the sampled, decoded frames
+    fps: float
+    total_frames: int
+    indices: tuple[int, ...]
+    width: int
+    height: int
+    grid_thw: tuple[int, int, int]
+    frame_shape: tuple[int, int, int, int]  # frames, height, width, 3 (resized for the model)
+    load_frames: Callable[[], bytes] | None = None
+    embedding: None = None  # videos are always encoded where they are served (no E/PD transfer)
+
+
 @dataclass(frozen=True)
 class DeclaredSize:
     width: int
@@ -59,6 +79,26 @@ class PromptImage:
     pixel_values: torch.Tensor | None = None
     pixel_rows: tuple[int, int] = (0, 0)
     image_sizes: torch.Tensor | None = None  # LLaVA-NeXT: the request's (height, width) rows
+    # A video: `source` is a VideoInput, `frames` its sampled frames once loaded, and (Qwen3-VL,
+    # whose timestamps sit between its frame groups) the prompt positions of its placeholders.
+    kind: str = "image"
+    frames: bytes | None = None
+    pad_positions: tuple[int, ...] | None = None
+
+    def placeholder_rows(self, first: int, last: int) -> list[tuple[int, int, int]]:
+        """(prompt position, first feature row, rows) of each run of this media's placeholders
+        within prompt positions [first, last)."""
+        if self.pad_positions is None:
+            low, high = max(first, self.start), min(last, self.end)
+            return [(low, low - self.start, high - low)] if low < high else []
+        runs: list[tuple[int, int, int]] = []
+        for row, position in enumerate(self.pad_positions):
+            if first <= position < last:
+                if runs and runs[-1][0] + runs[-1][2] == position:
+                    runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+                else:
+                    runs.append((position, row, 1))
+        return runs
 
     @property
     def end(self) -> int:
@@ -68,7 +108,15 @@ class PromptImage:
 class PromptLayout:
     """Lays out chat-templated prompts for one model's tokenizer and image processor."""
 
-    def __init__(self, processor: Any, *, image_token_id: int, model_type: str) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        image_token_id: int,
+        model_type: str,
+        video: VideoPreprocessor | None = None,
+        video_token_id: int | None = None,
+    ) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_processor = processor.image_processor
@@ -77,28 +125,80 @@ class PromptLayout:
         self.model_type = model_type
         # LLaVA runs the text model on 1-D positions; Qwen's M-RoPE needs the image grids.
         self.uses_mrope = model_type not in LLAVA_MODEL_TYPES
+        self.video = video  # None: this model takes no video
+        self.video_token = "<|video_pad|>"
+        self.video_token_id = video_token_id
 
     def expand(
-        self, prompt: str, inputs: Sequence[ImageInput], images: Sequence[Image.Image | DeclaredSize]
+        self,
+        prompt: str,
+        inputs: Sequence[ImageInput],
+        images: Sequence[Image.Image | DeclaredSize],
+        videos: Sequence[VideoInput] = (),
     ) -> tuple[list[int], list[PromptImage]]:
-        """The prompt's ids with each placeholder expanded, and the images' spans."""
-        parts = prompt.split(self.image_token)
-        if len(parts) - 1 != len(images):
-            raise PromptError(f"the prompt has {len(parts) - 1} image placeholders for {len(images)} images")
-        if "<|video_pad|>" in prompt:
-            raise PromptError("video inputs are not supported by this engine")
+        """The prompt's ids with each placeholder expanded, and the spans of its images and videos
+        (in prompt order)."""
+        parts = re.split(f"({re.escape(self.image_token)}|{re.escape(self.video_token)})", prompt)
+        markers = parts[1::2]
+        image_count = sum(1 for marker in markers if marker == self.image_token)
+        if image_count != len(images):
+            raise PromptError(f"the prompt has {image_count} image placeholders for {len(images)} images")
+        if len(markers) - image_count != len(videos):
+            raise PromptError(
+                f"the prompt has {len(markers) - image_count} video placeholders for {len(videos)} videos"
+            )
+        if videos and (self.video is None or self.video_token_id is None):
+            raise PromptError("this model takes no video input")
         ids: list[int] = []
         placed: list[PromptImage] = []
+        next_image, next_video = 0, 0
         for index, part in enumerate(parts):
-            # Special tokens split the text before BPE runs, so tokenizing between them is exact.
-            ids.extend(self.tokenizer(part, add_special_tokens=False)["input_ids"])
-            if index < len(images):
-                length, grid = self.image_tokens(images[index])
-                image = images[index]
+            if index % 2 == 0:
+                # Special tokens split the text before BPE runs, so tokenizing between them is exact.
+                ids.extend(self.tokenizer(part, add_special_tokens=False)["input_ids"])
+            elif part == self.image_token:
+                image = images[next_image]
+                length, grid = self.image_tokens(image)
                 loaded = image if isinstance(image, Image.Image) else None
-                placed.append(PromptImage(inputs[index], len(ids), length, grid, image=loaded))
+                placed.append(PromptImage(inputs[next_image], len(ids), length, grid, image=loaded))
                 ids.extend([self.image_token_id] * length)
+                next_image += 1
+            else:
+                placed.append(self._place_video(videos[next_video], ids))
+                next_video += 1
         return ids, placed
+
+    def _place_video(self, video: VideoInput, ids: list[int]) -> PromptImage:
+        """Appends the video's run (as the frontend laid it out) to `ids`; its span."""
+        from workers.video_inputs import VideoInputError, video_prompt_ids
+
+        assert self.video is not None and self.video_token_id is not None
+        try:
+            run = video_prompt_ids(
+                self.video,
+                lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"],
+                fps=video.fps,
+                indices=tuple(video.indices),
+                width=video.width,
+                height=video.height,
+                grid_thw=tuple(video.grid_thw),  # type: ignore[arg-type]
+                placeholder_id=self.video_token_id,
+                vision_start_id=self.tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+                vision_end_id=self.tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+            )
+        except (VideoInputError, ValueError) as exc:
+            raise PromptError(f"video {video.identity}: {exc}") from exc
+        start = len(ids)
+        pads = tuple(start + n for n, token in enumerate(run) if token == self.video_token_id)
+        ids.extend(run)
+        return PromptImage(
+            video,  # type: ignore[arg-type]
+            start,
+            len(run),
+            tuple(video.grid_thw),  # type: ignore[arg-type]
+            kind="video",
+            pad_positions=None if len(pads) == len(run) else pads,
+        )
 
     def image_tokens(self, image: Image.Image | DeclaredSize) -> tuple[int, tuple[int, int, int] | None]:
         """Placeholder tokens of an image (and Qwen's patch grid), from its size alone."""

@@ -30,6 +30,7 @@ from routing.contract import (
     ImageRef,
     StartedEvent,
     TokenEvent,
+    VideoRef,
 )
 from routing.media import MediaError, MediaPolicy, fetch_bytes
 from routing.media_store import MediaRef, MediaStore, MediaStoreError
@@ -126,7 +127,7 @@ class WorkerRuntime:
         return None if cache_salt is None else f"salt-{cache_salt:016x}"
 
     def serve(self, payload: dict[str, Any] | GenerateTask) -> None:
-        from workers.engine import GenerationRequest, ImageInput
+        from workers.engine import GenerationRequest, ImageInput, VideoInput
 
         raw_id = payload.request_id if isinstance(payload, GenerateTask) else payload.get("request_id")
         writer = ResponseWriter(self.client, self.namespace, str(raw_id))
@@ -169,6 +170,7 @@ class WorkerRuntime:
                 # With scoping on, a request without a scope shares no cache with anyone.
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
                 processed=_processed_inputs(task.processed),
+                videos=_video_inputs(VideoInput, task.videos, self.media),
             )
             receipt = None
             if task.encoder and task.encoded_images and self.features is not None:
@@ -330,6 +332,32 @@ def _image_inputs(image_input_class, images: Sequence[ImageRef], media: MediaSto
     blobs = iter(media.get_many(refs))
     return [
         _image_input(image_input_class, image, next(blobs) if image.media_ref else None) for image in images
+    ]
+
+
+def _video_inputs(video_input_class, videos: Sequence[VideoRef], media: MediaStore) -> list:
+    """VideoInputs from the task's videos: their frames are read from the side store only when the
+    engine needs them (a video its cached prefix covers is never read)."""
+
+    def reader(video: VideoRef):
+        if not video.media_ref:
+            return None
+        ref = MediaRef(video.media_ref, video.media_bytes)
+        return lambda: media.get(ref)
+
+    return [
+        video_input_class(
+            identity=video.identity,
+            fps=video.fps,
+            total_frames=video.total_frames,
+            indices=tuple(video.indices),
+            width=video.width,
+            height=video.height,
+            grid_thw=tuple(video.grid_thw),
+            frame_shape=tuple(video.frame_shape),
+            load_frames=reader(video),
+        )
+        for video in videos
     ]
 
 

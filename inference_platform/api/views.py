@@ -157,7 +157,11 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         ],
         "usage": _usage(done),
     }
-    return _headers(JsonResponse(body), dispatch)
+    response = _headers(JsonResponse(body), dispatch)
+    # How often the worker ran its vision encoder for this request (0: every image and video came
+    # from its cached prefix or its embedding cache).
+    response["X-Encoder-Calls"] = str(int(done.encoder_calls))
+    return response
 
 
 @api_key_required(operator=True)
