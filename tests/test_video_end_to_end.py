@@ -15,7 +15,7 @@ from tests.video_files import make_clip
 pytestmark = pytest.mark.integration
 
 
-def ask(base_url: str, url: str, question: str) -> httpx.Response:
+def ask(base_url: str, headers: dict[str, str], url: str, question: str) -> httpx.Response:
     body = {
         "model": "demo",
         "max_tokens": 6,
@@ -30,7 +30,7 @@ def ask(base_url: str, url: str, question: str) -> httpx.Response:
             }
         ],
     }
-    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
 def test_the_same_video_twice_goes_back_to_its_worker_with_its_blocks_cached_and_no_encoder(
@@ -51,14 +51,15 @@ def test_the_same_video_twice_goes_back_to_its_worker_with_its_blocks_cached_and
             json={
                 "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}]}]
             },
+            headers=platform.headers,
             timeout=60,
         ).json()
         (video,) = route["videos"]
 
         # when one question about the clip is answered, then another while both workers are idle
-        first = ask(base_url, url, "What happens in this clip?")
+        first = ask(base_url, platform.headers, url, "What happens in this clip?")
         assert first.status_code == 200, first.text
-        second = ask(base_url, url, "Which colours do you see?")
+        second = ask(base_url, platform.headers, url, "Which colours do you see?")
         assert second.status_code == 200, second.text
 
         # then the second goes to the worker that holds the video, reusing all of its full blocks,
