@@ -269,6 +269,9 @@ class FlushCachesTask:
     kv: bool = False
     embeddings: bool = False
     images: bool = False
+    # The shared image cache, flushed by the worker through its own configuration (the command's
+    # environment may not have it); the answer's `shared_images` is a count, or "off".
+    shared_images: bool = False
 
     def to_payload(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)

@@ -19,10 +19,12 @@ pytestmark = pytest.mark.integration
 
 
 def flush(platform, *args: str) -> dict:
+    """The command as an operator runs it: in a shell that knows nothing of the workers' caches."""
+    env = {k: v for k, v in platform.env.items() if not k.startswith("DYN_MM_SHARED_IMAGE_CACHE")}
     done = subprocess.run(
         [sys.executable, "manage.py", "flush_caches", "--json", *args],
         cwd=REPO,
-        env=platform.env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -77,7 +79,20 @@ def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_c
     dry = flush(platform, "--dry-run")
     assert dry["workers"]["keeper"]["kv_blocks"] == len(blocks)
     assert dry["workers"]["keeper"]["decoded_images"] == 1
+    assert dry["workers"]["keeper"]["embeddings"] == 1  # the photo's vision-encoder output
+    # the workers' shared cache is found although this shell's environment does not enable it
     assert dry["shared_images"] == 1
+    # a worker that is not live is refused, naming the live ones as the router sees them
+    refused = subprocess.run(
+        [sys.executable, "manage.py", "flush_caches", "--dry-run", "--worker", "nope"],
+        cwd=REPO,
+        env=platform.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0
+    assert "not live: nope (live workers: keeper)" in refused.stderr
     scoped = flush(platform, "--scope", "session-123", "--tenant", "harness")
     assert "kv_blocks" not in scoped["workers"]["keeper"]
     assert index.worker_blocks("keeper") == blocks
@@ -89,9 +104,12 @@ def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_c
     # then every cache of the worker is empty, and the index learnt it through the KV events
     assert flushed["workers"]["keeper"]["kv_blocks"] == len(blocks)
     assert flushed["workers"]["keeper"]["decoded_images"] == 1
+    assert flushed["workers"]["keeper"]["embeddings"] == 1
     assert flushed["shared_images"] == 1
     assert index.worker_blocks("keeper") == set()
     assert not list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
+    after = flush(platform, "--dry-run")["workers"]["keeper"]
+    assert (after["kv_blocks"], after["embeddings"], after["decoded_images"]) == (0, 0, 0)
 
 
 def test_flush_caches_refuses_a_worker_that_is_not_live(platform_processes):

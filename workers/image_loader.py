@@ -159,6 +159,12 @@ class ImageLoader:
         """Drop decoded images (all, or one scope's); returns how many went."""
         return self._local.clear(scope_key)
 
+    def flush_shared(self, scope_key: str | None = None, *, dry_run: bool = False) -> int | None:
+        """Empty the shared image cache (or one scope's entries); None when this loader has none."""
+        if self._shared is None:
+            return None
+        return self._shared.flush(scope_key, dry_run=dry_run)
+
     def local_count(self, scope_key: str | None = None) -> int:
         """Decoded images held locally (all, or one scope's)."""
         return self._local.count(scope_key)

@@ -108,6 +108,13 @@ class WorkerRuntime:
                 report["decoded_images"] = (
                     loader.local_count(scope_key) if dry_run else loader.clear_local(scope_key)
                 )
+            if task.shared_images:
+                flushed = (
+                    None
+                    if self.image_loader is None
+                    else self.image_loader.flush_shared(scope_key, dry_run=dry_run)
+                )
+                report["shared_images"] = "off" if flushed is None else flushed
         except Exception as exc:
             logger.exception("flush on worker %s failed", self.name)
             writer.emit(ErrorEvent(status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
@@ -26,7 +27,11 @@ class Command(BaseCommand):
 
         path: Path = options["file"]
         try:
-            raw = self.stdin.read().encode() if str(path) == "-" else path.read_bytes()
+            if str(path) == "-":
+                text = (options.get("stdin") or sys.stdin).read()  # call_command may pass its own
+                raw = text.encode() if isinstance(text, str) else text
+            else:
+                raw = path.read_bytes()
         except OSError as exc:
             raise CommandError(f"cannot read {path}: {exc}") from exc
         try:

@@ -1,7 +1,8 @@
 """`manage.py flush_caches`: drop cached KV blocks, embeddings and images, on every worker or some.
 
-Each worker's in-memory caches are flushed by the worker itself (a control task on its own
-queue, answered through a response stream); the shared image cache is flushed here, in Redis.
+Each worker's caches are flushed by the worker itself (a control task on its own queue, answered
+through a response stream), the shared image cache included: the workers know its URL and
+whether it is on; this command's own environment need not.
 A session scope limits the flush to that scope's entries (the KV cache, content-based and
 shared by every scope, is then left alone). `--dry-run` reports what would go.
 """
@@ -9,7 +10,6 @@ shared by every scope, is then left alone). `--dry-run` reports what would go.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from typing import Any
@@ -20,11 +20,10 @@ from django.core.management.base import BaseCommand, CommandError
 from inference_platform.celery import app as celery_app
 from routing.contract import FlushCachesTask
 from routing.models import Worker, worker_queue
-from routing.redis_keys import redact_text, sync_client
+from routing.redis_keys import sync_client
 from routing.registry import WorkerRegistry
 from routing.responses import DONE, ERROR, parse_stream_entries, response_key
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
-from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
 CACHES = ("kv", "embeddings", "images", "shared-images")
 
@@ -65,23 +64,26 @@ class Command(BaseCommand):
             "workers": {},
         }
 
-        names = options["worker"] or list(Worker.objects.values_list("name", flat=True))
-        alive = WorkerRegistry(client, settings.REDIS_KEY_PREFIX).alive(names)
-        unknown = sorted(set(options["worker"]) - set(alive))
+        # The live set the router reads: registered workers with a heartbeat.
+        registered = list(Worker.objects.values_list("name", flat=True))
+        live = WorkerRegistry(client, settings.REDIS_KEY_PREFIX).alive(registered)
+        unknown = sorted(set(options["worker"]) - set(live))
         if unknown:
             raise CommandError(
-                f"not live: {', '.join(unknown)} (live workers: {', '.join(sorted(alive)) or 'none'})"
+                f"not live: {', '.join(unknown)} (live workers: {', '.join(sorted(live)) or 'none'})"
             )
+        targets = sorted(options["worker"] or live)
 
-        worker_caches = caches & {"kv", "embeddings", "images"}
+        worker_caches = caches & {"kv", "embeddings", "images", "shared-images"}
         if worker_caches:
             pending = {}
-            for name in sorted(alive):
+            for name in targets:
                 flush_id = f"flush-{uuid.uuid4().hex}"
                 task = FlushCachesTask(
                     flush_id=flush_id,
                     scope_key=scope_key,
                     dry_run=options["dry_run"],
+                    shared_images="shared-images" in worker_caches,
                     **{cache: cache in worker_caches for cache in ("kv", "embeddings", "images")},
                 )
                 celery_app.send_task(
@@ -94,14 +96,16 @@ class Command(BaseCommand):
             report["workers"] = self._answers(client, pending, options["timeout"])
 
         if "shared-images" in caches:
-            report["shared_images"] = self._flush_shared(scope_key, options["dry_run"])
+            report["shared_images"] = _shared_images(report["workers"])
 
         if options["json"]:
             self.stdout.write(json.dumps(report))
             return
         verb = "would flush" if options["dry_run"] else "flushed"
         for name, answer in sorted(report["workers"].items()):
-            details = ", ".join(f"{k} {v}" for k, v in answer.items() if k not in ("worker", "dry_run"))
+            details = ", ".join(
+                f"{k} {v}" for k, v in answer.items() if k not in ("worker", "dry_run", "shared_images")
+            )
             self.stdout.write(f"{name}: {verb} {details or 'nothing'}")
         if "shared_images" in report:
             self.stdout.write(f"shared image cache: {verb} {report['shared_images']}")
@@ -143,14 +147,15 @@ class Command(BaseCommand):
             answers[name] = {"error": f"no answer within {timeout:g} s"}
         return answers
 
-    def _flush_shared(self, scope_key: str | None, dry_run: bool) -> int | str:
-        config = SharedImageCacheConfig.from_env(os.environ)
-        if not config.enabled:
-            return "not enabled"
-        cache = SharedImageCache(config, key_prefix=settings.SHARED_IMAGE_CACHE_KEY_PREFIX)
-        try:
-            return cache.flush(scope_key, dry_run=dry_run)
-        except Exception as exc:  # an operator's command: say what failed, without the URL's password
-            raise CommandError(f"shared image cache flush failed: {redact_text(str(exc))}") from exc
-        finally:
-            cache.close()
+
+def _shared_images(answers: dict[str, Any]) -> int | str:
+    """What the shared image cache lost (or would), as the workers that use it report it.
+
+    Workers of one deployment share one cache: the first to flush it reports what went, the
+    others the rest (usually 0), so the counts add up to what the cache held."""
+    counts = [a["shared_images"] for a in answers.values() if isinstance(a.get("shared_images"), int)]
+    if counts:
+        return max(counts) if any(a.get("dry_run") for a in answers.values()) else sum(counts)
+    if not answers:
+        return "no live worker to flush it"
+    return "not enabled on any live worker"
