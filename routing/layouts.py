@@ -309,13 +309,19 @@ class Llama4Layout:
 
     @property
     def vocabulary(self) -> tuple[str, ...]:
-        return (
-            self.placeholder_token,
-            LLAMA4_IMAGE_START,
-            LLAMA4_IMAGE_END,
-            LLAMA4_PATCH,
-            LLAMA4_TILE_X_SEPARATOR,
-            LLAMA4_TILE_Y_SEPARATOR,
+        # dict.fromkeys: the placeholder first, once, whether or not it is the literal <|image|>.
+        return tuple(
+            dict.fromkeys(
+                (
+                    self.placeholder_token,
+                    LLAMA4_IMAGE_PLACEHOLDER,
+                    LLAMA4_IMAGE_START,
+                    LLAMA4_IMAGE_END,
+                    LLAMA4_PATCH,
+                    LLAMA4_TILE_X_SEPARATOR,
+                    LLAMA4_TILE_Y_SEPARATOR,
+                )
+            )
         )
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
@@ -338,7 +344,8 @@ class Llama4Layout:
                     if column < columns - 1:
                         runs.append((LLAMA4_TILE_X_SEPARATOR, 1))
                 runs.append((LLAMA4_TILE_Y_SEPARATOR, 1))
-        runs += [(self.placeholder_token, 1), (LLAMA4_PATCH, self.tokens_per_tile), (LLAMA4_IMAGE_END, 1)]
+        # The processor writes <|image|> here literally, whatever its image_token is.
+        runs += [(LLAMA4_IMAGE_PLACEHOLDER, 1), (LLAMA4_PATCH, self.tokens_per_tile), (LLAMA4_IMAGE_END, 1)]
         return tuple(runs)
 
 
@@ -653,7 +660,11 @@ def _build_llama4(
     if not isinstance(shuffle, int | float) or isinstance(shuffle, bool) or not 0 < shuffle <= 1:
         raise LayoutConfigError(f"pixel_shuffle_ratio must be in (0, 1], got {shuffle!r}")
     downsample = round(1.0 / (shuffle**2))
+    placeholder = processor.get("image_token", LLAMA4_IMAGE_PLACEHOLDER)
+    if not isinstance(placeholder, str) or not placeholder:
+        raise LayoutConfigError(f"Llama 4's image_token must be a token, got {placeholder!r}")
     return Llama4Layout(
+        placeholder_token=placeholder,
         tile=tile,
         max_tiles=_positive_int(preprocessor.get("max_patches", 16), "max_patches"),
         resize_to_max_canvas=bool(preprocessor.get("resize_to_max_canvas", False)),

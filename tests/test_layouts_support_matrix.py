@@ -934,3 +934,28 @@ def test_nemotron_omni_single_image_counts_equal_dynamos_vllm_goldens() -> None:
     }
 
     assert {size: layout.image_tokens(*size) - 2 for size in goldens} == goldens
+
+
+def test_llama4_image_token_setting_moves_the_placeholder_not_the_inner_image_token(
+    sizing: dict[str, types.ModuleType],
+) -> None:
+    from transformers import Llama4Processor
+
+    # given: a processor_config.json naming another image token for the template to emit
+    settings = model_configs.llama4_preprocessor()
+    processor_settings = model_configs.llama4_processor(image_token="<image>", fake_image_token="<image>")
+    layout = layout_for_config(model_configs.llama4_config(), settings, processor_settings)
+    assert isinstance(layout, Llama4Layout) and layout.placeholder_token == "<image>"
+    image_processor = sizing["llama4"].Llama4ImageProcessor(**image_processor_kwargs(settings))
+    kwargs = {k: v for k, v in processor_settings.items() if k != "processor_class"}
+    processor = Llama4Processor(image_processor, word_tokenizer(layout.vocabulary), **kwargs)
+    inputs = image_inputs_from_sizing_functions("llama4", sizing, settings, [(900, 500)])
+
+    # when: the processor lays out a prompt holding that token
+    text, _ = processor.get_text_with_replacements(
+        ["look <image> here"], images_replacements=[processor.replace_image_token(inputs, 0)]
+    )
+
+    # then: the layout's expansion replaced the placeholder, its inner <|image|> untouched
+    assert text == [f"look {expansion_text(layout, 900, 500)} here"]
+    assert "<|image|>" in layout.vocabulary and layout.vocabulary[0] == "<image>"
