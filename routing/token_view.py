@@ -1,7 +1,8 @@
 """The routing-only token view of a prompt: the worker's input ids, images expanded, and their hashes.
 
 The chat template emits one placeholder token per image; the worker's processor expands it to
-as many placeholder tokens as the image has features. The view does the same expansion with
+as many placeholder tokens as the image has features (wrapped in, or split by, marker tokens in
+some families: Llama 4's tiles, Nemotron Omni's <img>). The view does the same expansion with
 the model family's layout (no pixels needed), records where each image lies, and folds each
 image's identity into the block hashes, so the router sees the prompt as the worker's KV cache
 will hold it. A family with no layout routes on the text before the first image.
