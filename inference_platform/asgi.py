@@ -14,17 +14,17 @@ from inference_platform.api.boundary import RequestBodyLimit
 
 django_asgi_app = get_asgi_application()
 
+from inference_platform.serving import check_served_model  # noqa: E402 - needs the apps loaded
+
+# Image settings the model's processor refuses stop the start-up here, with the reason.
+check_served_model()
+
 from inference_platform.metrics import frontend_source  # noqa: E402  (needs the app set up)
 from routing import telemetry  # noqa: E402
 from routing.redis_keys import sync_client  # noqa: E402
 
 # This frontend's request metrics go to the deployment's Redis, where /metrics sums them.
 telemetry.attach(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, frontend_source())
-
-from inference_platform.serving import check_served_model  # noqa: E402 - needs the apps loaded
-
-# Image settings the model's processor refuses stop the start-up here, with the reason.
-check_served_model()
 
 if not settings.API_AUTH_REQUIRED:
     import logging
