@@ -172,3 +172,27 @@ def observed_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
             yield start_observed_platform(processes, origin)
         finally:
             processes.close()
+
+
+@pytest.fixture(scope="session")
+def shared_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
+    """One real platform (a worker, a server) for the whole session, for tests that only send it
+    requests and leave it as they found it (the fuzzer, the body limit): each test that needs a
+    platform of its own settings, or kills a process, starts its own with `platform_processes`.
+    """
+    from tests.platform_harness import PlatformProcesses
+
+    platform = PlatformProcesses(
+        tmp_path_factory.mktemp("shared-platform"),
+        demo_model_dir,
+        TEST_REDIS_URL,
+        f"test:{uuid.uuid4().hex[:12]}:",
+        {"MEDIA_ALLOWED_HOSTS": "127.0.0.1", "API_MAX_BODY_MB": "4"},
+    )
+    try:
+        platform.start_worker("shared")
+        platform.wait_for_workers("shared")
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
