@@ -151,7 +151,7 @@ def main() -> None:
             model,
             redis_url,
             f"bench-video:{uuid.uuid4().hex[:8]}:",
-            {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+            {"MEDIA_ALLOWED_HOSTS": "127.0.0.1", "MODEL_NAME": "demo"},
         )
         try:
             platform.start_worker("solo")

@@ -33,6 +33,9 @@ VISION_PARTS: dict[str, tuple[str, ...]] = {
     "llava_next": ("vision_tower", "multi_modal_projector", "image_newline"),
 }
 MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# Families the engine serves whose features encode workers do not make (Qwen3-VL's DeepStack
+# features travel with each row, which the E/PD transfer does not carry): only their tower is named.
+SERVED_ONLY_TOWERS: dict[str, tuple[str, ...]] = {"qwen3_vl": ("visual",)}
 
 
 class UnsupportedEncoderModel(ValueError):
@@ -122,7 +125,7 @@ class VisionEncoder:
 
 
 def vision_tower(inner_model: Any, model_type: str) -> torch.nn.Module:
-    return getattr(inner_model, VISION_PARTS[model_type][0])
+    return getattr(inner_model, (VISION_PARTS.get(model_type) or SERVED_ONLY_TOWERS[model_type])[0])
 
 
 def load_vision_parts(inner_model: Any, model_dir: Path, *, device: str, dtype: Any) -> None:
