@@ -3,13 +3,14 @@ live routing policy."""
 
 from __future__ import annotations
 
+import redis
 from django.conf import settings
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.http import HttpResponseRedirect
 from django.urls import reverse
 
 from routing.models import RoutingPolicySettings, Worker
-from routing.redis_keys import sync_client
+from routing.redis_keys import redact_text, sync_client
 from routing.registry import WorkerRegistry
 
 
@@ -30,11 +31,23 @@ class WorkerAdmin(admin.ModelAdmin):
         queryset = super().get_queryset(request)
         # By name: a SCAN for heartbeats would walk every KV index key in the database.
         registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-        self._alive = registry.alive(queryset.values_list("name", flat=True))
+        try:
+            self._alive = registry.alive(queryset.values_list("name", flat=True))
+            self._live_known = True
+        except redis.RedisError as exc:
+            # Like the dashboard: the rows still show and stay editable; the live state is unknown.
+            self._alive, self._live_known = {}, False
+            messages.warning(
+                request,
+                f"Redis unavailable ({type(exc).__name__}: {redact_text(str(exc))}): "
+                "the workers' live state is unknown.",
+            )
         return queryset
 
     @admin.display(boolean=True, description="Live")
-    def live(self, worker: Worker) -> bool:
+    def live(self, worker: Worker) -> bool | None:
+        if not getattr(self, "_live_known", True):
+            return None
         return worker.name in getattr(self, "_alive", {})
 
     @admin.display(boolean=True, description="Session-scoped caches")

@@ -6,11 +6,13 @@ talks HTTP to it as a client would.
 
 from __future__ import annotations
 
+import importlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -44,6 +46,7 @@ def test_two_worker_processes_answer_requests_with_the_model(platform_processes)
     platform.start_server()
 
     answers: dict[str, list[str]] = {"alpha": [], "beta": []}
+    served_before: set[str] = set()
     for _ in range(4):
         response = ask(platform, "Describe a red bicycle.")
         assert response.status_code == 200, response.text
@@ -54,9 +57,16 @@ def test_two_worker_processes_answer_requests_with_the_model(platform_processes)
         assert usage["completion_tokens"] > 0
         assert usage["prompt_tokens"] > 10
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-        assert "cached_tokens" in usage["prompt_tokens_details"]
+        # a worker that served this prompt before holds its prefix: cached, in whole blocks
+        worker = response.headers["X-Routed-Worker"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if worker in served_before:
+            assert 0 < cached <= usage["prompt_tokens"] and cached % 16 == 0, usage
+        else:
+            assert cached == 0, usage
+        served_before.add(worker)
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
-        answers[response.headers["X-Routed-Worker"]].append(body["choices"][0]["message"]["content"])
+        answers[worker].append(body["choices"][0]["message"]["content"])
 
     # Both processes answered, and being the same model under greedy decoding, identically.
     assert answers["alpha"] and answers["beta"]
@@ -191,9 +201,16 @@ def test_stdlib_platform_module_works_in_each_process(platform_processes):
     ):
         out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
         assert out.strip().splitlines()[-1] in ("Linux", "Darwin", "Windows")
-    import platform as stdlib_platform
+    # and in this process, which imported the project's packages too: the module is the stdlib's
+    import sysconfig
 
-    assert stdlib_platform.system()
+    import inference_platform.asgi  # noqa: F401
+    import workers.engine  # noqa: F401
+
+    stdlib_platform = importlib.import_module("platform")
+    stdlib_dir = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert Path(stdlib_platform.__file__).resolve().parent == stdlib_dir
+    assert stdlib_platform.system() in ("Linux", "Darwin", "Windows")
 
 
 def test_the_official_openai_client_works_against_the_platform(platform_processes):
@@ -210,7 +227,11 @@ def test_the_official_openai_client_works_against_the_platform(platform_processe
         model="demo", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0
     )
     assert completion.choices[0].message.content
-    assert completion.usage.prompt_tokens_details.cached_tokens >= 0
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # a fresh worker
+    again = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0
+    )
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens
     stream = client.chat.completions.create(
         model="demo",
         messages=[{"role": "user", "content": "Name a colour."}],
