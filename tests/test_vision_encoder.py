@@ -266,3 +266,29 @@ def test_the_heavy_vision_option_deepens_and_widens_only_the_tower(
         12,
         heavy["text_config"]["hidden_size"],
     )
+
+
+def test_qwen3_vl_features_carry_their_deepstack_layers_as_the_engine_packs_them(
+    qwen3_demo_dir: Path,
+) -> None:
+    # given the Qwen3-VL checkpoint, whose language model also takes DeepStack features
+    whole = Engine.load(qwen3_demo_dir)
+    encoder = VisionEncoder.load(qwen3_demo_dir)
+    image = image_input(12, 128, 96)
+    prompt = qwen_chat("What is it?")
+    (expected,) = computed_by_engine(whole, prompt, [image])
+
+    encoded = encoder.encode(pil(image))
+
+    assert encoder.deepstack > 0
+    assert encoded.embedding.shape == expected.shape
+    assert expected.shape[1] == whole.model.config.text_config.hidden_size * (1 + encoder.deepstack)
+    assert torch.allclose(encoded.embedding, expected, atol=1e-5, rtol=0)
+    # and the engine fed them answers as it does by itself, without its tower
+    aggregated = whole.generate(
+        GenerationRequest(request_id="a", prompt=prompt, images=[image], max_tokens=8)
+    )
+    received = ImageInput(identity=image.identity, width=128, height=96, embedding=encoded.embedding)
+    fed = fresh_engine(whole.model, whole.processor, whole.model_name, load_image=refuse_to_load)
+    result = fed.generate(GenerationRequest(request_id="b", prompt=prompt, images=[received], max_tokens=8))
+    assert result.text == aggregated.text and result.embeddings_received == 1

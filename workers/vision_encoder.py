@@ -29,13 +29,11 @@ if TYPE_CHECKING:
 VISION_PARTS: dict[str, tuple[str, ...]] = {
     "qwen2_vl": ("visual",),
     "qwen2_5_vl": ("visual",),
+    "qwen3_vl": ("visual",),  # its tower holds the DeepStack mergers too
     "llava": ("vision_tower", "multi_modal_projector"),
     "llava_next": ("vision_tower", "multi_modal_projector", "image_newline"),
 }
-MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
-# Families the engine serves whose features encode workers do not make (Qwen3-VL's DeepStack
-# features travel with each row, which the E/PD transfer does not carry): only their tower is named.
-SERVED_ONLY_TOWERS: dict[str, tuple[str, ...]] = {"qwen3_vl": ("visual",)}
+MROPE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
 
 class UnsupportedEncoderModel(ValueError):
@@ -51,7 +49,9 @@ def processor_fingerprint(image_processor: Any) -> str:
 
 @dataclass(frozen=True)
 class EncodedImage:
-    embedding: torch.Tensor  # (placeholder tokens, text hidden size)
+    # (placeholder tokens, text hidden size); Qwen3-VL: each row followed by its DeepStack features
+    # (hidden size each), as the engine's model runner packs them.
+    embedding: torch.Tensor
     grid_thw: tuple[int, int, int] | None  # Qwen's patch grid; None for LLaVA's tiles
 
 
@@ -68,6 +68,9 @@ class VisionEncoder:
         self.uses_mrope = model_type in MROPE_MODEL_TYPES
         self.device = torch.device(device)
         self.processor_fingerprint = processor_fingerprint(self.image_processor)
+        # Qwen3-VL feeds features of several tower layers to the first decoder layers (DeepStack).
+        vision_config = getattr(vision_model.config, "vision_config", None)
+        self.deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
 
     @classmethod
     def load(cls, model_dir: Path, *, device: str = "cpu") -> VisionEncoder:
@@ -114,7 +117,12 @@ class VisionEncoder:
                 output = self.vision_model.get_image_features(
                     features["pixel_values"].to(self.device), grid.to(self.device), return_dict=True
                 )
-                return EncodedImage(output.pooler_output[0], tuple(int(n) for n in grid[0]))  # type: ignore[arg-type]
+                embedding = output.pooler_output[0]
+                if self.deepstack:
+                    embedding = torch.cat(
+                        [embedding, *(layer[0] for layer in output.deepstack_features)], dim=-1
+                    )
+                return EncodedImage(embedding, tuple(int(n) for n in grid[0]))  # type: ignore[arg-type]
             pixels = {
                 name: features[name].to(self.device)
                 for name in ("pixel_values", "image_sizes")
@@ -125,7 +133,7 @@ class VisionEncoder:
 
 
 def vision_tower(inner_model: Any, model_type: str) -> torch.nn.Module:
-    return getattr(inner_model, (VISION_PARTS.get(model_type) or SERVED_ONLY_TOWERS[model_type])[0])
+    return getattr(inner_model, VISION_PARTS[model_type][0])
 
 
 def load_vision_parts(inner_model: Any, model_dir: Path, *, device: str, dtype: Any) -> None:
@@ -164,13 +172,11 @@ def load_vision_parts(inner_model: Any, model_dir: Path, *, device: str, dtype: 
 
 
 def _rebuild(meta_module: Any, config: Any, dtype: Any) -> Any:
-    from transformers import AutoModel, PreTrainedModel
+    from transformers import PreTrainedModel
 
     if isinstance(meta_module, PreTrainedModel):
-        sub_config = meta_module.config
-        if type(meta_module).__name__.endswith("VisionTransformerPretrainedModel"):
-            return type(meta_module)._from_config(sub_config, dtype=dtype)  # Qwen's tower and merger
-        return AutoModel.from_config(sub_config, dtype=dtype)  # LLaVA's CLIP tower
+        # The same class on its own config: Qwen's tower with its mergers, LLaVA's CLIP tower.
+        return type(meta_module)._from_config(meta_module.config, dtype=dtype)
     return type(meta_module)(config).to(dtype)  # LLaVA's projector takes the whole config
 
 
