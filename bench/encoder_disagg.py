@@ -13,9 +13,12 @@ The workload, and why it is shaped so:
   IMAGES_PER_REQUEST new images (IMAGE_SIDE pixels square, served by a local origin; never seen
   before, so every image is encoded) and a short question. With the heavy tower, encoding is most
   of such a request's cost, as with a real model on a GPU.
-- A text-only stream beside it: TEXT_USERS closed-loop users sending short distinct questions for
-  as long as the image stream runs. In the aggregated mode a text request routed to a worker that
-  is encoding waits behind the vision tower; in E/PD the LLM worker never encodes.
+- A text-only stream beside it: TEXT_USERS users each sending a short distinct question every
+  TEXT_INTERVAL_S (or as soon as the previous one is answered, if that is later) for as long as
+  the image stream runs: the same offered text load in both modes (a closed loop would send many
+  more text requests in E/PD, whose CPU then competes with the encoder). In the aggregated mode a
+  text request routed to a worker that is encoding waits behind the vision tower; in E/PD the
+  LLM worker never encodes.
 - max_tokens is MAX_TOKENS, so the figures are about the time to the first token. Each mode
   starts the platform afresh (empty caches); TTFT is measured at the client (streamed).
 """
@@ -56,6 +59,7 @@ IMAGE_SIDE = 336  # 144 image tokens each with the demo's patch 14, merge 2
 IMAGES_PER_REQUEST = 3
 IMAGE_USERS = 2
 TEXT_USERS = 2
+TEXT_INTERVAL_S = 0.5
 IMAGE_REQUESTS = {"full": 6, "quick": 3}  # per image user
 MAX_TOKENS = 4
 SEED = 1313
@@ -179,11 +183,13 @@ def send(client: httpx.Client, base_url: str, body: dict) -> tuple[float, float]
     return first - sent, time.perf_counter() - sent
 
 
-def run_streams(base_url: str, headers: dict[str, str], image_urls: list[list[str]]) -> ModeResult:
+def run_streams(
+    base_url: str, headers: dict[str, str], image_urls: list[list[str]], image_users: int
+) -> ModeResult:
     result = ModeResult("")
     lock = threading.Lock()
     images_done = threading.Event()
-    plans = [image_urls[user::IMAGE_USERS] for user in range(IMAGE_USERS)]
+    plans = [image_urls[user::image_users] for user in range(image_users)]
 
     def record(stream: str, body: dict, client: httpx.Client) -> None:
         try:
@@ -204,7 +210,10 @@ def run_streams(base_url: str, headers: dict[str, str], image_urls: list[list[st
         rng = random.Random(f"text-{user}")
         with httpx.Client(timeout=180, headers=headers) as client:
             n = 0
+            next_at = time.perf_counter() + user * TEXT_INTERVAL_S / TEXT_USERS
             while not images_done.is_set() or n == 0:
+                time.sleep(max(0.0, next_at - time.perf_counter()))
+                next_at = time.perf_counter() + TEXT_INTERVAL_S
                 words = " ".join(rng.choice(_WORDS) for _ in range(12))
                 record("text", chat_body(f"User {user} asks {n}: {words}?", []), client)
                 n += 1
@@ -223,7 +232,9 @@ def run_streams(base_url: str, headers: dict[str, str], image_urls: list[list[st
     return result
 
 
-def run_mode(mode: str, model: Path, redis_url: str, image_urls: list[list[str]]) -> ModeResult:
+def run_mode(
+    mode: str, model: Path, redis_url: str, image_urls: list[list[str]], image_users: int
+) -> ModeResult:
     namespace = f"bench:epd:{uuid.uuid4().hex[:10]}:"
     workers = MODES[mode]
     with tempfile.TemporaryDirectory(prefix=f"epd-{mode}-") as tmp:
@@ -245,7 +256,7 @@ def run_mode(mode: str, model: Path, redis_url: str, image_urls: list[list[str]]
             # One request of each kind first, so neither mode's figures include lazy start-up work.
             with httpx.Client(timeout=180, headers=platform.headers) as client:
                 send(client, base_url, chat_body("Warm up.", []))
-            result = run_streams(base_url, platform.headers, image_urls)
+            result = run_streams(base_url, platform.headers, image_urls, image_users)
             result.mode = mode
             time.sleep(1.2)  # counters are written as they happen; let the last ones land
             pool = EncoderPool(redis.Redis.from_url(redis_url), namespace)
@@ -276,7 +287,11 @@ def heavy_model(scratch: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer image requests per user")
+    parser.add_argument(
+        "--image-users", type=int, default=IMAGE_USERS, help=f"concurrent image users (default {IMAGE_USERS})"
+    )
     args = parser.parse_args(argv)
+    image_users = args.image_users
     per_user = IMAGE_REQUESTS["quick" if args.quick else "full"]
     redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
 
@@ -291,15 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     origin.add(f"/{mode}-{r}-{i}.png", noise_png(offset + r * IMAGES_PER_REQUEST + i))
                     for i in range(IMAGES_PER_REQUEST)
                 ]
-                for r in range(per_user * IMAGE_USERS)
+                for r in range(per_user * image_users)
             ]
-            results[mode] = run_mode(mode, model, redis_url, image_urls)
+            results[mode] = run_mode(mode, model, redis_url, image_urls, image_users)
 
     agg, epd = results["agg"], results["epd"]
     print(
-        f"\n{IMAGE_USERS} image users x {per_user} requests of {IMAGES_PER_REQUEST} new {IMAGE_SIDE}px "
-        f"images, {TEXT_USERS} text users alongside; max_tokens {MAX_TOKENS}; heavy vision tower; "
-        "one torch thread per worker"
+        f"\n{image_users} image users x {per_user} requests of {IMAGES_PER_REQUEST} new {IMAGE_SIDE}px "
+        f"images, {TEXT_USERS} text users alongside (one request each per {TEXT_INTERVAL_S:g} s); "
+        f"max_tokens {MAX_TOKENS}; heavy vision tower; one torch thread per worker"
     )
     print(
         f"{'mode':<5} {'img p50':>8} {'img p90':>8} {'txt p50':>8} {'txt p90':>8} {'img n':>6} {'txt n':>6}"
