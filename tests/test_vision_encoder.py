@@ -292,3 +292,15 @@ def test_qwen3_vl_features_carry_their_deepstack_layers_as_the_engine_packs_them
     fed = fresh_engine(whole.model, whole.processor, whole.model_name, load_image=refuse_to_load)
     result = fed.generate(GenerationRequest(request_id="b", prompt=prompt, images=[received], max_tokens=8))
     assert result.text == aggregated.text and result.embeddings_received == 1
+
+
+@pytest.mark.parametrize("role", ["encode", "llm"])
+def test_run_worker_refuses_a_split_role_for_a_family_whose_tower_cannot_be_served_apart(
+    tmp_path: Path, role: str
+) -> None:
+    from django.core.management import CommandError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama"}))
+
+    with pytest.raises(CommandError, match="use --role both"):
+        call_command("run_worker", "--name", "w", "--role", role, "--model-path", str(tmp_path))

@@ -13,6 +13,7 @@ heartbeat to lapse, which drops the worker from the live set on its own.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -82,6 +83,15 @@ class Command(BaseCommand):
                 f"no model at {model_path}: run `python manage.py build_demo_model {model_path}` "
                 "or point MODEL_PATH at a checkpoint directory"
             )
+        if options["role"] != ROLE_BOTH:
+            from workers.vision_encoder import VISION_PARTS
+
+            model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
+            if model_type not in VISION_PARTS:
+                raise CommandError(
+                    f"--role {options['role']} needs a family whose vision tower can be served apart "
+                    f"({', '.join(sorted(VISION_PARTS))}); {model_path} is {model_type!r}: use --role both"
+                )
 
         from workers.disaggregation import TowerCounter
         from workers.runtime import build_image_loader, install_runtime
