@@ -209,3 +209,37 @@ def test_qwen3_vl_images_answer_as_generate_and_reuse_their_prefix(qwen3_parts):
     again = engine.generate(request("What else is in it?"))
     assert again.encoder_calls == 0 and again.cached_tokens > 0
     assert again.text == build().generate(request("What else is in it?")).text
+
+
+def test_videos_batched_together_and_prefilled_in_small_chunks_answer_as_alone(family):
+    # given an engine whose step budget cuts every video prompt into chunks of 24 tokens, so chunk
+    # boundaries fall inside the videos (and, for Qwen3-VL, between their timestamps and frames)
+    engine = family()
+    engine.scheduler.max_batch_tokens = 24
+    clips = [Clip(engine.video, seed=seed) for seed in (3, 4)]
+    questions = ["What happens in this clip?", "Which colours do you see?"]
+    alone = [
+        reference_generate(engine, clip, question, 8) for clip, question in zip(clips, questions, strict=True)
+    ]
+    # when both are submitted at once and run in the same steps
+    handles = [
+        engine.submit(
+            GenerationRequest(
+                request_id=f"batched-{n}",
+                prompt=chat(VIDEO + question),
+                images=[],
+                max_tokens=8,
+                videos=[clip.input],
+            )
+        )
+        for n, (clip, question) in enumerate(zip(clips, questions, strict=True))
+    ]
+    results = []
+    for handle in handles:
+        while (event := handle.events.get(timeout=120))[0] not in ("done", "error"):
+            pass
+        assert event[0] == "done", event
+        results.append(event[1])
+    # then each answer is what transformers' generate gives that request alone
+    assert [result.text for result in results] == alone
+    assert engine.running_peak == 2

@@ -26,7 +26,9 @@ from routing.video_layouts import (
     video_layout_for_config,
 )
 
-CASES_PER_FAMILY = 600
+# Per settings row; each family is checked under three rows, so on 900 cases (the refused ones
+# checked to be refused alike), at least 750 of them laid out.
+CASES_PER_SETTINGS = 300
 # Common frame rates, including the NTSC fractions PyAV reports as floats.
 FRAME_RATES = (24.0, 25.0, 30.0, 60.0, 30000 / 1001, 24000 / 1001, 12.5, 15.0, 8.0, 1.0, 5.0, 120.0, 29.97)
 
@@ -73,7 +75,7 @@ def _cases(seed: int) -> list[tuple[int, int, int, float]]:
     """(frames, width, height, fps): short and long clips, tiny to 4K frames, odd shapes."""
     rng = random.Random(seed)
     cases = []
-    for n in range(CASES_PER_FAMILY):
+    for n in range(CASES_PER_SETTINGS):
         fps = rng.choice(FRAME_RATES) if n % 5 else round(rng.uniform(0.5, 90.0), 3)
         frames = rng.choice([rng.randint(2, 40), rng.randint(40, 2000), rng.randint(2000, 20000)])
         if n % 7 == 0:
@@ -138,7 +140,7 @@ def test_qwen2_vl_sampling_and_token_counts_equal_transformers_video_processor(m
         )
         assert expansion.timestamps == ()
         checked += 1
-    assert checked >= 500
+    assert checked >= 250
 
 
 QWEN3_SETTINGS = [
@@ -191,7 +193,7 @@ def test_qwen3_vl_sampling_token_counts_and_timestamps_equal_transformers(settin
         )
         assert ours == expected_text, (frames, width, height, video_fps)
         checked += 1
-    assert checked >= 500
+    assert checked >= 250
 
 
 def _tensor(rows):
