@@ -1,4 +1,4 @@
-"""The operators' live dashboard in the admin: /admin/dashboard/ and the JSON it polls every 2 s.
+"""The operators' live dashboard in the admin: /admin/dashboard/ and the JSON it polls.
 
 Both are staff-only through `admin.site.admin_view`; `inference_platform.urls` mounts them
 under admin/ ahead of the admin's own URLs.
@@ -13,15 +13,16 @@ from django.conf import settings
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
-from django.urls import path
+from django.urls import path, reverse
 from django.views.decorators.http import require_GET
 
 from routing.cache_stats import CACHES
-from routing.dashboard import DEFAULT_MINUTES, MAX_MINUTES, Snapshot, shared_reader
+from routing.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
 from routing.models import Worker
 from routing.redis_keys import redact_text, redact_url, sync_client
 
-POLL_INTERVAL_MS = 2000
+POLL_INTERVAL_MS = 5000
+DASHBOARD_DEFAULT_MINUTES = 60
 CACHE_TITLES = {
     "kv": "KV prefix",
     "embedding": "Embeddings",
@@ -38,9 +39,9 @@ def deployment_snapshot(minutes: int) -> Snapshot:
 
 def _minutes(request: HttpRequest) -> int:
     try:
-        minutes = int(request.GET.get("minutes", DEFAULT_MINUTES))
+        minutes = int(request.GET.get("minutes", DASHBOARD_DEFAULT_MINUTES))
     except ValueError:
-        return DEFAULT_MINUTES
+        return DASHBOARD_DEFAULT_MINUTES
     return min(max(minutes, 1), MAX_MINUTES)
 
 
@@ -56,29 +57,119 @@ def percent(rate: float | None) -> str:
     return "—" if rate is None else f"{rate * 100:.1f}%"
 
 
+def window_label(minutes: int) -> str:
+    if minutes % 60 == 0:
+        hours = minutes // 60
+        return f"{hours} hour" if hours == 1 else f"{hours} hours"
+    return f"{minutes} minutes" if minutes != 1 else "1 minute"
+
+
+def short_window_label(minutes: int) -> str:
+    return f"{minutes // 60} h" if minutes % 60 == 0 else f"{minutes} min"
+
+
+def milliseconds(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def rate(value: float) -> str:
+    """As dashboard.js writes it: small rates keep two significant digits."""
+    if value == 0:
+        return "0"
+    if value < 0.01:
+        return f"{value:.2g}"
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
+
+
+# (key, label): the big numbers, in the order shown; dashboard.js formats them the same way.
+NUMBERS: tuple[tuple[str, str], ...] = (
+    ("requests", "Requests"),
+    ("errors", "Errors"),
+    ("requests_per_s", "Requests/s"),
+    ("tokens_per_s", "Tokens/s"),
+    ("ttft_p50", "TTFT p50"),
+    ("ttft_p99", "TTFT p99"),
+    ("hit_kv", "KV prefix hit rate"),
+    ("hit_embedding", "Embedding hit rate"),
+    ("hit_local_image", "Local image hit rate"),
+    ("hit_shared_image", "Shared image hit rate"),
+    ("overlap_given_up", "Overlap given up"),
+)
+# (key, title, unit, note): the charts; dashboard.js draws each from the snapshot.
+CHARTS: tuple[tuple[str, str, str, str], ...] = (
+    ("cache_hit_rates", "Cache hit rates, all workers", "%", ""),
+    ("kv_per_worker", "KV prefix hit rate per worker", "%", ""),
+    ("ttft", "Time to first token", "ms", ""),
+    ("throughput", "Requests and tokens", "per second", ""),
+    ("errors", "Errors by status", "requests per minute", ""),
+    (
+        "overlap",
+        "Routing: overlap given up",
+        "KV blocks per minute",
+        "The best eligible worker's cached prefix minus the chosen one's, as the router records it "
+        "(mmr_routing_overlap_given_up_blocks); empty until the router records it.",
+    ),
+)
+
+
+def big_numbers(snapshot: Snapshot) -> list[dict[str, str]]:
+    window = snapshot["window"]
+    totals = window["totals"]
+    given_up = totals["overlap_given_up_blocks"]
+    values = {
+        "requests": str(totals["requests"]),
+        "errors": str(totals["errors"]),
+        "requests_per_s": rate(totals["requests_per_s"]),
+        "tokens_per_s": rate(totals["tokens_per_s"]),
+        "ttft_p50": milliseconds(totals["ttft"]["p50"]),
+        "ttft_p99": milliseconds(totals["ttft"]["p99"]),
+        **{f"hit_{cache}": percent(window["caches"][cache]["hit_rate"]) for cache in CACHES},
+        "overlap_given_up": "—" if given_up is None else f"{given_up} blocks",
+    }
+    return [{"key": key, "label": label, "value": values[key]} for key, label in NUMBERS]
+
+
+def scope_text(worker: dict[str, Any]) -> str:
+    if worker["session_scoped"] is None:
+        return "—"
+    return "scoped" if worker["session_scoped"] else "not scoped"
+
+
 @require_GET
 def dashboard_page(request: HttpRequest) -> HttpResponse:
     minutes = _minutes(request)
     snapshot, error = _read(minutes)
     context: dict[str, Any] = {
         **admin.site.each_context(request),
+        # The charts need the width more than a dashboard page needs the models' sidebar.
+        "is_nav_sidebar_enabled": False,
         "title": "Live dashboard",
         "redis_url": redact_url(settings.REDIS_URL),
         "key_prefix": settings.REDIS_KEY_PREFIX,
         "minutes": minutes,
+        "window_label": window_label(minutes),
+        "windows": [{"minutes": m, "label": short_window_label(m)} for m in WINDOWS],
         "poll_interval_ms": POLL_INTERVAL_MS,
         "error": error,
         "snapshot": snapshot,
-        "cache_titles": CACHE_TITLES,
+        "dashboard_config": {
+            "dataUrl": f"{reverse('admin-dashboard-data')}?minutes={minutes}",
+            "pollMs": POLL_INTERVAL_MS,
+            "minutes": minutes,
+            "cacheTitles": CACHE_TITLES,
+            "numbers": NUMBERS,
+        },
+        "charts": [{"key": k, "title": t, "unit": u, "note": n} for k, t, u, n in CHARTS],
         # The first paint comes from the server, so the page reads right before any script runs.
-        "caches": [
-            {"key": cache, "title": title, "rate": percent(snapshot["caches"][cache]["hit_rate"])}
-            for cache, title in CACHE_TITLES.items()
-        ]
-        if snapshot
-        else [],
+        "numbers": big_numbers(snapshot) if snapshot else [],
+        "configuration": snapshot["configuration"] if snapshot else {"problems": []},
         "workers": [
-            {**worker, "rates": [percent(worker["caches"][cache]["hit_rate"]) for cache in CACHES]}
+            {
+                **worker,
+                "rates": [percent(worker["window_caches"][cache]["hit_rate"]) for cache in CACHES],
+                "scope_text": scope_text(worker),
+                "shared_text": worker["shared_image_cache"] or "—",
+            }
             for worker in snapshot["workers"]
         ]
         if snapshot

@@ -8,17 +8,29 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.http import HttpResponseRedirect
 from django.urls import reverse
+from django.utils.html import escape
 
 from routing.models import RoutingPolicySettings, Worker
 from routing.redis_keys import redact_text, sync_client
 from routing.registry import WorkerRegistry
 
 
+class EscapedHelpTexts:
+    """The admin renders a field's help text as HTML: escape it, so `worker.<name>` reads as written."""
+
+    def formfield_for_dbfield(self, db_field, request, **kwargs):
+        formfield = super().formfield_for_dbfield(db_field, request, **kwargs)
+        if formfield is not None and formfield.help_text:
+            formfield.help_text = escape(formfield.help_text)
+        return formfield
+
+
 @admin.register(Worker)
-class WorkerAdmin(admin.ModelAdmin):
+class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
+    # Fits 1,400 px without scrolling sideways; block size, host and pid are on each worker's page.
     list_display = (
-        "name", "live", "role", "enabled", "draining", "device", "model_name", "block_size",
-        "session_scoped", "shared_image_cache", "host", "pid",
+        "name", "live", "role", "enabled", "draining", "device", "model_name", "session_scoped",
+        "shared_image_cache",
     )  # fmt: skip
     list_editable = ("enabled", "draining")
     list_filter = ("role", "enabled", "draining", "device")
@@ -50,7 +62,7 @@ class WorkerAdmin(admin.ModelAdmin):
             return None
         return worker.name in getattr(self, "_alive", {})
 
-    @admin.display(boolean=True, description="Session-scoped caches")
+    @admin.display(boolean=True, description="Scoped caches")
     def session_scoped(self, worker: Worker) -> bool | None:
         beat = getattr(self, "_alive", {}).get(worker.name)
         return None if beat is None else beat.session_scoped
@@ -62,15 +74,19 @@ class WorkerAdmin(admin.ModelAdmin):
 
     @admin.action(description="Drain: finish current work, take nothing new")
     def drain(self, request, queryset) -> None:
+        names = ", ".join(sorted(queryset.values_list("name", flat=True)))
         queryset.update(draining=True)
+        self.message_user(request, f"Draining: {names}.")
 
     @admin.action(description="Enable and stop draining")
     def enable(self, request, queryset) -> None:
+        names = ", ".join(sorted(queryset.values_list("name", flat=True)))
         queryset.update(enabled=True, draining=False)
+        self.message_user(request, f"Enabled, not draining: {names}.")
 
 
 @admin.register(RoutingPolicySettings)
-class RoutingPolicyAdmin(admin.ModelAdmin):
+class RoutingPolicyAdmin(EscapedHelpTexts, admin.ModelAdmin):
     """One row: the list page opens it, created from the environment's settings the first time."""
 
     fields = (

@@ -133,6 +133,7 @@ class DashboardReader:
         return {
             "generated_at": now,
             "minutes": minutes,
+            "configuration": configuration_check(workers),
             "series_start": minute_starts[0] if minute_starts else None,
             "workers": workers,
             # Lifetime totals (what /metrics exposes) ...
@@ -239,8 +240,40 @@ def _worker_entry(
         "cached_blocks": cached_blocks,
         "capacity_blocks": capacity,
         "cache_fill": cached_blocks / capacity if capacity else None,
+        # Session-scope configuration as the process reports it (None: no heartbeat to say).
+        "session_scoped": beat.session_scoped if beat else None,
+        "shared_image_cache": beat.shared_image_cache if beat else None,  # redacted by the worker
         "caches": {cache: _with_rate(cache, totals[cache]) for cache in CACHES},
+        "window_caches": {cache: _with_rate(cache, _summed(series[cache])) for cache in CACHES},
         "series": {cache: [hit_rate(cache, counts) for counts in series[cache]] for cache in CACHES},
+    }
+
+
+def configuration_check(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Session-scope settings that disagree between live workers: a misconfiguration.
+
+    One worker scoped and another not means a session's images are private on one and shared on
+    the other; workers on different shared caches never see each other's images.
+    """
+    live = [w for w in workers if w["live"]]
+    scoped = sorted(w["name"] for w in live if w["session_scoped"])
+    unscoped = sorted(w["name"] for w in live if not w["session_scoped"])
+    caches = sorted({w["shared_image_cache"] for w in live})
+    problems = []
+    if scoped and unscoped:
+        problems.append(
+            f"Session-scoped caches are on for {', '.join(scoped)} but off for {', '.join(unscoped)}: "
+            "set DYN_MM_IMAGE_CACHE_SESSION_SCOPED the same on every worker."
+        )
+    if len(caches) > 1:
+        problems.append(
+            f"Workers use {len(caches)} different shared image caches ({', '.join(caches)}): "
+            "they cannot share fetched images."
+        )
+    return {
+        "session_scope_mismatch": bool(scoped and unscoped),
+        "shared_cache_mismatch": len(caches) > 1,
+        "problems": problems,
     }
 
 

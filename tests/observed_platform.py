@@ -11,6 +11,7 @@ import io
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -42,6 +43,10 @@ class Ledger:
     kv_hits: int = 0  # requests whose prompt found a cached prefix (the worker counts these)
     statuses: dict[int, int] = field(default_factory=dict)
     history_requests: int = 0  # requests a test recorded as answered long ago (never sent now)
+    answered_at: list[float] = field(default_factory=list)  # when each request was answered
+
+    def requests_since(self, unix: float) -> int:
+        return sum(1 for at in self.answered_at if at >= unix)
 
 
 class ObservedPlatform:
@@ -71,6 +76,7 @@ class ObservedPlatform:
             f"{self.base_url}/v1/chat/completions", json=body, headers=self.processes.headers, timeout=60
         )
         ledger = self.ledger
+        ledger.answered_at.append(time.time())
         ledger.requests += 1
         ledger.statuses[response.status_code] = ledger.statuses.get(response.status_code, 0) + 1
         if response.status_code == 200:
