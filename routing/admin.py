@@ -62,12 +62,12 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
             return None
         return worker.name in getattr(self, "_alive", {})
 
-    @admin.display(boolean=True, description="Scoped caches")
+    @admin.display(boolean=True, description="Scoped")
     def session_scoped(self, worker: Worker) -> bool | None:
         beat = getattr(self, "_alive", {}).get(worker.name)
         return None if beat is None else beat.session_scoped
 
-    @admin.display(description="Shared image cache")
+    @admin.display(description="Shared cache")
     def shared_image_cache(self, worker: Worker) -> str:
         beat = getattr(self, "_alive", {}).get(worker.name)
         return "" if beat is None else beat.shared_image_cache  # already redacted by the worker
