@@ -22,6 +22,7 @@ from tests.video_files import (
     data_url,
     empty_clip,
     endless_stream,
+    faststart_clip,
     huge_frame_clip,
     make_clip,
     playlist_pointing_at,
@@ -89,6 +90,7 @@ def _hostile() -> dict[str, tuple[bytes, VideoLimits]]:
     clip = make_clip(frames=24)
     return {
         "truncated": (clip[: len(clip) // 2], LIMITS),
+        "truncated_after_its_index": (faststart_clip()[:12_000], LIMITS),
         "garbage": (b"\x00\x00\x00\x18ftypmp42" + b"\xff" * 4000, LIMITS),
         "zero_frames": (empty_clip(), LIMITS),
         "huge_dimensions": (huge_frame_clip(), LIMITS),
@@ -106,6 +108,7 @@ def hostile():
     "name, code",
     [
         ("truncated", "video_undecodable"),
+        ("truncated_after_its_index", "video_truncated"),
         ("garbage", "video_undecodable"),
         ("zero_frames", "video_undecodable"),
         ("huge_dimensions", "video_frame_too_large"),

@@ -47,6 +47,28 @@ def make_clip(
     return buffer.getvalue()
 
 
+def faststart_clip(frames: int = 48, width: int = 64, height: int = 48, fps: int = 12) -> bytes:
+    """An MP4 with its index first (as streamed files are): cut short, it still declares every frame."""
+    import tempfile
+    from pathlib import Path
+
+    import av
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "clip.mp4"  # faststart rewrites the file: it needs a real one
+        with av.open(str(path), mode="w", options={"movflags": "faststart"}) as output:
+            stream = output.add_stream("libx264", rate=fps)
+            stream.width, stream.height = width, height
+            stream.pix_fmt = "yuv420p"
+            stream.options = {"preset": "ultrafast"}
+            for image in clip_frames(frames, width, height):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                    output.mux(packet)
+            for packet in stream.encode():
+                output.mux(packet)
+        return path.read_bytes()
+
+
 def data_url(data: bytes, mime: str = "video/mp4") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
