@@ -3,6 +3,10 @@
 The web process never imports the worker's code: it picks a worker, sends the Celery task by
 name to that worker's queue, then reads the request's response stream in Redis, watching the
 worker's heartbeat so a vanished worker becomes a deliberate 502/503 and a silent one a 504.
+
+A worker that vanishes before the request's first token costs the client nothing: the request
+migrates to another eligible worker (at most REQUEST_MIGRATION_LIMIT times), under a new task id
+so the dead worker's stale copy, should its name come back, finds itself cancelled.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -50,6 +54,25 @@ class Dispatch:
     overlap_blocks: int = 0
     prefill_done: bool = False
     media: list[MediaRef] = field(default_factory=list)  # the request's blobs in the side store
+    # The id the worker answers under: the request id, then `<id>-m<n>` after each migration.
+    task_id: str = ""
+    migrations: int = 0
+    tried: list[str] = field(default_factory=list)  # workers that had the request, in order
+    # Sends the request to another eligible worker (serving.py builds it); False if none is left.
+    migrate: Callable[[Dispatch], Awaitable[bool]] | None = None
+
+    def __post_init__(self) -> None:
+        self.task_id = self.task_id or self.request_id
+        if not self.tried:
+            self.tried.append(self.worker)
+
+
+class WorkerLost(Exception):
+    """The worker vanished before the request's first token: the request may go elsewhere."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def registry() -> WorkerRegistry:
@@ -207,19 +230,36 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     silent past the timeouts gives a 504. In each case the worker is asked to stop.
     """
     load = router().load
-    rid, worker = dispatch.request_id, dispatch.worker
+    rid = dispatch.request_id
     try:
-        async for event in _follow(dispatch):
-            if event.type == TOKEN and not dispatch.prefill_done:
-                # The first token ends prefill: the request's load moves from prefill to decode.
-                dispatch.prefill_done = True
-                await asyncio.to_thread(load.prefill_done, worker, rid)
-            yield event
+        while True:
+            worker = dispatch.worker
+            try:
+                async for event in _follow(dispatch):
+                    if event.type == TOKEN and not dispatch.prefill_done:
+                        # The first token ends prefill: the request's load moves from prefill to decode.
+                        dispatch.prefill_done = True
+                        await asyncio.to_thread(load.prefill_done, worker, rid)
+                    yield event
+                return
+            except WorkerLost as lost:
+                if dispatch.migrate is None or dispatch.migrations >= settings.REQUEST_MIGRATION_LIMIT:
+                    raise lost.error from None
+                await asyncio.to_thread(load.free, worker, rid)
+                if not await dispatch.migrate(dispatch):
+                    raise lost.error from None
+                logger.warning(
+                    "request %s: worker %s went away before its first token; migrated to %s",
+                    rid,
+                    worker,
+                    dispatch.worker,
+                )
     except redis.RedisError as exc:
         raise state_unavailable(rid, exc) from exc
     finally:
         # Done, failed, timed out or the client went away: the worker's load is freed (and
         # if Redis is gone too, the entry expires on its own).
+        worker = dispatch.worker
         try:
             await asyncio.shield(asyncio.to_thread(load.free, worker, rid))
         except redis.RedisError:
@@ -240,9 +280,10 @@ def state_unavailable(request_id: str, exc: Exception) -> ApiError:
 async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     client = async_client(settings.REDIS_URL)
     namespace = settings.REDIS_KEY_PREFIX
-    rid, worker = dispatch.request_id, dispatch.worker
+    rid, worker = dispatch.task_id, dispatch.worker
     last_id = "0-0"
     started = False
+    produced = False  # a token reached the client: from here the request cannot move
     timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
     deadline = time.monotonic() + timeout
     while True:
@@ -252,7 +293,7 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
             if event.type == STARTED:
                 started = True
             elif event.type == TOKEN:
-                started = True
+                started = produced = True
                 timeout = settings.REQUEST_TOKEN_TIMEOUT_SECS
                 deadline = time.monotonic() + timeout
             if event.type in (DONE, ERROR):
@@ -273,12 +314,23 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
             )
         if not await client.exists(heartbeat_key(namespace, worker)):
             await request_cancel(rid)
-            if started:
+            shown = dispatch.request_id
+            if produced:
                 raise ApiError(
-                    502, f"Worker {worker} stopped while answering request {rid}.", code="worker_vanished"
+                    502, f"Worker {worker} stopped while answering request {shown}.", code="worker_vanished"
                 )
-            raise ApiError(
-                503,
-                f"Worker {worker} went away before starting request {rid}; retry it.",
-                code="worker_vanished",
+            if started:
+                raise WorkerLost(
+                    ApiError(
+                        502,
+                        f"Worker {worker} stopped before answering request {shown}.",
+                        code="worker_vanished",
+                    )
+                )
+            raise WorkerLost(
+                ApiError(
+                    503,
+                    f"Worker {worker} went away before starting request {shown}; retry it.",
+                    code="worker_vanished",
+                )
             )

@@ -567,6 +567,7 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
         overlap_blocks=decision.overlap,
     )
     media, video_media = await store_media(prepared, dispatch)
+    task: GenerateTask | None = None
     try:
         task = prepared.generate_task(request_id, scope_key, media, video_media)
         # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
@@ -579,6 +580,7 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
         raise
     # Counted only once the task is queued, so a refused send leaves no phantom load behind.
     await asyncio.to_thread(router().dispatch, decision, request_id, view.prompt_tokens, view.block_size)
+    dispatch.migrate = _migration(prepared, scope_key, task)
     logger.info(
         "request %s of %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, %s)",
         request_id,
@@ -590,6 +592,34 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
         decision.reason,
     )
     return dispatch
+
+
+def _migration(prepared: PreparedRequest, scope_key: str | None, task: GenerateTask):
+    """How this request moves to another worker when its worker dies before the first token."""
+
+    async def migrate(dispatch: Dispatch) -> bool:
+        view = prepared.view
+        workers = await eligible_workers(prepared.model.name, view.block_size)
+        for tried in dispatch.tried:
+            workers.pop(tried, None)
+        if not workers:
+            return False
+        decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
+        dispatch.migrations += 1
+        dispatch.task_id = f"{dispatch.request_id}-m{dispatch.migrations}"
+        dispatch.worker = decision.worker
+        dispatch.tried.append(decision.worker)
+        dispatch.total_blocks, dispatch.overlap_blocks = decision.total_blocks, decision.overlap
+        dispatch.prefill_done = False
+        moved = dataclasses.replace(task, request_id=dispatch.task_id, dispatched_at=time.time())
+        await send_to_worker(decision.worker, moved)
+        await asyncio.to_thread(
+            router().dispatch, decision, dispatch.request_id, view.prompt_tokens, view.block_size
+        )
+        telemetry.inc("request_migrations", labels={"worker": decision.worker})
+        return True
+
+    return migrate
 
 
 async def store_media(

@@ -139,6 +139,8 @@ EPD_ENCODE_WAIT_SECS = env_float("EPD_ENCODE_WAIT_SECS", 30.0, positive=True)
 REQUEST_FIRST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_FIRST_TOKEN_TIMEOUT_SECS", 120.0, positive=True)
 REQUEST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_TOKEN_TIMEOUT_SECS", 60.0, positive=True)
 MAX_TOKENS_LIMIT = env_int("MAX_TOKENS_LIMIT", 4096, minimum=1)
+# A request whose worker dies before its first token goes to another worker, at most this often.
+REQUEST_MIGRATION_LIMIT = env_int("REQUEST_MIGRATION_LIMIT", 2, minimum=0)
 
 # --- API keys and tenants ----------------------------------------------------------------------
 # Every /v1/* call needs a tenant's key. Off only for a local demo: the admin and the start-up

@@ -117,6 +117,14 @@ ROUTING_DECISIONS = declare(
         ("worker", "reason"),
     )
 )
+REQUEST_MIGRATIONS = declare(
+    Metric(
+        "request_migrations",
+        "counter",
+        "Requests moved to another worker because theirs died before the first token, by new worker.",
+        ("worker",),
+    )
+)
 # The routing quality figure (issue 10 computes it: the best eligible worker's overlap minus
 # the chosen worker's, in KV blocks). Declared here so dashboards and alerts can name it.
 ROUTING_OVERLAP_GIVEN_UP = declare(

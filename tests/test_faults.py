@@ -1,0 +1,89 @@
+"""Faults injected into the real platform (worker and server processes, Redis): what the client
+gets, that nothing hangs past its deadline, and that load counters come back to zero.
+
+Each test starts a platform of its own, because each kills or freezes part of it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def chat(platform, text: str, *, max_tokens: int = 4, stream: bool = False) -> httpx.Response:
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    return httpx.post(
+        f"{platform.base_url}/v1/chat/completions", json=body, headers=platform.headers, timeout=90
+    )
+
+
+def set_enabled(platform, worker: str, enabled: bool) -> None:
+    """What an operator's click in the admin does: the row every frontend reads."""
+    with sqlite3.connect(platform.tmp / "db.sqlite3", timeout=20) as db:
+        db.execute("UPDATE routing_worker SET enabled = ? WHERE name = ?", (int(enabled), worker))
+
+
+def active_requests(platform) -> dict[bytes, bytes]:
+    return platform.redis.hgetall(f"{platform.namespace}load:requests")
+
+
+def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_another(
+    platform_processes,
+):
+    # given two workers, the requests going to "doomed" while "spare" is disabled
+    platform = platform_processes(REQUEST_FIRST_TOKEN_TIMEOUT_SECS="60")
+    platform.start_worker("doomed")
+    platform.start_worker("spare")
+    platform.wait_for_workers("doomed", "spare")
+    platform.start_server()
+    set_enabled(platform, "spare", False)
+    assert chat(platform, "warm up").headers["X-Routed-Worker"] == "doomed"
+
+    # when doomed freezes with four requests queued, and is then killed (mid-load, no token out)
+    platform.stop_worker("doomed", signal.SIGSTOP, wait=False)
+    answers: dict[int, httpx.Response] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = chat(platform, f"Question number {i} about rivers", stream=i % 2 == 1)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.8)  # dispatched to doomed while its heartbeat was still fresh
+    set_enabled(platform, "spare", True)
+    platform.stop_worker("doomed", signal.SIGKILL)
+    started = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    # then every request was answered 200 by spare, transparently, streams included
+    assert time.monotonic() - started < 30
+    assert sorted(answers) == [0, 1, 2, 3]
+    for i, response in answers.items():
+        assert response.status_code == 200, response.text
+        assert response.headers.get("X-Request-Id")
+        if i % 2 == 0:
+            assert response.headers["X-Routed-Worker"] == "spare"
+            assert response.json()["usage"]["completion_tokens"] > 0
+        else:
+            assert '"error"' not in response.text and response.text.endswith("data: [DONE]\n\n")
+            assert '"content"' in response.text
+    # and the load of every request came back to zero on both workers
+    deadline = time.monotonic() + 5
+    while active_requests(platform) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert active_requests(platform) == {}
+    assert "migrated to spare" in platform.log("server")
