@@ -241,6 +241,9 @@ def decode_video(
         _check_total_pixels(len(indices) * width * height, limits)
         _check_total_pixels(len(indices) * expansion.resized_width * expansion.resized_height, limits)
         stream.thread_type = "AUTO"
+        # The decoder itself refuses a frame over the limit: a stream that grows mid-way is not
+        # allocated at its new size first and checked after.
+        stream.codec_context.options = {"max_pixels": str(limits.max_pixels_per_frame)}
 
         digest = xxhash.xxh3_128()
         digest.update(f"video\0{fps!r}\0{total}\0{width}x{height}\0{','.join(map(str, indices))}\0".encode())
