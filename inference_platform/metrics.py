@@ -70,7 +70,7 @@ CACHE_COUNTERS: tuple[tuple[str, str], ...] = (
 # to the exposition's units (microseconds become seconds).
 ENCODER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("encoder_pending_images", "pending", "Images sent to the encode worker and not finished (its queue)."),
-    ("encoder_busy_images", "busy", "Images the encode worker is encoding now (its load)."),
+    ("encoder_busy_images", "busy", "Images the encode worker has taken and not finished (its load)."),
     ("encoder_cached_embeddings", "cached_entries", "Entries of the encode worker's embedding cache."),
 )
 ENCODER_COUNTERS: tuple[tuple[str, str, float, str], ...] = (

@@ -6,7 +6,8 @@ Keys (this module owns them):
 - `<ns>enc:cached:<worker>`: set of cache tags (`<scope or ->:<identity>`) in its embedding cache;
 - `<ns>enc:pending:<worker>`: sorted set of images sent to it (`<request>:<index>`), scored by
   the time they stop counting (a frontend or encoder that died leaves nothing behind for long);
-- `<ns>enc:busy:<worker>`: images it is encoding right now;
+- `<ns>enc:busy:<worker>`: images it has taken and not finished (loading, waiting for its tower,
+  encoding);
 - `<ns>enc:done:<request>`: list of per-image results the LLM worker waits on (short TTL);
 - `<ns>enc:stats:<worker>`: hash of counters (see STAT_FIELDS).
 """

@@ -72,6 +72,7 @@ class EncodeRuntime:
     session_scoped: bool = False
     instance: str = ""
     stats: Any = None  # routing.cache_stats.CacheStats, for the image loader's counters
+    # One task's forwards at a time: threads would only contend for the cores.
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -92,11 +93,31 @@ class EncodeRuntime:
             partition = cache_partition(self.session_scoped, task.scope_key, task.cache_salt)
         except ValueError:
             partition, use_cache = None, False  # a malformed salt shares nothing
+        # Every image the cache lacks is loaded first (fetching overlaps another task's encoding),
+        # then the task's images are encoded in one hold of the tower: tasks finish in the order
+        # they took it, rather than all late with their images interleaved.
+        self.pool.started(self.name, len(task.images))  # taken: loading, waiting for the tower, encoding
+        loaded: dict[int, Any] = {}
+        for image, index in zip(task.images, task.indices, strict=True):
+            key = self._key(partition, image.identity)
+            if not (use_cache and key in self.embedding_cache):
+                try:
+                    loaded[index] = self._load(image, partition if use_cache else None)
+                except Exception as exc:  # reported with the image's result below
+                    loaded[index] = exc
+        with self._lock:
+            self._encode_task(task, partition, use_cache, loaded)
+
+    def _key(self, partition: str | None, identity: str) -> EmbeddingKey:
+        return EmbeddingKey(partition, identity, self.model_name, self.encoder.processor_fingerprint)
+
+    def _encode_task(
+        self, task: EncodeTask, partition: str | None, use_cache: bool, loaded: dict[int, Any]
+    ) -> None:
         for image, index in zip(task.images, task.indices, strict=True):
             member = f"{task.request_id}:{index}"
-            self.pool.started(self.name)
             try:
-                ref, counts = self._encode_one(task, image, partition, use_cache)
+                ref, counts = self._encode_one(task, image, partition, use_cache, loaded.get(index))
                 self.pool.count(self.name, counts)
                 self.pool.signal_done(task.request_id, {"index": index, "ok": True, "ref": ref})
             except Exception as exc:
@@ -115,20 +136,22 @@ class EncodeRuntime:
                 self.pool.finished(self.name, member)
 
     def _encode_one(
-        self, task: EncodeTask, image: Any, partition: str | None, use_cache: bool
+        self, task: EncodeTask, image: Any, partition: str | None, use_cache: bool, loaded: Any
     ) -> tuple[dict[str, Any], dict[str, int]]:
         identity = image.identity
-        key = EmbeddingKey(partition, identity, self.model_name, self.encoder.processor_fingerprint)
+        key = self._key(partition, identity)
         counts: dict[str, int] = {"images": 1}
         embedding = self.embedding_cache.get(key) if use_cache else None
         if embedding is not None:
             counts["cache_hits"] = 1
         else:
             counts["cache_misses"] = 1
-            loaded = self._load(image, partition if use_cache else None)
+            if isinstance(loaded, Exception):
+                raise loaded
+            if loaded is None:  # evicted since the look before loading
+                loaded = self._load(image, partition if use_cache else None)
             started = time.perf_counter()
-            with self._lock:  # one forward at a time: threads would only contend for the cores
-                embedding = self.encoder.encode(loaded).embedding
+            embedding = self.encoder.encode(loaded).embedding
             counts["encode_us"] = int((time.perf_counter() - started) * 1e6)
             if use_cache and self.embedding_cache.put(key, embedding):
                 self.pool.cached(self.name, cache_tag(partition, identity))
