@@ -29,3 +29,4 @@ bench: install
 	$(PY) bench/media.py
 	$(PY) bench/prefix_cache.py
 	$(PY) bench/routing.py
+	$(PY) bench/metrics.py

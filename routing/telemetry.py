@@ -111,6 +111,7 @@ class MetricsRecorder:
         # minute -> field -> amount; the minute is when it was recorded, not when flushed.
         self._pending: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._gauges: dict[str, float] = {}
+        self._checked: dict[tuple[str, str, tuple], tuple[Metric, LabelKey]] = {}
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
 
@@ -119,15 +120,14 @@ class MetricsRecorder:
             self._client, self._namespace, self.source = client, namespace, source
 
     def inc(self, name: str, n: float = 1, labels: Labels | None = None) -> None:
-        metric = _metric(name, "counter")
+        _, key = self._series(name, "counter", labels)
         if n < 0:
             raise ValueError(f"counter {name!r} cannot go down (got {n})")
         if n:
-            self._add({field_name(name, "", _label_key(metric, labels)): n})
+            self._add({field_name(name, "", key): n})
 
     def observe(self, name: str, value: float, labels: Labels | None = None) -> None:
-        metric = _metric(name, "histogram")
-        key = _label_key(metric, labels)
+        metric, key = self._series(name, "histogram", labels)
         self._add(
             {
                 field_name(name, f"b{bucket_index(metric, value)}", key): 1,
@@ -136,10 +136,19 @@ class MetricsRecorder:
             }
         )
 
+    def _series(self, name: str, kind: str, labels: Labels | None) -> tuple[Metric, LabelKey]:
+        """The metric and its labels' key, checked once per series (the request path repeats them)."""
+        cache_key = (name, kind, tuple(labels.items()) if labels else ())
+        found = self._checked.get(cache_key)
+        if found is None:
+            metric = _metric(name, kind)
+            found = self._checked[cache_key] = (metric, _label_key(metric, labels))
+        return found
+
     def set_gauge(self, name: str, value: float, labels: Labels | None = None) -> None:
-        metric = _metric(name, "gauge")
+        _, key = self._series(name, "gauge", labels)
         with self._lock:
-            self._gauges[field_name(name, "", _label_key(metric, labels))] = float(value)
+            self._gauges[field_name(name, "", key)] = float(value)
             self._start_flusher()
 
     def _add(self, amounts: Mapping[str, float]) -> None:

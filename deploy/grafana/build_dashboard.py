@@ -1,0 +1,181 @@
+"""Writes deploy/grafana/mmr-dashboard.json, the Grafana dashboard over the platform's metrics.
+
+The JSON is committed (import it in Grafana: Dashboards > New > Import); edit this script and
+run `python deploy/grafana/build_dashboard.py` to change it, so the panels stay reviewable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+RATE = "$__rate_interval"
+DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+
+
+def hit_rate(cache: str) -> str:
+    if cache == "kv":
+        return (
+            f"sum by (worker) (rate(mmr_kv_cached_tokens_total[{RATE}]))"
+            f" / sum by (worker) (rate(mmr_kv_prompt_tokens_total[{RATE}]))"
+        )
+    hits = f'sum by (worker) (rate(mmr_cache_hits_total{{cache="{cache}"}}[{RATE}]))'
+    misses = f'sum by (worker) (rate(mmr_cache_misses_total{{cache="{cache}"}}[{RATE}]))'
+    return f"{hits} / ({hits} + {misses})"
+
+
+def quantile(q: float, metric: str, by: str = "") -> str:
+    group = f"le, {by}" if by else "le"
+    return f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket[{RATE}])))"
+
+
+# (title, unit, [(expr, legend)], width)
+PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
+    ("KV prefix hit rate per worker (prompt tokens)", "percentunit", [(hit_rate("kv"), "{{worker}}")], 12),
+    ("Embedding cache hit rate per worker", "percentunit", [(hit_rate("embedding"), "{{worker}}")], 12),
+    ("Local image cache hit rate per worker", "percentunit", [(hit_rate("local_image"), "{{worker}}")], 12),
+    ("Shared image cache hit rate per worker", "percentunit", [(hit_rate("shared_image"), "{{worker}}")], 12),
+    (
+        "Time to first token",
+        "s",
+        [
+            (quantile(0.5, "mmr_ttft_seconds"), "p50"),
+            (quantile(0.9, "mmr_ttft_seconds"), "p90"),
+            (quantile(0.99, "mmr_ttft_seconds"), "p99"),
+        ],
+        12,
+    ),
+    (
+        "End-to-end latency and queue time",
+        "s",
+        [
+            (quantile(0.5, "mmr_request_duration_seconds"), "latency p50"),
+            (quantile(0.99, "mmr_request_duration_seconds"), "latency p99"),
+            (quantile(0.99, "mmr_queue_seconds"), "queue p99"),
+            (quantile(0.5, "mmr_inter_token_seconds"), "inter-token p50"),
+        ],
+        12,
+    ),
+    (
+        "Requests per second by status",
+        "reqps",
+        [(f"sum by (status) (rate(mmr_requests_total[{RATE}]))", "{{status}}")],
+        12,
+    ),
+    (
+        "Tokens per second",
+        "short",
+        [
+            (f"sum(rate(mmr_prompt_tokens_total[{RATE}]))", "prompt"),
+            (f"sum(rate(mmr_cached_prompt_tokens_total[{RATE}]))", "prompt, cached"),
+            (f"sum(rate(mmr_completion_tokens_total[{RATE}]))", "completion"),
+        ],
+        12,
+    ),
+    (
+        "Errors by status",
+        "reqps",
+        [(f'sum by (status) (rate(mmr_requests_total{{status!="200"}}[{RATE}]))', "{{status}}")],
+        12,
+    ),
+    (
+        "Requests running and waiting per worker",
+        "short",
+        [
+            ("sum by (worker) (mmr_engine_running_requests)", "{{worker}} running"),
+            ("sum by (worker) (mmr_engine_waiting_requests)", "{{worker}} waiting"),
+        ],
+        12,
+    ),
+    (
+        "KV cache use per worker",
+        "percentunit",
+        [
+            (
+                "sum by (worker) (mmr_engine_kv_blocks_used) / (sum by (worker) (mmr_engine_kv_blocks_used)"
+                " + sum by (worker) (mmr_engine_kv_blocks_free))",
+                "{{worker}}",
+            )
+        ],
+        12,
+    ),
+    (
+        "Routing: overlap given up (share of the best eligible worker's overlap)",
+        "percentunit",
+        [
+            (
+                f"sum(rate(mmr_routing_overlap_given_up_blocks_total[{RATE}]))"
+                f" / sum(rate(mmr_routing_best_overlap_blocks_total[{RATE}]))",
+                "given up",
+            )
+        ],
+        12,
+    ),
+    (
+        "Routing decisions by reason, and their time",
+        "short",
+        [
+            (f"sum by (reason) (rate(mmr_routing_decisions_total[{RATE}]))", "{{reason}} /s"),
+            (quantile(0.99, "mmr_routing_decision_seconds"), "decision p99 (s)"),
+        ],
+        12,
+    ),
+    (
+        "Image fetch and decode (p99)",
+        "s",
+        [
+            (quantile(0.99, "mmr_image_fetch_seconds", "source"), "fetch from {{source}}"),
+            (quantile(0.99, "mmr_image_decode_seconds"), "decode"),
+        ],
+        12,
+    ),
+]
+
+
+def panel(index: int, title: str, unit: str, targets: list[tuple[str, str]], width: int) -> dict[str, Any]:
+    return {
+        "id": index + 1,
+        "type": "timeseries",
+        "title": title,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": width, "x": (index % 2) * 12, "y": (index // 2) * 8},
+        "fieldConfig": {
+            "defaults": {"unit": unit, "min": 0, "custom": {"spanNulls": False}},
+            "overrides": [],
+        },
+        "options": {"tooltip": {"mode": "multi"}, "legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend, "datasource": DATASOURCE}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "__inputs": [
+            {
+                "name": "DS_PROMETHEUS",
+                "label": "Prometheus",
+                "type": "datasource",
+                "pluginId": "prometheus",
+                "pluginName": "Prometheus",
+            }
+        ],
+        "title": "Multimodal KV-routing platform",
+        "uid": "mmr-platform",
+        "tags": ["mmr", "inference"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "panels": [panel(i, *spec) for i, spec in enumerate(PANELS)],
+    }
+
+
+if __name__ == "__main__":
+    path = Path(__file__).with_name("mmr-dashboard.json")
+    path.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    print(f"wrote {path}")
