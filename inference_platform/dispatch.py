@@ -12,6 +12,7 @@ so the dead worker's stale copy, should its name come back, finds itself cancell
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,7 @@ from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
 from routing.responses import (
     ResponseEvent,
     cancel_key,
+    live_key,
     read_response_events,
     response_key,
 )
@@ -198,8 +200,21 @@ async def eligible_encoders(model: str, block_size: int) -> dict[str, Heartbeat]
     }
 
 
+def _mark_followed(follow_id: str) -> None:
+    sync_client(settings.REDIS_URL).set(
+        live_key(settings.REDIS_KEY_PREFIX, follow_id),
+        b"1",
+        px=max(1, int(settings.REQUEST_LIVENESS_TTL_SECS * 1000)),
+    )
+
+
 async def send_to_worker(worker: str, task: GenerateTask) -> None:
     """Put the task on the worker's own queue; it expires if nobody starts it in time."""
+    if task.follow_id:  # marked before the worker can look for the mark
+        try:
+            await asyncio.to_thread(_mark_followed, task.follow_id)
+        except redis.RedisError as exc:
+            raise state_unavailable(task.follow_id, exc) from exc
     try:
         await asyncio.to_thread(
             celery_app.send_task,
@@ -265,6 +280,12 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
         except redis.RedisError:
             logger.warning("could not free the load of request %s on worker %s", rid, worker)
         await asyncio.shield(release_media(dispatch))
+        await asyncio.shield(_forget_mark(rid))
+
+
+async def _forget_mark(request_id: str) -> None:
+    with contextlib.suppress(redis.RedisError):  # else it expires on its own
+        await async_client(settings.REDIS_URL).delete(live_key(settings.REDIS_KEY_PREFIX, request_id))
 
 
 def state_unavailable(request_id: str, exc: Exception) -> ApiError:
@@ -284,9 +305,18 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     last_id = "0-0"
     started = False
     produced = False  # a token reached the client: from here the request cannot move
+    # Refreshed a few times per TTL while this process follows the request (see LIVE_FAMILY).
+    mark, mark_ttl_ms = (
+        live_key(namespace, dispatch.request_id),
+        int(settings.REQUEST_LIVENESS_TTL_SECS * 1000),
+    )
+    marked_at = 0.0
     timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
     deadline = time.monotonic() + timeout
     while True:
+        if time.monotonic() - marked_at > settings.REQUEST_LIVENESS_TTL_SECS / 4:
+            await client.set(mark, b"1", px=max(1, mark_ttl_ms))
+            marked_at = time.monotonic()
         events = await read_response_events(client, namespace, rid, last_id, _POLL_MS)
         for event in events:
             last_id = event.id

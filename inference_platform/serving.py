@@ -569,7 +569,9 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     media, video_media = await store_media(prepared, dispatch)
     task: GenerateTask | None = None
     try:
-        task = prepared.generate_task(request_id, scope_key, media, video_media)
+        task = dataclasses.replace(
+            prepared.generate_task(request_id, scope_key, media, video_media), follow_id=request_id
+        )
         # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
         # are encoded apart, and the task names them (the aggregated path when there is none).
         task, _ = await plan_encoding(task, view, model.name, decision.worker, decision.overlap)

@@ -141,6 +141,9 @@ REQUEST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_TOKEN_TIMEOUT_SECS", 60.0, posit
 MAX_TOKENS_LIMIT = env_int("MAX_TOKENS_LIMIT", 4096, minimum=1)
 # A request whose worker dies before its first token goes to another worker, at most this often.
 REQUEST_MIGRATION_LIMIT = env_int("REQUEST_MIGRATION_LIMIT", 2, minimum=0)
+# A frontend refreshes a mark on each request it follows; a worker drops a request whose mark is
+# older than this (its frontend died) and frees its load at once.
+REQUEST_LIVENESS_TTL_SECS = env_float("REQUEST_LIVENESS_TTL_SECS", 10.0, positive=True)
 
 # --- API keys and tenants ----------------------------------------------------------------------
 # Every /v1/* call needs a tenant's key. Off only for a local demo: the admin and the start-up

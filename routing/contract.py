@@ -167,6 +167,11 @@ class GenerateTask:
     # its image and embedding caches by it. A worker that ignored it would share one tenant's
     # cache with another: hence contract version 4.
     cache_salt: str | None = None
+    # The frontend's request id (the task's own id changes when the request migrates): the key of
+    # the frontend's liveness mark (routing.responses.live_key) and of the request's load entry.
+    # The worker drops the request once the mark expires (its frontend died) and frees that load.
+    # None (an older frontend): no liveness check.
+    follow_id: str | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
@@ -231,6 +236,11 @@ class EncodeTask:
     # The caller's cache partition, as in GenerateTask: the encode worker's embedding cache is
     # partitioned by it exactly as the LLM worker's is.
     cache_salt: str | None = None
+    # The frontend's request id (the task's own id changes when the request migrates): the key of
+    # the frontend's liveness mark (routing.responses.live_key) and of the request's load entry.
+    # The worker drops the request once the mark expires (its frontend died) and frees that load.
+    # None (an older frontend): no liveness check.
+    follow_id: str | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:

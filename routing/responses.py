@@ -34,6 +34,9 @@ __all__ = [
 
 RESPONSE_FAMILY = "resp:"
 CANCEL_FAMILY = "cancel:"  # set by the frontend when the client went away or gave up
+# The frontend's mark on a request it follows, refreshed while it reads the answer: a frontend
+# killed mid-request stops refreshing, and the worker drops the request once the mark expires.
+LIVE_FAMILY = "live:"
 RESPONSE_TTL_SECS = 600
 
 
@@ -43,6 +46,10 @@ def response_key(namespace: str, request_id: str) -> str:
 
 def cancel_key(namespace: str, request_id: str) -> str:
     return f"{namespace}{CANCEL_FAMILY}{request_id}"
+
+
+def live_key(namespace: str, follow_id: str) -> str:
+    return f"{namespace}{LIVE_FAMILY}{follow_id}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,14 @@ class ResponseWriter:
         self._client = client
         self._key = response_key(namespace, request_id)
         self._cancel_key = cancel_key(namespace, request_id)
+        self._namespace = namespace
+        self._live_key: str | None = None
         self._expiry_set = False
+        self.abandoned = False  # the frontend's liveness mark expired: nobody reads this answer
+
+    def follow(self, follow_id: str | None) -> None:
+        """Watch the frontend's liveness mark for this request too (see LIVE_FAMILY)."""
+        self._live_key = live_key(self._namespace, follow_id) if follow_id else None
 
     def send(self, event_type: str, **data: Any) -> None:
         pipe = self._client.pipeline(transaction=False)
@@ -79,8 +93,17 @@ class ResponseWriter:
         self.send(event.type, **event_data(event))
 
     def cancelled(self) -> bool:
-        """Whether the frontend asked to stop: the client went away or the request timed out."""
-        return bool(self._client.exists(self._cancel_key))
+        """Whether to stop: the frontend asked (the client went away, the request timed out), or
+        the frontend itself is gone (its liveness mark expired; `abandoned` says which)."""
+        if self._live_key is None:
+            return bool(self._client.exists(self._cancel_key))
+        pipe = self._client.pipeline(transaction=False)
+        pipe.exists(self._cancel_key)
+        pipe.exists(self._live_key)
+        cancelled, followed = pipe.execute()
+        if not followed:
+            self.abandoned = True
+        return bool(cancelled) or not followed
 
 
 def parse_stream_entries(entries: list[Any]) -> list[ResponseEvent]:

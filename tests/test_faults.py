@@ -6,6 +6,7 @@ Each test starts a platform of its own, because each kills or freezes part of it
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sqlite3
 import threading
@@ -87,3 +88,39 @@ def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_an
         time.sleep(0.2)
     assert active_requests(platform) == {}
     assert "migrated to spare" in platform.log("server")
+
+
+def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_generating(
+    platform_processes,
+):
+    # given a worker generating long answers for a frontend whose liveness marks live 2 s
+    platform = platform_processes(REQUEST_LIVENESS_TTL_SECS="2", ROUTER_LOAD_ENTRY_TTL_SECS="300")
+    platform.start_worker("steady")
+    platform.wait_for_workers("steady")
+    platform.start_server()
+
+    def ask_forever(i: int) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the frontend dies under it: that is the point
+            chat(platform, f"Tell me a long story number {i}", max_tokens=2000, stream=True)
+
+    threads = [threading.Thread(target=ask_forever, args=(i,), daemon=True) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 20
+    while len(platform.redis.hgetall(f"{platform.namespace}load:req:steady")) < 3:
+        assert time.monotonic() < deadline, "the requests never reached the worker"
+        time.sleep(0.1)
+
+    # when the frontend is killed outright (no cleanup of its own)
+    platform.servers[0].send_signal(signal.SIGKILL)
+    platform.servers[0].wait(timeout=10)
+    killed = time.monotonic()
+
+    # then within the mark's TTL (and far within the 300 s load expiry) the load is gone
+    while active_requests(platform) and time.monotonic() - killed < 15:
+        time.sleep(0.2)
+    assert active_requests(platform) == {}, "phantom load left by a dead frontend"
+    assert time.monotonic() - killed < 15
+    # and the worker stopped the answers nobody reads, rather than generating them to the end
+    log = platform.log("worker-steady")
+    assert log.count("its frontend went away") == 3, log[-2000:]

@@ -151,8 +151,10 @@ class WorkerRuntime:
             writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=str(exc)))
             return
         request_id = task.request_id
+        writer.follow(task.follow_id)
         if writer.cancelled():
             logger.info("request %s was cancelled before it started", request_id)
+            self._drop_abandoned(task, writer)
             return
         writer.emit(StartedEvent(worker=self.name, instance=self.instance))
         labels = {"worker": self.name}
@@ -188,6 +190,8 @@ class WorkerRuntime:
                 on_token=on_token,
                 should_stop=_throttled(writer.cancelled, _CANCEL_CHECK_INTERVAL_S),
             )
+            if self._drop_abandoned(task, writer):
+                return
         except Exception as exc:
             status = getattr(exc, "status", None)
             if isinstance(exc, MediaError | ImageLoadError) and isinstance(status, int) and status >= 500:
@@ -254,6 +258,23 @@ class WorkerRuntime:
     def serve_encode(self, payload: dict[str, Any]) -> None:
         if self.features is not None:
             self.features.refuse_encode(payload)
+
+    def _drop_abandoned(self, task: GenerateTask, writer: ResponseWriter) -> bool:
+        """A request whose frontend died: nobody reads its answer, and nobody will free its load."""
+        if not writer.abandoned or not task.follow_id:
+            return False
+        from django.conf import settings
+
+        from routing.load import LoadTracker
+
+        load = LoadTracker(self.client, self.namespace, entry_ttl_s=settings.ROUTER_LOAD_ENTRY_TTL_SECS)
+        freed = load.free(self.name, task.follow_id)
+        logger.warning(
+            "request %s dropped: its frontend went away (liveness mark expired)%s",
+            task.request_id,
+            "; its load is freed" if freed else "",
+        )
+        return True
 
     def _count(self, result: Any) -> None:
         if self.stats is None:
