@@ -22,6 +22,13 @@ from routing.models import Worker
 from routing.redis_keys import redact_text, redact_url, sync_client
 
 POLL_INTERVAL_MS = 5000
+
+
+def poll_interval_ms(minutes: int) -> int:
+    """Every 5 s up to an hour; a day's chart (1,440 points a read) moves a pixel a minute at most."""
+    return POLL_INTERVAL_MS if minutes <= 60 else 30_000 if minutes <= 360 else 60_000
+
+
 DASHBOARD_DEFAULT_MINUTES = 60
 CACHE_TITLES = {
     "kv": "KV prefix",
@@ -149,12 +156,12 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
         "minutes": minutes,
         "window_label": window_label(minutes),
         "windows": [{"minutes": m, "label": short_window_label(m)} for m in WINDOWS],
-        "poll_interval_ms": POLL_INTERVAL_MS,
+        "poll_interval_ms": poll_interval_ms(minutes),
         "error": error,
         "snapshot": snapshot,
         "dashboard_config": {
             "dataUrl": f"{reverse('admin-dashboard-data')}?minutes={minutes}",
-            "pollMs": POLL_INTERVAL_MS,
+            "pollMs": poll_interval_ms(minutes),
             "minutes": minutes,
             "cacheTitles": CACHE_TITLES,
             "numbers": NUMBERS,

@@ -126,7 +126,8 @@ REQUEST_MIGRATIONS = declare(
     )
 )
 # The routing quality figure (issue 10 computes it: the best eligible worker's overlap minus
-# the chosen worker's, in KV blocks). Declared here so dashboards and alerts can name it.
+# the chosen worker's, in KV blocks). Record both per routed request, so the dashboard and
+# Grafana can show the share given up (given_up / best); they already chart these two names.
 ROUTING_OVERLAP_GIVEN_UP = declare(
     Metric(
         "routing_overlap_given_up_blocks",
