@@ -651,7 +651,8 @@ async def describe_route(
     Computed in the caller's own cache partition: it shows what this caller's request would
     reuse, never another tenant's prefixes.
     """
-    session_scope_hash(headers, caller)  # a malformed scope is refused here as in a real request
+    # A malformed scope is refused here as in a real request; the scope partitions E/PD's affinity.
+    scope_key = session_scope_hash(headers, caller)
     prepared = await asyncio.to_thread(prepare, chat, caller.cache_salt(chat.cache_salt))
     description = prepared.describe()
     states = await worker_states(prepared.model.name, prepared.view.block_size)
@@ -666,7 +667,7 @@ async def describe_route(
             "reason": decision.reason,
         }
     description["encode"] = await describe_encoding(
-        prepared.generate_task("route", None),
+        prepared.generate_task("route", scope_key),
         prepared.view,
         prepared.model.name,
         description.get("choice", {}).get("worker"),

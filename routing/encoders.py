@@ -189,6 +189,10 @@ class EncoderPool:
     def evicted(self, worker: str, tag: str) -> None:
         self._client.srem(cached_key(self._namespace, worker), tag)
 
+    def forget_cached(self, worker: str) -> None:
+        """Its embedding cache was flushed: nothing of it attracts requests any more."""
+        self._client.delete(cached_key(self._namespace, worker))
+
     def reset_worker(self, worker: str) -> None:
         """A (re)starting encode worker holds nothing and has nothing in progress."""
         self._client.delete(

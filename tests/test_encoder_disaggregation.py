@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import signal
 import subprocess
@@ -115,6 +116,19 @@ def admin_action(admin: httpx.Client, action: str, worker: str) -> None:
     assert done.status_code in (200, 302), done.text[:500]
 
 
+def manage(platform: PlatformProcesses, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=platform.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def counters(platform: PlatformProcesses, worker: str) -> dict[str, int]:
     return EncoderPool(platform.redis, platform.namespace).snapshot([worker])[worker]
 
@@ -199,6 +213,19 @@ def test_the_same_image_again_hits_the_encode_workers_embedding_cache(platform, 
     assert 'mmr_encoder_pending_images{worker="enc"} 0.0' in metrics
 
 
+def test_flush_caches_empties_the_encode_workers_embedding_cache_and_its_affinity(platform) -> None:
+    # given the encoder holds the first tests' image
+    request = body("Name the colours you can see in it.", data_url(1))
+
+    flushed = manage(platform, "flush_caches", "--worker", "enc", "--cache", "embeddings", "--json")
+
+    assert json.loads(flushed.splitlines()[-1])["workers"]["enc"]["embeddings"] == 1
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30
+    ).json()
+    assert route["encode"]["candidates"][0]["cached"] == 0
+
+
 def test_a_drained_encode_worker_gets_nothing_new(platform, admin) -> None:
     before = counters(platform, "enc")["images"]
     admin_action(admin, "drain", "enc")
@@ -257,15 +284,7 @@ def test_with_no_live_encode_worker_requests_take_the_aggregated_path_with_the_s
     # given the encoder is gone (killed above), and the first test's question asked again after
     # the LLM worker forgot its cached prefix
     platform.redis.delete(f"{platform.namespace}hb:enc")
-    flushed = subprocess.run(
-        [sys.executable, "manage.py", "flush_caches", "--worker", "llm", "--json"],
-        cwd=REPO,
-        env=platform.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert flushed.returncode == 0, flushed.stderr
+    manage(platform, "flush_caches", "--worker", "llm", "--json")
     request = body("What is in this picture?", data_url(1))
     route = httpx.post(
         f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30

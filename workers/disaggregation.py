@@ -198,29 +198,45 @@ class EncodeRuntime:
         )
 
     def flush(self, payload: dict[str, Any]) -> None:
+        """`flush_caches` on an encode worker: its embedding cache (unlisted for the router as it
+        goes) and its image caches; it holds no KV cache."""
         from routing.contract import DONE, FlushCachesTask
 
-        task = FlushCachesTask.from_payload(payload, worker=self.name)
-        writer = ResponseWriter(self.client, self.namespace, task.flush_id)
-        report: dict[str, Any] = {"worker": self.name, "dry_run": task.dry_run}
-        if task.embeddings:
-            cache = self.embedding_cache
-            if task.dry_run:
-                report["embeddings"] = cache.count(task.scope_key)
-            elif task.scope_key is None:
-                report["embeddings"] = cache.clear()
-                self.pool.reset_worker(self.name)
-            else:
-                report["embeddings"] = cache.discard_scope(task.scope_key)
-                # its tags go too: the set is rebuilt from what is left
-                self.pool.reset_worker(self.name)
-                for key in cache.keys():  # noqa: SIM118 (a method, not a dict)
-                    self.pool.cached(self.name, cache_tag(key.scope_key, key.identity))
-        if task.images:
-            loader = self.image_loader
-            report["decoded_images"] = (
-                loader.local_count(task.scope_key) if task.dry_run else loader.clear_local(task.scope_key)
-            )
+        raw_id = str(payload.get("flush_id", "")) if isinstance(payload, dict) else ""
+        writer = ResponseWriter(self.client, self.namespace, raw_id)
+        try:
+            task = FlushCachesTask.from_payload(payload, worker=self.name)
+        except ContractError as exc:
+            writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=str(exc)))
+            return
+        scope_key, dry_run = task.scope_key, task.dry_run
+        report: dict[str, Any] = {"worker": self.name, "dry_run": dry_run}
+        try:
+            if task.embeddings:
+                cache = self.embedding_cache
+                if dry_run:
+                    report["embeddings"] = cache.count(scope_key)
+                else:
+                    report["embeddings"] = (
+                        cache.clear() if scope_key is None else cache.discard_scope(scope_key)
+                    )
+                    # The router's list follows: rebuilt from what is left.
+                    self.pool.forget_cached(self.name)
+                    for key in cache.keys():  # noqa: SIM118 (a method, not a dict)
+                        self.pool.cached(self.name, cache_tag(key.scope_key, key.identity))
+            if task.images:
+                loader = self.image_loader
+                report["decoded_images"] = (
+                    loader.local_count(scope_key) if dry_run else loader.clear_local(scope_key)
+                )
+            if task.shared_images:
+                flushed = self.image_loader.flush_shared(scope_key, dry_run=dry_run)
+                report["shared_images"] = "off" if flushed is None else flushed
+        except Exception as exc:
+            logger.exception("flush on encode worker %s failed", self.name)
+            writer.emit(ErrorEvent(status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}"))
+            return
+        logger.info("caches flushed on encode worker %s: %s", self.name, report)
         writer.send(DONE, **report)
 
 
