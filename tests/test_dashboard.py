@@ -20,6 +20,7 @@ from routing.kv_events import KvEvent, KvEventPublisher
 from routing.load import LoadTracker
 from routing.models import Worker
 from routing.registry import Heartbeat, WorkerRegistry
+from routing.telemetry import MetricsRecorder
 
 PASSWORD_IN_URL = "pw-never-shown-7f3c"
 
@@ -458,3 +459,36 @@ def test_admin_help_texts_are_escaped(admin_client: Client) -> None:
     ).content.decode()
     assert "worker.&lt;name&gt;" in page
     assert "worker.<name>" not in page
+
+
+def test_window_figures_come_from_the_minutes_of_the_window_only(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given: what frontends recorded now, and a request answered 10 minutes ago
+    now = away_from_a_minute_boundary()
+    recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
+    for status, ttft in (("200", 0.02), ("200", 0.02), ("200", 0.3), ("503", None)):
+        recorder.inc("requests", labels={"status": status, "worker": "gpu0"})
+        if ttft is not None:
+            recorder.observe("ttft_seconds", ttft, labels={"worker": "gpu0"})
+    recorder.inc("prompt_tokens", 90, labels={"worker": "gpu0"})
+    recorder.inc("cached_prompt_tokens", 30, labels={"worker": "gpu0"})
+    recorder.inc("routing_overlap_given_up_blocks", 2, labels={"worker": "gpu0"})
+    recorder.inc("routing_best_overlap_blocks", 8, labels={"worker": "gpu0"})
+    recorder.close()
+    old = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now - 600)
+    old.inc("requests", 50, labels={"status": "500", "worker": "gpu0"})
+    old.close()
+    # when
+    window = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)["window"]
+    # then
+    totals = window["totals"]
+    assert (totals["requests"], totals["errors"], totals["by_status"]) == (4, 1, {"200": 3, "503": 1})
+    assert totals["prompt_tokens"] == 90 and totals["kv_hit_rate"] == pytest.approx(1 / 3)
+    assert 0.01 < totals["ttft"]["p50"] <= 0.025  # two of three first tokens in (10 ms, 25 ms]
+    assert 0.25 < totals["ttft"]["p99"] <= 0.5
+    assert (totals["overlap_given_up_blocks"], totals["overlap_given_up_share"]) == (2, 0.25)
+    assert totals["requests_per_s"] == pytest.approx(4 / 300)
+    assert window["statuses"] == ["200", "503"]
+    assert len(window["per_minute"]) == 5 and window["per_minute"][-1]["requests"] == 4
+    assert window["minute_starts"][-1] == int(now // 60) * 60
