@@ -51,6 +51,10 @@ WORKER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ),
     ("worker_active_decode_blocks", "active_decode_blocks", "KV blocks of the worker's active requests."),
     ("worker_cached_blocks", "cached_blocks", "KV blocks the router's index believes the worker holds."),
+    ("worker_engine_running", "engine_running", "Requests in the worker engine's batch (heartbeat)."),
+    ("worker_engine_waiting", "engine_waiting", "Requests waiting in the worker engine's queue (heartbeat)."),
+    ("worker_kv_blocks_used", "kv_blocks_used", "KV pool blocks held by the engine's running requests."),
+    ("worker_kv_blocks_free", "kv_blocks_free", "KV pool blocks free or evictable in the engine."),
     (
         "worker_kv_capacity_blocks",
         "capacity_blocks",

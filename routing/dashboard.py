@@ -243,6 +243,12 @@ def _worker_entry(
         # Session-scope configuration as the process reports it (None: no heartbeat to say).
         "session_scoped": beat.session_scoped if beat else None,
         "shared_image_cache": beat.shared_image_cache if beat else None,  # redacted by the worker
+        # The engine's own state, as its last heartbeat reported it (workers.engine.EngineLoad).
+        "engine_running": beat.running if beat else 0,
+        "engine_waiting": beat.waiting if beat else 0,
+        "engine_max_running": beat.max_running if beat else 0,
+        "kv_blocks_used": beat.kv_blocks_used if beat else 0,
+        "kv_blocks_free": beat.kv_blocks_free if beat else 0,
         "caches": {cache: _with_rate(cache, totals[cache]) for cache in CACHES},
         "window_caches": {cache: _with_rate(cache, _summed(series[cache])) for cache in CACHES},
         "series": {cache: [hit_rate(cache, counts) for counts in series[cache]] for cache in CACHES},

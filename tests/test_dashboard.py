@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -99,6 +100,10 @@ def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
     registry = WorkerRegistry(client, namespace)
     for name, device, capacity in (("gpu0", "cuda:0", 1000), ("gpu1", "cuda:1", 500), ("gpu3", "cpu", 64)):
         beat = Heartbeat(name, "demo", block_size=16, device=device, kv_capacity_blocks=capacity)
+        if name == "gpu0":  # its engine's state, as a batching worker reports it
+            beat = dataclasses.replace(
+                beat, running=3, waiting=1, max_running=16, kv_blocks_used=40, kv_blocks_free=960
+            )
         registry.beat(beat, ttl_s=60)
 
     index = KvIndex(client, namespace)
@@ -329,6 +334,8 @@ def test_dashboard_page_shows_each_worker_its_state_and_kv_hit_rate(
         assert cells[1] == expected["state"]
         rate = expected["kv_hit_rate"]  # over the window, which holds every minute populate wrote
         assert cells[4] == ("—" if rate is None else f"{rate * 100:.1f}%")
+        if name == "gpu0":  # the engine's batch and KV pool, from its heartbeat
+            assert cells[2].endswith(" batch 3/16 +1, KV 40/960")
     # The script starts from the same snapshot the table shows.
     embedded = re.search(
         r'<script id="dashboard-snapshot" type="application/json">(.*?)</script>', page, re.S

@@ -96,6 +96,7 @@ class GenerationRequest:
     processed: dict[str, Any] | None = None
     # Videos, decoded and sampled by the frontend (one <|video_pad|> each in the prompt).
     videos: list[VideoInput] = field(default_factory=list)
+    ignore_eos: bool = False  # benchmarks: generate max_tokens tokens whatever the model says
 
 
 @dataclass
@@ -631,7 +632,7 @@ class Engine:
         if state.first_token_at is None:
             state.first_token_at = time.perf_counter()
             state.events.put(("first", None))
-        if token in self._eos_ids:
+        if token in self._eos_ids and not state.request.ignore_eos:
             state.stream.finish()
             self._finish(sequence, "stop")
         elif state.stream.accept(token):

@@ -152,6 +152,17 @@
     return td;
   }
 
+  function activeCell(w) {
+    // Requests routed there; below, what its engine reports: batch (running/cap +waiting), KV used/free.
+    const td = cell(String(w.active_requests), "num");
+    const engine = document.createElement("div");
+    engine.className = "quiet engine";
+    engine.textContent = "batch " + w.engine_running + "/" + w.engine_max_running +
+      (w.engine_waiting ? " +" + w.engine_waiting : "") + ", KV " + w.kv_blocks_used + "/" + w.kv_blocks_free;
+    td.appendChild(engine);
+    return td;
+  }
+
   function renderWorkers(snapshot) {
     const rows = snapshot.workers.map((w) => {
       const tr = document.createElement("tr");
@@ -168,7 +179,7 @@
       tr.append(
         name,
         cell(w.state, "state state-" + w.state),
-        cell(String(w.active_requests), "num"),
+        activeCell(w),
         cell(w.cached_blocks + (w.capacity_blocks ? " / " + w.capacity_blocks : ""), "num"),
       );
       for (const cache of CACHES) tr.append(cell(percent(w.window_caches[cache].hit_rate), "num"));
