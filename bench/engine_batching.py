@@ -266,6 +266,7 @@ def main() -> None:
         f"engine_over_raw_c8={c8.tokens_per_s / raw_tok_s:.2f} "
         f"ttft_p50_c8_over_c1={c8.ttft_p50_ms / c1.ttft_p50_ms:.2f} identical={'yes' if identical else 'no'}"
     )
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -434,6 +434,12 @@ class Engine:
     def vision_loaded(self) -> bool:
         return self.vision_unloaded_from is None
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Waits for the engine thread to finish what it holds (a process about to exit)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
     def clear_kv_cache(self) -> int:
         return self.kv_pool.clear()
 

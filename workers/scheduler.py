@@ -93,6 +93,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
         scheduled: set[int] = set()
+        prefilling = False  # whether this step already computes a prompt chunk
         for sequence in list(self.running):
             if budget == 0:
                 break
@@ -111,6 +112,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(sequence, sequence.computed, count))
                 scheduled.add(id(sequence))
                 budget -= count
+                prefilling = prefilling or count > 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
             sequence = self.waiting[0]
             if sequence.cancelled:
@@ -119,6 +121,11 @@ class Scheduler:
             if not sequence.block_ids:
                 self._reuse_prefix(sequence)
             count = min(sequence.pending, budget)
+            if count < sequence.pending <= self.max_batch_tokens and prefilling:
+                # It would fit a step of its own: split, it would take two prefill steps to its
+                # first token (and arrive with its neighbour again next time); it waits for one.
+                self._reset(sequence)
+                break
             if not self._ensure_blocks(sequence, sequence.computed + count):
                 # Room comes back as running requests finish; waiting ones never preempt them.
                 self._reset(sequence)
@@ -127,6 +134,7 @@ class Scheduler:
             self.running.append(sequence)
             chunks.append(ScheduledChunk(sequence, sequence.computed, count))
             budget -= count
+            prefilling = prefilling or count > 1
         return StepPlan(chunks, preempted)
 
     def _reuse_prefix(self, sequence: SequenceState) -> None:
