@@ -105,7 +105,10 @@ NUMBERS: tuple[tuple[str, str], ...] = (
 # (key, title, unit, note): the charts; dashboard.js draws each from the snapshot.
 CHARTS: tuple[tuple[str, str, str, str], ...] = (
     ("cache_hit_rates", "Cache hit rates, all workers", "%", ""),
-    ("kv_per_worker", "KV prefix hit rate per worker", "%", ""),
+    ("per_worker:kv", "KV prefix hit rate per worker", "%", "Cached over prompt tokens."),
+    ("per_worker:embedding", "Embedding hit rate per worker", "%", ""),
+    ("per_worker:local_image", "Local image hit rate per worker", "%", ""),
+    ("per_worker:shared_image", "Shared image hit rate per worker", "%", ""),
     ("ttft", "Time to first token", "ms", ""),
     ("throughput", "Requests and tokens", "per second", ""),
     ("errors", "Errors by status", "requests per minute", ""),

@@ -41,8 +41,13 @@
     switch (key) {
       case "cache_hit_rates":
         return CACHES.map((c) => [config.cacheTitles[c], snapshot.series[c].map(pct)]);
-      case "kv_per_worker":
-        return snapshot.workers.map((wk) => [wk.name, wk.series.kv.map(pct)]);
+      case "per_worker:kv":
+      case "per_worker:embedding":
+      case "per_worker:local_image":
+      case "per_worker:shared_image": {
+        const cache = key.split(":")[1];
+        return snapshot.workers.map((wk) => [wk.name, wk.series[cache].map(pct)]);
+      }
       case "ttft":
         return ["p50", "p90", "p99"].map((q) => [q, minutes.map((m) => msOrNull(m.ttft[q]))]);
       case "throughput":
@@ -110,7 +115,7 @@
     const holder = figure.querySelector(".plot");
     const width = Math.max(200, holder.clientWidth);
     const colours = themeColours();
-    const signature = key + "|" + shown.map((s) => s[0]).join(",") + "|" + colours.fg;
+    const signature = key + "|" + shown.map((s) => s[0]).join(",") + "|" + colours.fg + "|" + xs.length;
     const data = [xs, ...shown.map((s) => s[1])];
     const existing = plots[key];
     if (existing && existing.signature === signature) {
@@ -125,9 +130,9 @@
       width,
       height: 200,
       cursor: {drag: {x: false, y: false}},
-      scales: {x: {time: true}, y: key.includes("hit") ? {range: [0, 100]} : {range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)]}},
+      scales: {x: {time: true}, y: unit === "%" ? {range: [0, 100]} : {range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)]}},
       axes: [
-        {...axis},
+        {...axis, space: 80},
         {...axis, size: 56, label: unit, labelSize: 18, values: (u, ticks) => ticks.map((v) => (Math.abs(v) >= 1000 ? (v / 1000).toFixed(1) + "k" : String(+v.toFixed(2))))},
       ],
       series: [
