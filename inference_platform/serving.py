@@ -322,6 +322,11 @@ class PreparedRequest:
             ),
             # The caller's cache partition, folded into the first block's hash here and there.
             cache_salt=None if self.view.cache_salt is None else f"{self.view.cache_salt:016x}",
+            presence_penalty=self.chat.presence_penalty,
+            frequency_penalty=self.chat.frequency_penalty,
+            logit_bias={str(token): bias for token, bias in self.chat.logit_bias.items()} or None,
+            logprobs=self.chat.logprobs,
+            top_logprobs=self.chat.top_logprobs,
         )
 
 
@@ -346,6 +351,8 @@ def _prepare(chat: ChatRequest) -> PreparedRequest:
             code="model_not_found",
             param="model",
         )
+    if chat.logit_bias:
+        _check_logit_bias(model, chat.logit_bias)
     try:
         prompt = model.render_prompt(chat.messages)
         prompt_ids = model.encode(prompt)
@@ -446,6 +453,21 @@ def _blocks_touched(start: int, length: int, block_size: int) -> int:
 def _blocks_covered(start: int, length: int, block_size: int) -> int:
     first = -(-start // block_size)
     return max(0, (start + length) // block_size - first)
+
+
+def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None:
+    try:
+        vocabulary = model.tokenizer.get_vocab_size(with_added_tokens=True)
+    except ModelDirectoryError as exc:
+        raise ApiError(503, f"The model is not available: {exc}", code="model_unavailable") from exc
+    outside = sorted(token for token in logit_bias if token >= vocabulary)
+    if outside:
+        raise ApiError(
+            400,
+            f"'logit_bias' names token {outside[0]}, outside the model's vocabulary of {vocabulary} tokens.",
+            code="invalid_value",
+            param="logit_bias",
+        )
 
 
 def choose_worker(

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from inference_platform import admin_dashboard, health, metrics
-from inference_platform.api import views
+from inference_platform.api import openapi, views
 
 urlpatterns = [
     path("admin/", include(admin_dashboard.urlpatterns)),  # before the admin's catch-all
@@ -15,6 +15,8 @@ urlpatterns = [
     path("v1/chat/completions", views.chat_completions, name="chat-completions"),
     path("v1/models", views.list_models, name="models"),
     path("v1/models/<path:model_id>", views.retrieve_model, name="model"),
+    path("v1/openapi.json", openapi.openapi_json, name="openapi"),
+    path("v1/docs", openapi.docs, name="api-docs"),
     path("v1/route", views.route, name="route"),
 ]
 

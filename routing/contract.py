@@ -27,8 +27,9 @@ from typing import Any, ClassVar
 
 # The version the frontend writes and the worker prefers; every heartbeat carries it.
 # 3: image bytes by reference to the media side store (ImageRef.media_ref);
-# 4: the caller's cache partition (GenerateTask.cache_salt).
-CONTRACT_VERSION = 4
+# 4: the caller's cache partition (GenerateTask.cache_salt);
+# 5: penalties, logit bias and log probabilities (GenerateTask, DoneEvent.logprobs).
+CONTRACT_VERSION = 5
 # Versions this code can read (a worker refuses any other, naming both sides).
 SUPPORTED_VERSIONS = frozenset({CONTRACT_VERSION})
 VERSION_FIELD = "contract_version"
@@ -172,12 +173,23 @@ class GenerateTask:
     # The worker drops the request once the mark expires (its frontend died) and frees that load.
     # None (an older frontend): no liveness check.
     follow_id: str | None = None
+    # Sampling beyond temperature and top_p (workers.sampler); a worker that ignored them would
+    # answer differently from what was asked: hence contract version 5.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+    logprobs: bool = False
+    top_logprobs: int = 0
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
         payload = dataclasses.asdict(self)
         payload[VERSION_FIELD] = CONTRACT_VERSION
         return payload
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(token): float(bias) for token, bias in (self.logit_bias or {}).items()}
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> GenerateTask:
@@ -327,6 +339,8 @@ class DoneEvent:
     worker: str = ""
     embeddings_received: int = 0  # E/PD: images whose features came from an encode worker
     embedding_fallbacks: int = 0  # E/PD: images sent for encoding that this worker encoded itself
+    # With `logprobs`: per completion token {token, logprob, bytes, top_logprobs}, OpenAI's shape.
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,11 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     scope_key: str | None = None  # session scope hash when scoping is on
     cache_salt: int | None = None  # the caller's cache partition (routing.hashing.cache_salt)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
     # False when scoping is on and the request has no scope: it must not read or fill shared caches.
     use_embedding_cache: bool = True
     # The frontend processor's model inputs (routing.processor_view.decode_processed): input_ids,
@@ -116,6 +121,8 @@ class GenerationResult:
     preemptions: int = 0  # times the request went back to waiting because the pool ran dry
     embeddings_received: int = 0  # E/PD: images whose encode worker's features were used
     embedding_fallbacks: int = 0  # E/PD: received features that did not fit, encoded here instead
+    # With `logprobs`: per completion token {token, logprob, bytes, top_logprobs}, OpenAI's shape.
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -343,7 +350,16 @@ class Engine:
             raise PromptError("max_tokens must be an integer")
         if request.max_tokens < 1:
             raise PromptError("max_tokens must be >= 1")
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+        params = SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            logit_bias=tuple(sorted(request.logit_bias.items())),
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+        )
         input_ids, placed = self._prompt(request)
         if not fits(self.kv_pool, len(input_ids), request.max_tokens):
             needed = -(-(len(input_ids) + request.max_tokens) // self.block_size)
@@ -674,9 +690,22 @@ class Engine:
                     preemptions=sequence.preemptions,
                     embeddings_received=state.embeddings_received,
                     embedding_fallbacks=state.embedding_fallbacks,
+                    logprobs=self._logprobs(state) if state.request.logprobs else None,
                 ),
             )
         )
+
+    def _logprobs(self, state: _RequestState) -> list[dict[str, Any]]:
+        """The sampler's log probabilities in OpenAI's shape, one per token of the answer."""
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [
+            {**entry(chosen.token, chosen.logprob), "top_logprobs": [entry(t, lp) for t, lp in chosen.top]}
+            for chosen in state.sampler.logprobs[: state.stream.completion_tokens]
+        ]
 
     def _fail(self, sequence: SequenceState, exc: Exception) -> None:
         self.scheduler.finish(sequence)

@@ -176,6 +176,11 @@ class WorkerRuntime:
                 stop=list(task.stop),
                 scope_key=partition,
                 cache_salt=cache_salt,
+                presence_penalty=task.presence_penalty,
+                frequency_penalty=task.frequency_penalty,
+                logit_bias=task.token_bias,
+                logprobs=task.logprobs,
+                top_logprobs=task.top_logprobs,
                 # With scoping on, a request without a scope shares no cache with anyone.
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
                 processed=_processed_inputs(task.processed),
@@ -233,6 +238,7 @@ class WorkerRuntime:
                 embeddings_received=result.embeddings_received,
                 embedding_fallbacks=result.embedding_fallbacks
                 + (sum(receipt.fallbacks.values()) if receipt is not None else 0),
+                logprobs=result.logprobs,
             )
         )
 

@@ -18,6 +18,8 @@ MAX_STOP_SEQUENCES = 4
 # Far deeper than any chat request needs, far shallower than the parser's recursion limit.
 MAX_JSON_DEPTH = 400
 MAX_CACHE_SALT_LENGTH = 256
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 # Fields OpenAI defines that this platform cannot honour: refused by name rather than silently
 # ignored (a caller relying on them must know). Unknown fields stay ignored, as OpenAI does.
@@ -51,6 +53,11 @@ class ChatRequest:
     include_usage: bool = False
     videos: list[VideoPart] = field(default_factory=list)
     cache_salt: str | None = None  # vLLM's per-request cache partition, inside the tenant's
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked in serving)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -260,6 +267,18 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
             "cache_salt", f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT_LENGTH} characters."
         )
 
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _invalid("logprobs", "'logprobs' must be a boolean.")
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None:
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int):
+            raise _invalid("top_logprobs", "'top_logprobs' must be an integer.")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _invalid("top_logprobs", f"'top_logprobs' must be from 0 to {MAX_TOP_LOGPROBS}.")
+        if not logprobs:
+            raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+
     return ChatRequest(
         model=model,
         messages=messages,
@@ -273,4 +292,29 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         include_usage=bool(stream_options.get("include_usage", False)),
         videos=videos,
         cache_salt=cache_salt,
+        logprobs=bool(logprobs),
+        top_logprobs=top_logprobs or 0,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
+
+
+def _logit_bias(raw: Any) -> dict[int, float]:
+    """OpenAI's `logit_bias`: token ids (as JSON object keys) to a bias from -100 to 100."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _invalid("logit_bias", "'logit_bias' must be an object of token id to bias.")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens.")
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise _invalid("logit_bias", f"'logit_bias' keys must be token ids; got {key[:20]!r}.")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise _invalid("logit_bias", f"'logit_bias[{key}]' must be a number.")
+        if not -100 <= value <= 100:
+            raise _invalid("logit_bias", f"'logit_bias[{key}]' must be from -100 to 100; got {value}.")
+        bias[int(key)] = float(value)
+    return bias

@@ -151,7 +151,7 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": done.text or "".join(text)},
-                "logprobs": None,
+                "logprobs": _logprobs(chat, done),
                 "finish_reason": done.finish_reason,
             }
         ],
@@ -190,9 +190,24 @@ def _unexpected(exc: Exception, request_id: str) -> ApiError:
     return ApiError(500, f"Internal error in request {request_id}.", code="internal_error")
 
 
-def _chunk(request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+def _logprobs(chat: ChatRequest, done: DoneEvent) -> dict[str, Any] | None:
+    """OpenAI's `choices[0].logprobs` when the request asked for them."""
+    if not chat.logprobs:
+        return None
+    return {"content": [] if done.logprobs is None else list(done.logprobs)}
+
+
+def _chunk(
+    request_id: str,
+    model: str,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+) -> bytes:
     return _event(
-        request_id, model, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        request_id,
+        model,
+        [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     )
 
 
@@ -227,7 +242,8 @@ async def _stream(
             elif isinstance(event, DoneEvent):
                 done = event
                 clock.finish(200, dispatch.worker, event)
-                yield _chunk(rid, chat.model, {}, event.finish_reason)
+                # The worker reports log probabilities with its result: they ride on the last chunk.
+                yield _chunk(rid, chat.model, {}, event.finish_reason, _logprobs(chat, event))
                 if chat.include_usage:
                     yield _event(rid, chat.model, [], usage=_usage(event))
         finished = True

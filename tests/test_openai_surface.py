@@ -1,0 +1,151 @@
+"""The OpenAI surface beyond chat: parameters refused by name, sampling fields checked at the
+edge, /v1/models/{id}, /health and /ready, and the OpenAPI document with its docs page."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.test import Client
+from openapi_spec_validator import validate
+
+from inference_platform.api.chat_request import parse_chat_request
+from inference_platform.api.errors import ApiError
+from routing.models import Worker
+from routing.redis_keys import sync_client
+from routing.registry import Heartbeat, WorkerRegistry
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def served_demo_model(settings, demo_model_dir):
+    settings.MODEL_PATH = demo_model_dir
+    settings.MODEL_NAME = ""
+    return demo_model_dir.name
+
+
+@pytest.fixture
+def client(api_headers) -> Client:
+    return Client(headers=api_headers)
+
+
+def chat_body(model: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, **extra}
+
+
+def post(client: Client, body: dict):
+    response = client.post("/v1/chat/completions", data=json.dumps(body), content_type="application/json")
+    return response.status_code, json.loads(response.content)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"n": 2}, "n"),
+    ],
+)
+def test_parameters_the_platform_cannot_honour_are_a_400_naming_them(client, served_demo_model, extra, param):
+    status, body = post(client, chat_body(served_demo_model, **extra))
+    assert status == 400
+    assert body["error"]["code"] == "unsupported_parameter"
+    assert body["error"]["param"] == param
+
+
+def test_unknown_fields_and_text_response_format_are_accepted_as_openai_does() -> None:
+    chat = parse_chat_request(
+        chat_body("demo", response_format={"type": "text"}, n=1, user="someone", made_up_field=3),
+        max_tokens_limit=16,
+    )
+    assert chat.max_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"cache_salt": ""}, "cache_salt"),
+    ],
+)
+def test_sampling_fields_out_of_range_are_a_400_naming_them(extra, param) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_chat_request(chat_body("demo", **extra), max_tokens_limit=16)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_a_400(client, served_demo_model):
+    status, body = post(client, chat_body(served_demo_model, logit_bias={"99999999": 5}))
+    assert status == 400 and body["error"]["param"] == "logit_bias"
+    assert "vocabulary" in body["error"]["message"]
+
+
+def test_models_retrieve_answers_the_served_model_and_404_for_others(client, served_demo_model):
+    response = client.get(f"/v1/models/{served_demo_model}")
+    assert response.status_code == 200
+    model = json.loads(response.content)
+    assert (model["id"], model["object"], model["owned_by"]) == (served_demo_model, "model", "platform")
+    missing = client.get("/v1/models/gpt-17")
+    assert missing.status_code == 404 and json.loads(missing.content)["error"]["code"] == "model_not_found"
+
+
+def test_health_answers_without_a_key_and_ready_needs_a_live_worker(served_demo_model, settings):
+    assert Client().get("/health").json() == {"status": "ok"}
+    not_ready = Client().get("/ready")
+    assert not_ready.status_code == 503 and not_ready.json()["live_workers"] == 0
+    # given a worker row with a live heartbeat for the served model
+    registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    Worker.objects.create(name="readyness", model_name=served_demo_model)
+    registry.beat(Heartbeat(name="readyness", model=served_demo_model, block_size=settings.KV_BLOCK_SIZE), 30)
+    try:
+        ready = Client().get("/ready")
+        assert ready.status_code == 200 and ready.json() == {
+            "status": "ready",
+            "redis": "ok",
+            "live_workers": 1,
+        }
+    finally:
+        registry.remove("readyness")
+
+
+def test_ready_is_a_503_when_redis_is_unreachable(settings):
+    settings.REDIS_URL = "redis://127.0.0.1:9/0"
+    response = Client().get("/ready")
+    assert response.status_code == 503 and response.json()["redis"].startswith("unavailable")
+
+
+def test_the_openapi_document_is_valid_and_says_what_this_server_accepts(settings, served_demo_model):
+    settings.MAX_TOKENS_LIMIT = 77
+    document = Client().get("/v1/openapi.json").json()
+    validate(document)
+    request = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert request["properties"]["max_tokens"]["maximum"] == 77
+    assert request["properties"]["model"]["enum"] == [served_demo_model]
+    assert set(document["paths"]) >= {
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/health",
+    }
+    assert "ChatCompletionChunk" in document["components"]["schemas"]
+    assert document["paths"]["/v1/chat/completions"]["post"]["responses"]["429"]["headers"]["Retry-After"]
+
+
+def test_the_docs_page_lists_every_endpoint_and_loads_nothing_from_elsewhere():
+    page = Client().get("/v1/docs").content.decode()
+    for path in ("/v1/chat/completions", "/v1/models/{model_id}", "/ready", "/v1/openapi.json"):
+        assert path in page
+    assert "src=" not in page and "<script" not in page and 'rel="stylesheet"' not in page
