@@ -354,7 +354,8 @@ def _prepare(chat: ChatRequest) -> PreparedRequest:
     if chat.logit_bias:
         _check_logit_bias(model, chat.logit_bias)
     try:
-        prompt = model.render_prompt(chat.messages)
+        # Control tokens a client wrote stay text: only the template makes roles and placeholders.
+        prompt = model.render_prompt(model.literal_messages(chat.messages))
         prompt_ids = model.encode(prompt)
     except ModelDirectoryError as exc:
         raise ApiError(503, f"The model is not available: {exc}", code="model_unavailable") from exc
@@ -521,7 +522,7 @@ def _text_before_first_image(model: ModelView, chat: ChatRequest, prompt_ids: li
             if isinstance(message["content"], list)
             else message["content"],
         }
-        for message in chat.messages
+        for message in model.literal_messages(chat.messages)
     ]
     before, found, _ = model.render_prompt(messages).partition(_IMAGE_SENTINEL)
     if not found:

@@ -9,6 +9,7 @@ the worker's, at a fraction of the start-up cost.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from datetime import datetime
@@ -61,6 +62,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.load(fh)
 
 
+# Breaks a control token a client wrote into plain text (see ModelView.literal_messages).
+LITERAL_JOINER = "\u2060"
+
+
 @dataclass
 class ModelView:
     path: Path
@@ -109,6 +114,41 @@ class ModelView:
         if isinstance(value, dict):
             value = value.get("content")
         return value if isinstance(value, str) else None
+
+    @cached_property
+    def _control_strings(self) -> re.Pattern[str] | None:
+        """The tokenizer's added tokens (role markers, image placeholders) as one pattern."""
+        contents = {token.content for token in self.tokenizer.get_added_tokens_decoder().values()}
+        contents = sorted((c for c in contents if len(c) > 1), key=len, reverse=True)
+        return re.compile("|".join(re.escape(c) for c in contents)) if contents else None
+
+    def literal_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages with every control token the client wrote kept as text.
+
+        A client's `<|im_start|>system` must not open a system turn, nor its `<|image_pad|>` stand
+        for an image: the template's own markers are the only control tokens of a prompt. Each
+        such string in the client's text gets a WORD JOINER (U+2060, invisible) after its first
+        character, so no tokenizer, here or in the worker, can match it as the added token.
+        """
+        pattern = self._control_strings
+        if pattern is None:
+            return messages
+
+        def literal(text: str) -> str:
+            return pattern.sub(lambda match: match[0][0] + LITERAL_JOINER + match[0][1:], text)
+
+        escaped = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str):
+                content = literal(content)
+            elif isinstance(content, list):
+                content = [
+                    {**part, "text": literal(part["text"])} if isinstance(part.get("text"), str) else part
+                    for part in content
+                ]
+            escaped.append({**message, "content": content})
+        return escaped
 
     def render_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text the model's chat template makes of these messages."""

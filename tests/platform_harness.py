@@ -7,6 +7,7 @@ database, so the test removes exactly what it wrote.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -33,6 +34,22 @@ django.setup()
 from django.core.management import call_command
 call_command("migrate", interactive=False, verbosity=0)
 call_command("api_keys", "create", "--tenant", "harness", "--name", "harness", "--staff")
+"""
+
+
+_MAKE_KEYS = """
+import json, sys
+import django
+django.setup()
+from tenants.keys import create_api_key
+from tenants.models import Tenant
+keys = []
+for spec in json.loads(sys.argv[1]):
+    spec = dict(spec)
+    name, staff = spec.pop("tenant"), spec.pop("staff", False)
+    tenant, _ = Tenant.objects.update_or_create(name=name, defaults=spec)
+    keys.append(create_api_key(tenant, "test", staff=staff)[1])
+print(json.dumps(keys))
 """
 
 
@@ -81,6 +98,33 @@ class PlatformProcesses:
         )
         self.api_key = created.stdout.strip().splitlines()[-1]
         self.headers = {"Authorization": f"Bearer {self.api_key}"}
+
+    def make_keys(self, *specs: dict) -> list[str]:
+        """API keys for tenants of the test's own, in one process; each spec names a `tenant` and
+        may set `staff` and the tenant's fields (limits, share_prefix_cache). Plaintexts, in order."""
+        created = subprocess.run(
+            [sys.executable, "-c", _MAKE_KEYS, json.dumps(list(specs))],
+            cwd=REPO,
+            env=self.env,
+            check=True,
+            timeout=120,
+            capture_output=True,
+            text=True,
+        )
+        return json.loads(created.stdout.strip().splitlines()[-1])
+
+    def manage(self, *args: str) -> str:
+        """`manage.py` with the platform's settings; its standard output."""
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO,
+            env=self.env,
+            check=True,
+            timeout=120,
+            capture_output=True,
+            text=True,
+        )
+        return done.stdout
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
         log = self.tmp / f"{label}.log"

@@ -43,6 +43,7 @@ _ERRORS = {
         "The request is invalid; `error.param` names the field (also `unsupported_parameter`)."
     ),
     "401": _error_response("Missing, wrong, revoked or expired API key."),
+    "403": _error_response("An image URL the platform refuses to fetch (an internal address, say)."),
     "404": _error_response("Unknown model."),
     "413": _error_response("The body is over the size limit."),
     "415": _error_response("The body is not application/json."),
@@ -319,6 +320,17 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                 "usage": _ref("Usage"),
             },
         },
+        "ServerSentEvent": {
+            "type": "object",
+            "required": ["data"],
+            "description": "One event of a streamed answer: `data` holds a `ChatCompletionChunk` as JSON, "
+            "an `Error` as JSON (a failure after the stream began), or `[DONE]` (the last event).",
+            "properties": {
+                "data": {"type": "string"},
+                "event": {"type": "string"},
+                "id": {"type": "string"},
+            },
+        },
         "Health": {
             "type": "object",
             "required": ["status"],
@@ -393,7 +405,8 @@ def openapi_document(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                             "headers": _ROUTING_HEADERS,
                             "content": {
                                 _JSON: {"schema": _ref("ChatCompletion")},
-                                "text/event-stream": {"schema": {"type": "string"}},
+                                # Before OpenAPI 3.2, an event stream's schema is each event's.
+                                "text/event-stream": {"schema": _ref("ServerSentEvent")},
                             },
                         },
                         **_ERRORS,
