@@ -120,9 +120,9 @@ def tenant_usage() -> TenantUsage:
     return TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
 
 
-def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
+async def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
     logger.info("request %s of %s refused: over %s", request_id, caller.label, exceeded.limit)
-    tenant_usage().refused(caller.tenant_id)  # type: ignore[arg-type]
+    await asyncio.to_thread(tenant_usage().refused, caller.tenant_id)  # type: ignore[arg-type]
     return ApiError(
         429,
         exceeded.describe(),
@@ -145,7 +145,7 @@ async def admit(caller: Caller, request_id: str) -> None:
             max_concurrent=caller.max_concurrent_requests,
         )
     except LimitExceeded as exceeded:
-        raise _over_limit(caller, exceeded, request_id) from None
+        raise await _over_limit(caller, exceeded, request_id) from None
 
 
 async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> None:
@@ -159,7 +159,7 @@ async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: i
             limit=caller.prompt_tokens_per_minute,
         )
     except LimitExceeded as exceeded:
-        raise _over_limit(caller, exceeded, request_id) from None
+        raise await _over_limit(caller, exceeded, request_id) from None
 
 
 async def finish_request(caller: Caller, request_id: str, done: DoneEvent | None) -> None:

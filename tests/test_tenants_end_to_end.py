@@ -270,7 +270,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(platform):
             calls[name] = calls.get(name, 0) + 1
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
             case.validate_response(response, checks=checks)
-            if response.headers.get("content-type", "").startswith("text/event-stream"):
+            content_type = response.headers.get("content-type") or [""]  # schemathesis: lists of values
+            if content_type[0].startswith("text/event-stream"):
                 check_stream(response)
 
         run()
@@ -310,7 +311,7 @@ def test_no_key_appears_in_the_clear_in_logs_redis_or_the_database(platform):
         elif kind == b"set":
             stored.extend(conn.smembers(key))
         elif kind == b"stream":
-            stored.extend(json.dumps(entry, default=repr).encode() for entry in conn.xrange(key))
+            stored.extend(repr(entry).encode() for entry in conn.xrange(key))
         stored.append(key)
     conn.close()
     redis_text = b"\n".join(stored).decode("latin-1")

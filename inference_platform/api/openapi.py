@@ -234,6 +234,14 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                     "description": "Narrows the caller's cache partition further (as vLLM's `cache_salt`).",
                 },
             },
+            "example": {
+                "model": model_name,
+                "messages": [{"role": "user", "content": "Describe a red bicycle."}],
+                "max_tokens": min(4, max_tokens_limit),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "logprobs": True,
+            },
             "description": "OpenAI's chat completion request. `tools`, `tool_choice`, `functions`, "
             "`response_format` other than text, audio and `n` > 1 are refused with a 400 "
             "`unsupported_parameter`; other unknown fields are ignored.",
@@ -313,7 +321,12 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                                 },
                             },
                             "logprobs": logprobs,
-                            "finish_reason": {"type": "string", "enum": ["stop", "length"], "nullable": True},
+                            # OpenAPI 3.0: a nullable enum lists null among its values.
+                            "finish_reason": {
+                                "type": "string",
+                                "enum": ["stop", "length", None],
+                                "nullable": True,
+                            },
                         },
                     },
                 },
