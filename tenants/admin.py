@@ -51,31 +51,32 @@ class TenantAdmin(admin.ModelAdmin):
     inlines = (ApiKeyInline,)
 
     def _usage(self, tenant: Tenant) -> dict[str, int]:
-        cache = getattr(self, "_usage_cache", None)
-        if cache is None or tenant.pk not in cache:
-            try:
-                usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-                cache = usage.totals([tenant.pk, *(cache or {})])
-            except redis.RedisError:
-                cache = {}
+        """The tenant's counters; read for every tenant of a list page at once (changelist_view)."""
+        cache = getattr(self, "_usage_cache", None) or {}
+        if tenant.pk not in cache:
+            cache = {**cache, **self._read_usage([tenant.pk])}
             self._usage_cache = cache
         return cache.get(tenant.pk, {})
 
-    def get_queryset(self, request):
-        queryset = super().get_queryset(request)
-        self._usage_cache = None  # counters are read once per page, for every tenant it lists
-        return queryset
+    @staticmethod
+    def _read_usage(tenant_ids: list[int]) -> dict[int, dict[str, int]]:
+        try:
+            usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+            return usage.totals(tenant_ids)
+        except redis.RedisError:
+            return {}  # the page still opens; the counters show "?"
 
     def changelist_view(self, request, extra_context=None):
+        self._usage_cache = {}  # counters are read afresh for each page
         response = super().changelist_view(request, extra_context)
         tenants = getattr(getattr(response, "context_data", {}).get("cl"), "result_list", None)
         if tenants is not None:
-            try:
-                usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-                self._usage_cache = usage.totals([t.pk for t in tenants])
-            except redis.RedisError:
-                self._usage_cache = {}
+            self._usage_cache = self._read_usage([tenant.pk for tenant in tenants])
         return response
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        self._usage_cache = {}
+        return super().change_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="Requests")
     def usage_requests(self, tenant: Tenant) -> int | str:

@@ -412,15 +412,13 @@ def _cache_salt(raw: Any) -> int | None:
     """The task's cache salt (16 hex digits) as the u64 the block hashes fold in."""
     if raw is None:
         return None
+    from workers.engine import PromptError
+
     try:
         salt = int(str(raw), 16)
     except ValueError:
-        from workers.engine import PromptError
-
-        raise PromptError("the task's cache_salt is not a hex u64") from None
+        salt = -1
     if not 0 <= salt < 1 << 64:
-        from workers.engine import PromptError
-
         raise PromptError("the task's cache_salt is not a hex u64")
     return salt
 
