@@ -288,8 +288,25 @@ async def _forget_mark(request_id: str) -> None:
         await async_client(settings.REDIS_URL).delete(live_key(settings.REDIS_KEY_PREFIX, request_id))
 
 
+_redis_failed_at = -1e9
+
+
+def note_redis_failure() -> None:
+    """Remember that Redis just failed this process (see `redis_recently_failed`)."""
+    global _redis_failed_at
+    _redis_failed_at = time.monotonic()
+
+
+def redis_recently_failed() -> bool:
+    """Whether Redis failed within the last timeout: bookkeeping that would wait on it again
+    (a tenant's slot, usage) is then done in the background, so a request that met a frozen
+    Redis waits one timeout, not one per remaining operation."""
+    return time.monotonic() - _redis_failed_at < settings.REDIS_TIMEOUT_SECS
+
+
 def state_unavailable(request_id: str, exc: Exception) -> ApiError:
     """A Redis failure mid-request: the platform's shared state is out of reach."""
+    note_redis_failure()
     logger.error("request %s: Redis failed: %s", request_id, redact_text(str(exc)))
     return ApiError(
         503,

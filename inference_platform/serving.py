@@ -25,6 +25,8 @@ from inference_platform.dispatch import (
     Dispatch,
     eligible_workers,
     media_store,
+    note_redis_failure,
+    redis_recently_failed,
     registry,
     release_media,
     router,
@@ -166,6 +168,19 @@ async def finish_request(caller: Caller, request_id: str, done: DoneEvent | None
     """The request ended (answered or not): free its tenant's slot, count what it used."""
     if caller.tenant_id is None:
         return
+    if redis_recently_failed():
+        # Redis just failed this request: the client gets its answer now, not a timeout later.
+        task = asyncio.create_task(_record_end(caller, request_id, done))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        return
+    await _record_end(caller, request_id, done)
+
+
+_background: set[asyncio.Task] = set()  # held until done (the loop keeps only weak references)
+
+
+async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
     try:
         await asyncio.to_thread(tenant_limiter().release, caller.tenant_id, request_id)
         if done is not None:
@@ -562,7 +577,9 @@ async def plan_request(
     await admit(caller, request_id)
     try:
         return await _plan(chat, request_id, scope_key, caller)
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, redis.RedisError):
+            note_redis_failure()
         await finish_request(caller, request_id, None)
         raise
 

@@ -93,9 +93,19 @@ WHITENOISE_USE_FINDERS = True  # straight from the apps' static folders: no coll
 REDIS_URL = env_str("REDIS_URL") or "redis://127.0.0.1:6379/0"
 REDIS_KEY_PREFIX = env_str("REDIS_KEY_PREFIX") or "mmr:"
 
+# The longest any one Redis operation may take (the broker's included): a frozen Redis answers
+# a request with a 503 within it. Timeouts are never retried; a dropped connection is, once.
+REDIS_TIMEOUT_SECS = env_float("REDIS_TIMEOUT_SECS", 5.0, positive=True)
+
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or REDIS_URL
 # Every broker key (queues, bindings) lives under the deployment's prefix, like our own keys.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": REDIS_KEY_PREFIX}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "global_keyprefix": REDIS_KEY_PREFIX,
+    "socket_timeout": REDIS_TIMEOUT_SECS,
+    "socket_connect_timeout": min(REDIS_TIMEOUT_SECS, 2.0),
+}
+# A publish that fails is retried once, at once, within the same bounded wait.
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "interval_step": 0}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

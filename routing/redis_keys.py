@@ -39,13 +39,31 @@ def redact_text(text: str) -> str:
 
 
 # Bounded waits: a Redis that stops answering must fail a request, never hang it. Blocking
-# reads (XREAD BLOCK) stay well under the socket timeout.
+# reads (XREAD BLOCK, 1 s) stay under the socket timeout. `configure_timeouts` sets them from
+# the deployment's REDIS_TIMEOUT_SECS (the web and worker apps call it at start-up).
 CONNECT_TIMEOUT_S = 2.0
-SOCKET_TIMEOUT_S = 10.0
+SOCKET_TIMEOUT_S = 5.0
 
 
-def _client_options() -> dict[str, object]:
+def configure_timeouts(seconds: float) -> None:
+    """Every later client waits at most this long for any one Redis operation."""
+    global CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S
+    SOCKET_TIMEOUT_S = seconds
+    CONNECT_TIMEOUT_S = min(seconds, 2.0)
+
+
+def _client_options(*, asyncio: bool = False) -> dict[str, object]:
+    import redis
+    import redis.asyncio.retry
+    import redis.retry
+    from redis.backoff import NoBackoff
+
+    retry_class = redis.asyncio.retry.Retry if asyncio else redis.retry.Retry
     return {
+        # A pooled connection the server dropped (a restart) fails at once with ConnectionError:
+        # the command is retried once on a fresh connection. A timeout is never retried: a frozen
+        # Redis must cost one timeout, not several (redis-py's default retries ten times).
+        "retry": retry_class(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         "health_check_interval": 30,
         "socket_keepalive": True,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
@@ -80,6 +98,6 @@ def async_client(url: str):  # -> redis.asyncio.Redis
     key = (url, id(loop))
     client = _async_clients.get(key)
     if client is None:
-        client = redis.asyncio.Redis.from_url(url, **_client_options())
+        client = redis.asyncio.Redis.from_url(url, **_client_options(asyncio=True))
         _async_clients[key] = client
     return client

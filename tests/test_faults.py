@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 
 import httpx
 import pytest
+import redis
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +126,141 @@ def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_
     # and the worker stopped the answers nobody reads, rather than generating them to the end
     log = platform.log("worker-steady")
     assert log.count("its frontend went away") == 3, log[-2000:]
+
+
+# --- Redis killed, restarted, frozen -------------------------------------------------------------
+class PrivateRedis:
+    """A redis-server of the test's own on a free port, which the test may kill, restart or freeze."""
+
+    def __init__(self, directory) -> None:
+        from tests.platform_harness import free_port
+
+        self.port = free_port()
+        self.directory = directory
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no"],
+            cwd=self.directory,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        client.close()
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.kill()
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    server = PrivateRedis(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
+    private_redis, platform_processes
+):
+    # given a platform whose only Redis the test owns
+    platform = platform_processes(on_redis=private_redis.url, REDIS_TIMEOUT_SECS="2")
+    platform.start_worker("sturdy")
+    platform.wait_for_workers("sturdy")
+    platform.start_server()
+    assert chat(platform, "warm up").status_code == 200
+
+    # when Redis is killed with requests in flight, then restarted (empty) a second later
+    answers: list[httpx.Response | Exception] = []
+
+    def ask(i: int) -> None:
+        try:
+            answers.append(chat(platform, f"Question {i}", max_tokens=40))
+        except httpx.HTTPError as exc:
+            answers.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    private_redis.kill()
+    time.sleep(1.0)
+    private_redis.start()
+    started = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    # then every request got an answer (200, or a 503 saying the shared state was lost), in time
+    assert len(answers) == 4
+    assert time.monotonic() - started < 45
+    for answer in answers:
+        assert isinstance(answer, httpx.Response), answer
+        assert answer.status_code in (200, 503), answer.text
+        if answer.status_code == 503:
+            assert answer.json()["error"]["code"] in (
+                "state_unavailable",
+                "worker_vanished",
+                "no_live_worker",
+            )
+    # and once the worker beats again, requests succeed on the pooled connections: none fails stale
+    deadline = time.monotonic() + 15
+    while not platform.redis.exists(platform.heartbeat_key("sturdy")):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # the worker's Celery consumer reconnects to the restarted broker on its own schedule
+    while chat(platform, "Anyone back?").status_code != 200:
+        assert time.monotonic() < deadline + 20, platform.log_tail("worker-sturdy")
+        time.sleep(0.5)
+    after = [chat(platform, f"After the restart {i}") for i in range(4)]
+    assert [response.status_code for response in after] == [200] * 4, [r.text for r in after]
+    assert active_requests(platform) == {}
+
+
+def test_a_frozen_redis_answers_503_within_its_deadline_and_recovers_when_thawed(
+    private_redis, platform_processes
+):
+    # given a platform whose Redis waits are bounded by 2 s
+    platform = platform_processes(on_redis=private_redis.url, REDIS_TIMEOUT_SECS="2")
+    platform.start_worker("patient")
+    platform.wait_for_workers("patient")
+    platform.start_server()
+    assert chat(platform, "warm up").status_code == 200
+
+    # when Redis freezes (SIGSTOP: connections accepted, nothing answered)
+    private_redis.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        frozen = chat(platform, "Is anyone there?")
+        waited = time.monotonic() - started
+    finally:
+        private_redis.process.send_signal(signal.SIGCONT)
+
+    # then the client got a 503 in the API's format within the deadline (not twice it, not 20 s)
+    assert frozen.status_code == 503, frozen.text
+    assert frozen.json()["error"]["code"] in ("state_unavailable", "broker_unavailable")
+    assert waited < 2.0 * 1.75, f"waited {waited:.1f} s on a frozen Redis"
+    # and once thawed, the platform serves again
+    deadline = time.monotonic() + 15
+    while chat(platform, "And now?").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
