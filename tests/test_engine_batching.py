@@ -16,6 +16,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from PIL import Image
 
+from routing.index import KvIndex
+from routing.kv_events import KvEventPublisher
 from tests.test_engine import LONG_TEXT, EventLog, chat, image_input
 from workers.engine import Engine, GenerationRequest, GenerationResult, ImageInput
 
@@ -98,21 +100,31 @@ def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(demo_engine
     assert results[0].text == generate_alone(engine, chat("Hello there."), [], 24)
 
 
-def test_a_tiny_pool_preempts_without_losing_or_changing_any_output(demo_engine) -> None:
-    # given a pool that holds one long request, not four at once, and an event log
+def test_a_tiny_pool_preempts_without_losing_or_changing_any_output(
+    demo_engine, redis_client, key_namespace
+) -> None:
+    # given a pool that holds one long request, not four at once, publishing to the router's index
     log = EventLog()
-    engine = demo_engine(capacity=14, events=log)
+    index = KvIndex(redis_client, key_namespace)
+    publisher = KvEventPublisher(redis_client, key_namespace, index=index)
+
+    def publish(events) -> None:
+        log(events)
+        publisher.publish(events)
+
+    engine = demo_engine(capacity=14, events=publish)
     prompts = [chat(f"Question {n}: {LONG_TEXT}") for n in range(4)]
 
-    results = serve_together(engine, [request(p, max_tokens=40) for p in prompts])
+    results = serve_together(engine, [request(p, max_tokens=24) for p in prompts])
 
     # then every request finished, with what it gives alone, and some had to wait their turn
-    assert [r.text for r in results] == [generate_alone(engine, p, [], 40) for p in prompts]
+    assert [r.text for r in results] == [generate_alone(engine, p, [], 24) for p in prompts]
     assert sum(r.preemptions for r in results) > 0
     assert engine.load_report().preemptions > 0
-    # and the events, replayed, equal what the pool caches after evictions and preemptions
+    # and the events, replayed into the index, equal what the pool caches after evictions and
+    # preemptions
     assert "removed" in log.kinds
-    assert log.blocks == engine.kv_block_hashes()
+    assert log.blocks == engine.kv_block_hashes() == index.worker_blocks("w")
     assert engine.load_report().kv_blocks_used == 0
 
 

@@ -11,12 +11,14 @@ the reused prefix covers are neither loaded nor encoded.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -155,6 +157,17 @@ def load_image_directly(image: ImageInput, scope_key: str | None = None) -> Imag
     else:
         data = fetch_bytes(image.url, policy, expect_image=True)
     return decode_image(data, policy)
+
+
+# Engine threads are daemons (a process may exit with requests in flight), but one still
+# finishing a step when the interpreter shuts down would be killed inside torch: wait a little.
+_engine_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _let_engine_steps_finish() -> None:
+    for thread in list(_engine_threads):
+        thread.join(timeout=5)
 
 
 class RequestHandle:
@@ -402,6 +415,7 @@ class Engine:
             self._inbox.append(sequence)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+                _engine_threads.add(self._thread)
                 self._thread.start()
         return RequestHandle(sequence, events)
 
