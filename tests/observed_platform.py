@@ -8,6 +8,7 @@ was sent and answered, so a test can compare what the dashboard shows with what 
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
@@ -57,8 +58,11 @@ class ObservedPlatform:
         self.ledger = Ledger()
         self.images = [origin.add(f"/pic-{i}.png", picture(i)) for i in range(2)]
 
-    def send(self, image: int, question: str = "Describe this image.") -> httpx.Response:
-        body = {
+    def send(
+        self, image: int, question: str = "Describe this image.", *, stream: bool = False
+    ) -> httpx.Response:
+        """One chat request about one of the origin's images; streamed ones ask for the usage chunk."""
+        body: dict = {
             "model": "demo",
             "messages": [
                 {
@@ -72,6 +76,8 @@ class ObservedPlatform:
             "max_tokens": 3,
             "temperature": 0,
         }
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
         response = httpx.post(
             f"{self.base_url}/v1/chat/completions", json=body, headers=self.processes.headers, timeout=60
         )
@@ -80,7 +86,7 @@ class ObservedPlatform:
         ledger.requests += 1
         ledger.statuses[response.status_code] = ledger.statuses.get(response.status_code, 0) + 1
         if response.status_code == 200:
-            usage = response.json()["usage"]
+            usage = stream_usage(response.text) if stream else response.json()["usage"]
             cached = usage["prompt_tokens_details"]["cached_tokens"]
             ledger.prompt_tokens += usage["prompt_tokens"]
             ledger.completion_tokens += usage["completion_tokens"]
@@ -113,6 +119,13 @@ class ObservedPlatform:
         )
         assert done.returncode == 0, done.stderr
         return done.stdout
+
+
+def stream_usage(events: str) -> dict:
+    """The usage chunk of a server-sent event stream (its last chunk before [DONE])."""
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    (usage,) = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+    return usage
 
 
 def start_observed_platform(processes: PlatformProcesses, origin: ImageServer) -> ObservedPlatform:

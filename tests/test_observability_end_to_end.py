@@ -129,8 +129,9 @@ def test_metrics_are_the_same_whichever_frontend_is_scraped_and_survive_its_rest
     observed_platform: ObservedPlatform,
 ) -> None:
     platform = observed_platform
-    for image in (1, 1):
-        assert platform.send(image).status_code == 200
+    # a streamed request too: its metrics are recorded where the stream ends
+    for image, stream in ((1, False), (1, True)):
+        assert platform.send(image, stream=stream).status_code == 200
     first = platform.base_url
 
     def total(samples: dict[Any, float], name: str) -> float:
