@@ -116,8 +116,8 @@ CHARTS: tuple[tuple[str, str, str, str], ...] = (
         "overlap",
         "Routing: overlap given up",
         "KV blocks per minute",
-        "The best eligible worker's cached prefix minus the chosen one's, as the router records it "
-        "(mmr_routing_overlap_given_up_blocks); empty until the router records it.",
+        "Per minute, the cached prefix blocks the best eligible worker held, and how many of them the "
+        "chosen worker lacked (traded for load or affinity): the hit rate the router gave up.",
     ),
 )
 
@@ -134,9 +134,15 @@ def big_numbers(snapshot: Snapshot) -> list[dict[str, str]]:
         "ttft_p50": milliseconds(totals["ttft"]["p50"]),
         "ttft_p99": milliseconds(totals["ttft"]["p99"]),
         **{f"hit_{cache}": percent(window["caches"][cache]["hit_rate"]) for cache in CACHES},
-        "overlap_given_up": "—" if given_up is None else f"{given_up} blocks",
+        "overlap_given_up": overlap_text(given_up, totals["overlap_given_up_share"]),
     }
     return [{"key": key, "label": label, "value": values[key]} for key, label in NUMBERS]
+
+
+def overlap_text(given_up: int | None, share: float | None) -> str:
+    if given_up is None:
+        return "—"
+    return f"{given_up} blocks" + ("" if share is None else f" ({percent(share)})")
 
 
 def scope_text(worker: dict[str, Any]) -> str:

@@ -317,6 +317,7 @@ def _window_figures(parsed: telemetry.Parsed, minutes: int) -> dict[str, Any]:
         },
         # Recorded by the router once it computes it (None: nothing recorded in the window).
         "overlap_given_up_blocks": int(given_up) if best or given_up else None,
+        "best_overlap_blocks": int(best) if best or given_up else None,
         "overlap_given_up_share": given_up / best if best else None,
     }
 

@@ -14,6 +14,7 @@ import pytest
 import redis
 from django.test import Client
 
+from inference_platform.admin_dashboard import big_numbers
 from routing.cache_stats import CacheStats
 from routing.dashboard import DashboardReader, hit_rate
 from routing.index import KvIndex
@@ -487,7 +488,8 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
     old.inc("requests", 50, labels={"status": "500", "worker": "gpu0"})
     old.close()
     # when
-    window = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)["window"]
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
+    window = snapshot["window"]
     # then
     totals = window["totals"]
     assert (totals["requests"], totals["errors"], totals["by_status"]) == (4, 1, {"200": 3, "503": 1})
@@ -495,6 +497,9 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
     assert 0.01 < totals["ttft"]["p50"] <= 0.025  # two of three first tokens in (10 ms, 25 ms]
     assert 0.25 < totals["ttft"]["p99"] <= 0.5
     assert (totals["overlap_given_up_blocks"], totals["overlap_given_up_share"]) == (2, 0.25)
+    assert totals["best_overlap_blocks"] == 8
+    shown = {number["key"]: number["value"] for number in big_numbers(snapshot)}
+    assert (shown["requests"], shown["errors"], shown["overlap_given_up"]) == ("4", "1", "2 blocks (25.0%)")
     assert totals["requests_per_s"] == pytest.approx(4 / 300)
     assert window["statuses"] == ["200", "503"]
     assert len(window["per_minute"]) == 5 and window["per_minute"][-1]["requests"] == 4

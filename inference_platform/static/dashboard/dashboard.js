@@ -29,7 +29,8 @@
       tokens_per_s: perSecond(t.tokens_per_s),
       ttft_p50: ms(t.ttft.p50),
       ttft_p99: ms(t.ttft.p99),
-      overlap_given_up: t.overlap_given_up_blocks === null ? "—" : t.overlap_given_up_blocks + " blocks",
+      overlap_given_up: t.overlap_given_up_blocks === null ? "—"
+        : t.overlap_given_up_blocks + " blocks" + (t.overlap_given_up_share === null ? "" : " (" + percent(t.overlap_given_up_share) + ")"),
     };
     for (const cache of CACHES) values["hit_" + cache] = percent(w.caches[cache].hit_rate);
     return values;
@@ -61,7 +62,10 @@
         return statuses.map((s) => ["HTTP " + s, minutes.map((m) => m.by_status[s] || 0)]);
       }
       case "overlap":
-        return [["blocks given up", minutes.map((m) => m.overlap_given_up_blocks)]];
+        return [
+          ["given up", minutes.map((m) => m.overlap_given_up_blocks)],
+          ["best eligible", minutes.map((m) => m.best_overlap_blocks)],
+        ];
     }
     return [];
   }
