@@ -2,11 +2,17 @@
 
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 
 from inference_platform import admin_dashboard, health, metrics
 from inference_platform.api import openapi, views
 
+# The admin's "View site" link went to "/", which served nothing: it now names the API's docs,
+# and "/" itself (what `make run` users open first) leads to the admin.
+admin.site.site_url = "/v1/docs"
+
 urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False), name="root"),
     path("admin/", include(admin_dashboard.urlpatterns)),  # before the admin's catch-all
     path("admin/", admin.site.urls),
     path("metrics", metrics.metrics, name="metrics"),
