@@ -109,12 +109,21 @@ def revoke_api_key(key: ApiKey) -> bool:
 
 
 def caller_for(key: ApiKey) -> Caller:
-    tenant = key.tenant
+    return _tenant_caller(key.tenant, key_prefix=key.prefix, staff=key.staff)
+
+
+def tenant_caller(tenant_name: str) -> Caller:
+    """A tenant's caller with no key: what an operator's command (inspect_request --tenant) acts
+    as to see the tenant's requests as the router sees them. Tenant.DoesNotExist if none."""
+    return _tenant_caller(Tenant.objects.get(name=tenant_name), key_prefix=None, staff=False)
+
+
+def _tenant_caller(tenant: Tenant, *, key_prefix: str | None, staff: bool) -> Caller:
     return Caller(
         tenant_id=tenant.pk,
         tenant_name=tenant.name,
-        key_prefix=key.prefix,
-        staff=key.staff,
+        key_prefix=key_prefix,
+        staff=staff,
         partition=None if tenant.share_prefix_cache else tenant.cache_salt,
         requests_per_minute=tenant.requests_per_minute,
         prompt_tokens_per_minute=tenant.prompt_tokens_per_minute,

@@ -8,7 +8,8 @@ import json
 import shutil
 
 import pytest
-from django.core.management import call_command
+from asgiref.sync import sync_to_async
+from django.core.management import CommandError, call_command
 from PIL import Image
 
 from inference_platform.api.chat_request import parse_chat_request
@@ -223,3 +224,43 @@ def test_the_processor_path_routes_a_family_outside_the_registry_exactly(setting
     assert exact.fallback is None
     assert [image.tokens > 0 for image in exact.images] == [True, True]
     assert len(exact.tokens) == exact.prompt_tokens
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_inspect_request_hashes_as_the_route_endpoint_does_for_the_tenants_key(
+    tmp_path, capsys, make_api_key
+):
+    """The command folds in the tenant's salt (--tenant) and the body's cache_salt, as the API does."""
+    body = two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))
+    headers = {"Authorization": f"Bearer {await sync_to_async(make_api_key)('inspected', staff=True)}"}
+
+    async def routed(request_body) -> list[int]:
+        response = await KeyedAsyncClient(headers).post(
+            "/v1/route", data=json.dumps(request_body), content_type="application/json"
+        )
+        assert response.status_code == 200, response.content
+        return json.loads(response.content)["block_hashes"]
+
+    async def inspected(request_body, *args) -> tuple[list[int], str]:
+        path = tmp_path / "request.json"
+        path.write_text(json.dumps(request_body))
+        await sync_to_async(call_command)("inspect_request", str(path), "--json", *args)
+        hashes = json.loads(capsys.readouterr().out)["block_hashes"]
+        await sync_to_async(call_command)("inspect_request", str(path), *args)
+        return hashes, capsys.readouterr().out
+
+    for request_body in (body, {**body, "cache_salt": "team-a"}):
+        tenant_hashes, printed = await inspected(request_body, "--tenant", "inspected")
+        assert tenant_hashes == await routed(request_body)
+        assert "tenant 'inspected'" in printed
+        shared_hashes, printed = await inspected(request_body)
+        assert shared_hashes[0] != tenant_hashes[0]
+    assert "the body's cache_salt" in printed
+    unsalted, printed = await inspected(body)
+    assert "none: the shared pool" in printed
+    assert unsalted != shared_hashes
+
+    with pytest.raises(CommandError, match="No tenant is named 'nobody'"):
+        await sync_to_async(call_command)(
+            "inspect_request", str(tmp_path / "request.json"), "--tenant", "nobody"
+        )

@@ -1,4 +1,10 @@
-"""`manage.py inspect_request FILE.json [--json]`: what the router sees of a chat request in a file."""
+"""`manage.py inspect_request FILE.json [--tenant NAME] [--json]`: what the router sees of a chat
+request in a file.
+
+Block hashes fold in the cache partition, as the API's own do: the tenant's salt (`--tenant`, the
+tenant whose key would send the request) and the body's `cache_salt`. Without `--tenant` they are
+the shared pool's: what an unauthenticated demo or a tenant sharing its prefix cache routes on.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +26,23 @@ class Command(BaseCommand):
         parser.add_argument(
             "file", type=Path, help="A chat completion request body, or - for standard input."
         )
+        parser.add_argument(
+            "--tenant",
+            default=None,
+            help="The tenant sending it: its cache salt folds into the block hashes, as for its keys.",
+        )
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
 
     def handle(self, *args, **options) -> None:
         from django.conf import settings
 
+        from tenants.keys import ANONYMOUS, tenant_caller
+        from tenants.models import Tenant
+
+        try:
+            caller = ANONYMOUS if options["tenant"] is None else tenant_caller(options["tenant"])
+        except Tenant.DoesNotExist:
+            raise CommandError(f"No tenant is named {options['tenant']!r}.") from None
         path: Path = options["file"]
         try:
             if str(path) == "-":
@@ -37,7 +55,9 @@ class Command(BaseCommand):
         try:
             body = parse_json_body(raw)
             body.setdefault("model", served_model().name)
-            prepared = prepare(parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT))
+            chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
+            salt = caller.cache_salt(chat.cache_salt)
+            prepared = prepare(chat, salt)
         except ApiError as exc:
             raise CommandError(f"{exc.status} {exc.code}: {exc.message}") from exc
         description = prepared.describe()
@@ -54,6 +74,14 @@ class Command(BaseCommand):
             f"block size     {description['block_size']}, {description['total_blocks']} blocks, "
             f"{len(description['block_hashes'])} full"
         )
+        if salt is None:
+            partition = "none: the shared pool"
+        else:
+            partition = " and ".join(
+                ([f"tenant {caller.tenant_name!r}"] if caller.partition is not None else [])
+                + (["the body's cache_salt"] if chat.cache_salt is not None else [])
+            )
+        self.stdout.write(f"cache salt     {partition}")
         self.stdout.write(f"fallback       {description['fallback'] or 'none: exact image routing'}")
         for image in description["images"]:
             self.stdout.write(
