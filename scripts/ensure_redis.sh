@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure a Redis answers at REDIS_URL (default redis://127.0.0.1:6379/0).
 # If none does, starts one: in the foreground's background with its pid in var/redis.pid when
-# called with --owned (make run stops it on exit), daemonized otherwise (CI, make test).
+# called with --owned (make run stops it on exit, after its workers), daemonized otherwise (CI,
+# make test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 url="${REDIS_URL:-redis://127.0.0.1:6379/0}"
@@ -43,7 +44,13 @@ fi
 
 mkdir -p var
 if [ "${1:-}" = "--owned" ]; then
-  redis-server --bind 127.0.0.1 --port "$port" --save "" --appendonly no --dir var >var/redis.log 2>&1 &
+  # In a session of its own where setsid exists (Linux): a Ctrl-C in the terminal reaches make
+  # run's processes, not this Redis, so the workers still deregister in it while they stop;
+  # make run stops it last.
+  detach=()
+  command -v setsid >/dev/null 2>&1 && detach=(setsid)
+  ${detach[@]+"${detach[@]}"} redis-server --bind 127.0.0.1 --port "$port" --save "" --appendonly no --dir var \
+    >var/redis.log 2>&1 &
   echo $! > var/redis.pid
 else
   redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --save "" --appendonly no --dir "$PWD/var" \
