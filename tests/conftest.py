@@ -110,9 +110,8 @@ def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: 
 
     started: list[PlatformProcesses] = []
 
-    def start(*, on_redis: str | None = None, **env: str) -> PlatformProcesses:
-        """`on_redis`: another Redis than the suite's (a fault test's own server)."""
-        processes = PlatformProcesses(tmp_path, demo_model_dir, on_redis or redis_url, key_namespace, env)
+    def start(**env: str) -> PlatformProcesses:
+        processes = PlatformProcesses(tmp_path, demo_model_dir, redis_url, key_namespace, env)
         started.append(processes)
         return processes
 

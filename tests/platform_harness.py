@@ -83,6 +83,7 @@ class PlatformProcesses:
         self.env.pop("PYTEST_CURRENT_TEST", None)
         self.workers: dict[str, subprocess.Popen] = {}
         self.servers: list[subprocess.Popen] = []
+        self.server_urls: list[str] = []  # each server's base URL, in the order of `servers`
         self.base_url = ""  # the first server's
         self._logs: list[Path] = []
         # Migrations and the test's API key in one process (authentication stays on): an
@@ -175,6 +176,7 @@ class PlatformProcesses:
         )
         self.servers.append(server)
         base_url = f"http://127.0.0.1:{port}"
+        self.server_urls.append(base_url)
         self.base_url = self.base_url or base_url
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

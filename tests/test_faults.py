@@ -1,7 +1,9 @@
 """Faults injected into the real platform (worker and server processes, Redis): what the client
 gets, that nothing hangs past its deadline, and that load counters come back to zero.
 
-Each test starts a platform of its own, because each kills or freezes part of it.
+Two platforms serve the four tests: one with two workers and two frontends (a worker killed,
+then a frontend killed: each test leaves the part it did not kill serving), and one on a Redis of
+its own (frozen, then killed and restarted: each test ends with the platform serving again).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -20,7 +23,9 @@ import redis
 pytestmark = pytest.mark.integration
 
 
-def chat(platform, text: str, *, max_tokens: int = 4, stream: bool = False) -> httpx.Response:
+def chat(
+    platform, text: str, *, max_tokens: int = 4, stream: bool = False, base_url: str = ""
+) -> httpx.Response:
     body = {
         "model": "demo",
         "messages": [{"role": "user", "content": text}],
@@ -29,7 +34,10 @@ def chat(platform, text: str, *, max_tokens: int = 4, stream: bool = False) -> h
         "stream": stream,
     }
     return httpx.post(
-        f"{platform.base_url}/v1/chat/completions", json=body, headers=platform.headers, timeout=90
+        f"{base_url or platform.base_url}/v1/chat/completions",
+        json=body,
+        headers=platform.headers,
+        timeout=90,
     )
 
 
@@ -43,15 +51,41 @@ def active_requests(platform) -> dict[bytes, bytes]:
     return platform.redis.hgetall(f"{platform.namespace}load:requests")
 
 
-def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_another(
-    platform_processes,
-):
+def own_platform(tmp_path_factory, demo_model_dir, redis_url: str, **env: str):
+    from tests.platform_harness import PlatformProcesses
+
+    return PlatformProcesses(
+        tmp_path_factory.mktemp("faults"), demo_model_dir, redis_url, f"test:{uuid.uuid4().hex[:12]}:", env
+    )
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, demo_model_dir):
+    """Workers doomed and spare, two frontends; liveness marks of 2 s."""
+    from tests.conftest import TEST_REDIS_URL
+
+    platform = own_platform(
+        tmp_path_factory,
+        demo_model_dir,
+        TEST_REDIS_URL,
+        REQUEST_FIRST_TOKEN_TIMEOUT_SECS="60",
+        REQUEST_LIVENESS_TTL_SECS="2",
+        ROUTER_LOAD_ENTRY_TTL_SECS="300",
+    )
+    try:
+        platform.start_worker("doomed")
+        platform.start_worker("spare")
+        platform.wait_for_workers("doomed", "spare")
+        platform.start_server()
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
+
+
+def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_another(two_workers):
     # given two workers, the requests going to "doomed" while "spare" is disabled
-    platform = platform_processes(REQUEST_FIRST_TOKEN_TIMEOUT_SECS="60")
-    platform.start_worker("doomed")
-    platform.start_worker("spare")
-    platform.wait_for_workers("doomed", "spare")
-    platform.start_server()
+    platform = two_workers
     set_enabled(platform, "spare", False)
     assert chat(platform, "warm up").headers["X-Routed-Worker"] == "doomed"
 
@@ -92,30 +126,26 @@ def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_an
     assert "migrated to spare" in platform.log("server")
 
 
-def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_generating(
-    platform_processes,
-):
-    # given a worker generating long answers for a frontend whose liveness marks live 2 s
-    platform = platform_processes(REQUEST_LIVENESS_TTL_SECS="2", ROUTER_LOAD_ENTRY_TTL_SECS="300")
-    platform.start_worker("steady")
-    platform.wait_for_workers("steady")
-    platform.start_server()
+def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_generating(two_workers):
+    # given workers generating long answers for the second frontend, whose marks live 2 s
+    platform = two_workers
+    frontend, frontend_url = platform.servers[1], platform.server_urls[1]
 
     def ask_forever(i: int) -> None:
         with contextlib.suppress(httpx.HTTPError):  # the frontend dies under it: that is the point
-            chat(platform, f"Tell me a long story number {i}", max_tokens=2000, stream=True)
+            chat(platform, f"Tell me a long story {i}", max_tokens=2000, stream=True, base_url=frontend_url)
 
     threads = [threading.Thread(target=ask_forever, args=(i,), daemon=True) for i in range(3)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 20
-    while len(platform.redis.hgetall(f"{platform.namespace}load:req:steady")) < 3:
+    while sum(int(n) for n in active_requests(platform).values()) < 3:
         assert time.monotonic() < deadline, "the requests never reached the worker"
         time.sleep(0.1)
 
     # when the frontend is killed outright (no cleanup of its own)
-    platform.servers[0].send_signal(signal.SIGKILL)
-    platform.servers[0].wait(timeout=10)
+    frontend.send_signal(signal.SIGKILL)
+    frontend.wait(timeout=10)
     killed = time.monotonic()
 
     # then within the mark's TTL (and far within the 300 s load expiry) the load is gone
@@ -124,8 +154,8 @@ def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_
     assert active_requests(platform) == {}, "phantom load left by a dead frontend"
     assert time.monotonic() - killed < 15
     # and the worker stopped the answers nobody reads, rather than generating them to the end
-    log = platform.log("worker-steady")
-    assert log.count("its frontend went away") == 3, log[-2000:]
+    logs = platform.log("worker-doomed") + platform.log("worker-spare")
+    assert logs.count("its frontend went away") == 3, logs[-2000:]
 
 
 # --- Redis killed, restarted, frozen -------------------------------------------------------------
@@ -173,21 +203,31 @@ class PrivateRedis:
             self.kill()
 
 
-@pytest.fixture
-def private_redis(tmp_path):
-    server = PrivateRedis(tmp_path)
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory):
+    server = PrivateRedis(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_platform(private_redis, tmp_path_factory, demo_model_dir):
+    """A worker and a frontend on the private Redis, whose every wait is bounded by 2 s."""
+    platform = own_platform(tmp_path_factory, demo_model_dir, private_redis.url, REDIS_TIMEOUT_SECS="2")
+    try:
+        platform.start_worker("sturdy")
+        platform.wait_for_workers("sturdy")
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
+
+
 def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
-    private_redis, platform_processes
+    private_redis, redis_platform
 ):
     # given a platform whose only Redis the test owns
-    platform = platform_processes(on_redis=private_redis.url, REDIS_TIMEOUT_SECS="2")
-    platform.start_worker("sturdy")
-    platform.wait_for_workers("sturdy")
-    platform.start_server()
+    platform = redis_platform
     assert chat(platform, "warm up").status_code == 200
 
     # when Redis is killed with requests in flight, then restarted (empty) a second later
@@ -237,13 +277,10 @@ def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
 
 
 def test_a_frozen_redis_answers_503_within_its_deadline_and_recovers_when_thawed(
-    private_redis, platform_processes
+    private_redis, redis_platform
 ):
     # given a platform whose Redis waits are bounded by 2 s
-    platform = platform_processes(on_redis=private_redis.url, REDIS_TIMEOUT_SECS="2")
-    platform.start_worker("patient")
-    platform.wait_for_workers("patient")
-    platform.start_server()
+    platform = redis_platform
     assert chat(platform, "warm up").status_code == 200
 
     # when Redis freezes (SIGSTOP: connections accepted, nothing answered)
