@@ -130,3 +130,17 @@ def platform_redis_url() -> str:
     from tests.conftest import TEST_REDIS_URL
 
     return TEST_REDIS_URL
+
+
+def test_flush_caches_says_plainly_when_there_is_nothing_to_flush(platform_processes):
+    platform = platform_processes()
+    done = subprocess.run(
+        [sys.executable, "manage.py", "flush_caches", "--dry-run"],
+        cwd=REPO,
+        env=platform.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no live worker: nothing to flush (the caches live in the workers)"

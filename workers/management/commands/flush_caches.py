@@ -102,13 +102,20 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(report))
             return
         verb = "would flush" if options["dry_run"] else "flushed"
+        if not targets:
+            self.stdout.write("no live worker: nothing to flush (the caches live in the workers)")
+            return
         for name, answer in sorted(report["workers"].items()):
             details = ", ".join(
                 f"{k} {v}" for k, v in answer.items() if k not in ("worker", "dry_run", "shared_images")
             )
             self.stdout.write(f"{name}: {verb} {details or 'nothing'}")
         if "shared_images" in report:
-            self.stdout.write(f"shared image cache: {verb} {report['shared_images']}")
+            shared = report["shared_images"]
+            # A count, or why there was nothing to count ("not enabled on any live worker").
+            self.stdout.write(
+                f"shared image cache: {f'{verb} {shared}' if isinstance(shared, int) else shared}"
+            )
 
     def _scope_key(self, scope: str | None, tenant_name: str | None) -> str | None:
         if scope is None:
