@@ -18,23 +18,26 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self._prefix_text = ""  # ids[prefix_offset:read_offset] decoded: one decode per token, not two
 
     def push(self, token: int) -> str:
         """Adds a token; returns the text it completes (often empty for a partial character)."""
         self.ids.append(token)
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        prefix_text = self._prefix_text
         new_text = self._decode(self._prefix_offset, len(self.ids))
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.ids)
+            self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
             return new_text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        prefix_text = self._prefix_text
         new_text = self._decode(self._prefix_offset, len(self.ids))
         self._prefix_offset = self._read_offset = len(self.ids)
+        self._prefix_text = ""
         return new_text[len(prefix_text) :]
 
     def _decode(self, start: int, end: int) -> str:
