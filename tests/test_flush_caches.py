@@ -82,17 +82,6 @@ def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_c
     assert dry["workers"]["keeper"]["embeddings"] == 1  # the photo's vision-encoder output
     # the workers' shared cache is found although this shell's environment does not enable it
     assert dry["shared_images"] == 1
-    # a worker that is not live is refused, naming the live ones as the router sees them
-    refused = subprocess.run(
-        [sys.executable, "manage.py", "flush_caches", "--dry-run", "--worker", "nope"],
-        cwd=REPO,
-        env=platform.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert refused.returncode != 0
-    assert "not live: nope (live workers: keeper)" in refused.stderr
     scoped = flush(platform, "--scope", "session-123", "--tenant", "harness")
     assert "kv_blocks" not in scoped["workers"]["keeper"]
     assert index.worker_blocks("keeper") == blocks
@@ -144,3 +133,27 @@ def test_flush_caches_says_plainly_when_there_is_nothing_to_flush(platform_proce
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "no live worker: nothing to flush (the caches live in the workers)"
+
+
+@pytest.mark.django_db
+def test_a_worker_that_is_not_live_is_refused_naming_the_live_set_the_router_reads(redis_client, settings):
+    """Heartbeats with no process behind them (fault injection): the command reads the live set."""
+    from django.core.management import CommandError, call_command
+
+    from routing.models import Worker
+    from routing.registry import Heartbeat, WorkerRegistry
+
+    # given two registered workers with fresh heartbeats
+    registry = WorkerRegistry(redis_client, settings.REDIS_KEY_PREFIX)
+    for name in ("alpha", "beta"):
+        Worker.objects.create(name=name, model_name="demo")
+        registry.beat(Heartbeat(name=name, model="demo", block_size=16), 30)
+    try:
+        # when an operator names a worker that does not exist
+        with pytest.raises(CommandError) as refused:
+            call_command("flush_caches", "--dry-run", "--worker", "nope")
+    finally:
+        registry.remove("alpha")
+        registry.remove("beta")
+    # then the command names the live workers, as the router sees them, not "none"
+    assert "not live: nope (live workers: alpha, beta)" in str(refused.value)
