@@ -164,6 +164,7 @@
   function activeCell(w) {
     // Requests routed there; below, what its engine reports: batch (running/cap +waiting), KV used/free.
     const td = cell(String(w.active_requests), "num");
+    if (!w.engine_max_running) return td; // no batching engine reported (an encode worker, say)
     const engine = document.createElement("div");
     engine.className = "quiet engine";
     engine.textContent = "batch " + w.engine_running + "/" + w.engine_max_running +
