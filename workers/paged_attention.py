@@ -7,6 +7,12 @@ new keys/values into the pool at each token's slot, then attends each request's 
 slots only: decodes (one query each) together, padded to the longest context; prompt chunks one
 request at a time with a causal mask shifted by what the request already computed. Outside an
 engine step (the vision tower, `model.generate`) it is plain SDPA, so the model stays usable.
+
+Why not transformers' own `generation.continuous_batching`: it batches text models from token
+ids (no per-request image embeddings or M-RoPE positions) and keeps its own block manager, while
+this pool's blocks are also the prefix cache whose events the router mirrors. Its attention hook
+is the part that fits, and is what this module uses. Measured on the demo model, one CPU thread:
+a decode step of 8 requests costs about what the plain forward with a DynamicCache costs.
 """
 
 from __future__ import annotations
