@@ -149,6 +149,12 @@ def test_dashboard_in_a_browser_shows_what_was_sent_follows_a_drain_and_fits_800
     driver.find_element(By.NAME, "password").send_keys(ADMIN_PASSWORD)
     driver.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
     until(lambda: driver.current_url, lambda url: "/login/" not in url, what="the login")
+    # the admin index's link to the dashboard reads on one line, its description inside the module
+    link = driver.find_element(By.CSS_SELECTOR, "#live-dashboard-module th a")
+    assert link.text == "Live dashboard"
+    assert driver.execute_script("return arguments[0].getClientRects().length;", link) == 1, "one line"
+    module = driver.find_element(By.ID, "live-dashboard-module")
+    assert driver.execute_script("return arguments[0].scrollWidth - arguments[0].clientWidth;", module) <= 0
     for image in (0, 0, 1, 0):
         assert platform.send(image).status_code == 200
 
