@@ -2,13 +2,19 @@
 
 A key's plaintext exists once: on the page that answers its creation, rendered straight from
 the request (no message, session or cookie holds it). After that only its prefix is shown.
+The add form carries a one-time token (kept in the session; it opens nothing): reloading the page
+that showed the key sends the form again, which must not make a second key nobody has seen.
 """
 
 from __future__ import annotations
 
+import secrets
+
 import redis
+from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
@@ -99,6 +105,21 @@ class TenantAdmin(admin.ModelAdmin):
         return self._usage(tenant).get("refused", "?")
 
 
+ADD_TOKENS_SESSION_KEY = "tenants-apikey-add-tokens"
+SENT_ALREADY = (
+    "This form was sent already (a reload of the page that showed the new key?): that key exists, "
+    "listed under API keys, and cannot be shown again. Open a new form to create another."
+)
+
+
+class ApiKeyAddForm(forms.ModelForm):
+    once = forms.CharField(widget=forms.HiddenInput)
+
+    class Meta:
+        model = ApiKey
+        fields = ("tenant", "name", "staff", "expires_at")
+
+
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
     list_display = ("name", "tenant", "masked", "staff", "state", "created_at", "expires_at", "revoked_at")
@@ -108,7 +129,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ("tenant", "name", "staff", "expires_at")
+            return ("tenant", "name", "staff", "expires_at", "once")
         return ("tenant", "name", "masked", "staff", "state", "created_at", "expires_at", "revoked_at")
 
     def get_readonly_fields(self, request, obj=None):
@@ -124,8 +145,33 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def state(self, key: ApiKey) -> str:
         return key.refusal() or "active"
 
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        if obj is not None:
+            return super().get_form(request, obj, change=change, **kwargs)
+        base = super().get_form(request, obj, change=change, form=ApiKeyAddForm, **kwargs)
+
+        class OnceForm(base):
+            def clean(self):
+                cleaned = super().clean()
+                if cleaned.get("once") not in request.session.get(ADD_TOKENS_SESSION_KEY, []):
+                    raise ValidationError(SENT_ALREADY, code="sent_already")
+                return cleaned
+
+        return OnceForm
+
+    def get_changeform_initial_data(self, request):
+        """A fresh add form (a GET): its one-time token, remembered in the session (the last 20)."""
+        token = secrets.token_urlsafe(16)
+        request.session[ADD_TOKENS_SESSION_KEY] = [
+            *request.session.get(ADD_TOKENS_SESSION_KEY, [])[-19:],
+            token,
+        ]
+        return {**super().get_changeform_initial_data(request), "once": token}
+
     def save_model(self, request, obj: ApiKey, form, change) -> None:
         if not change:
+            tokens = request.session.get(ADD_TOKENS_SESSION_KEY, [])
+            request.session[ADD_TOKENS_SESSION_KEY] = [t for t in tokens if t != form.cleaned_data["once"]]
             prefix, plaintext = new_key_parts()
             obj.prefix, obj.hashed_key = prefix, hash_key(plaintext)
             request._new_api_key = plaintext  # for response_add only; never stored

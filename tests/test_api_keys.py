@@ -4,6 +4,7 @@ endpoints; the admin and the commands that manage keys. In-process against the r
 from __future__ import annotations
 
 import json
+import re
 from datetime import timedelta
 
 import pytest
@@ -126,11 +127,18 @@ def test_the_admin_warns_loudly_while_authentication_is_off(settings, admin_clie
     assert b"API authentication is OFF" not in admin_client.get("/admin/").content
 
 
+def add_key_form(admin_client, **fields) -> dict:
+    """The admin's add form as a browser fills it in: its one-time token from the page it GETs."""
+    page = admin_client.get("/admin/tenants/apikey/add/").content.decode()
+    once = re.search(r'name="once" value="([^"]+)"', page)
+    assert once is not None, "the add form carries a one-time token"
+    return {"expires_at_0": "", "expires_at_1": "", **fields, "once": once.group(1)}
+
+
 def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
     tenant = Tenant.objects.create(name="acme")
     response = admin_client.post(
-        "/admin/tenants/apikey/add/",
-        {"tenant": tenant.pk, "name": "laptop", "expires_at_0": "", "expires_at_1": ""},
+        "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
     )
     assert response.status_code == 200, response.content[:2000]
     assert "no-store" in response["Cache-Control"]
@@ -150,6 +158,29 @@ def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
         assert plaintext not in shown.content.decode()
         assert plaintext.split(".", 1)[1] not in shown.content.decode()
     assert key.masked in admin_client.get("/admin/tenants/apikey/").content.decode()
+
+
+def test_reloading_the_page_that_showed_a_new_key_makes_no_second_key(admin_client):
+    tenant = Tenant.objects.create(name="acme")
+    form = add_key_form(admin_client, tenant=tenant.pk, name="laptop")
+    first = admin_client.post("/admin/tenants/apikey/add/", form)
+    assert first.status_code == 200 and b"shown only this once" in first.content
+
+    # a reload sends the same form again
+    again = admin_client.post("/admin/tenants/apikey/add/", form)
+    assert again.status_code == 200
+    assert b"This form was sent already" in again.content
+    assert b"sk-" not in again.content.split(b'id="content"')[1]
+    assert ApiKey.objects.filter(name="laptop").count() == 1
+
+    # a form that was never handed out makes nothing either; a fresh one makes the next key
+    forged = admin_client.post("/admin/tenants/apikey/add/", {**form, "once": "made-up"})
+    assert b"This form was sent already" in forged.content
+    fresh = admin_client.post(
+        "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
+    )
+    assert b"shown only this once" in fresh.content
+    assert ApiKey.objects.filter(name="laptop").count() == 2
 
 
 def test_the_admin_revokes_keys(admin_client):
