@@ -20,6 +20,8 @@ import httpx
 import pytest
 import redis
 
+from routing.registry import WorkerRegistry
+
 pytestmark = pytest.mark.integration
 
 
@@ -301,3 +303,57 @@ def test_a_frozen_redis_answers_503_within_its_deadline_and_recovers_when_thawed
     while chat(platform, "And now?").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.5)
+
+
+# --- a second process under a running worker's name ----------------------------------------------
+@pytest.mark.skipif(
+    not hasattr(WorkerRegistry, "claim"),
+    reason="the same-name start rule and instance-scoped deregistration are issue 10's; "
+    "this reproduction runs once they land",
+)
+def test_a_second_process_under_a_running_workers_name_never_deregisters_the_first(two_workers):
+    # given spare serving, with blocks in the router's index
+    import json
+    import sys
+
+    from routing.index import KvIndex
+    from tests.platform_harness import REPO
+
+    platform = two_workers
+    set_enabled(platform, "doomed", False)
+    set_enabled(platform, "spare", True)
+    answer = chat(platform, "Remember this prompt about lighthouses and the sea", max_tokens=2)
+    assert answer.headers["X-Routed-Worker"] == "spare"
+    index = KvIndex(platform.redis, platform.namespace)
+    held = index.worker_blocks("spare")
+    assert held
+    first_pid = platform.workers["spare"].pid
+
+    # when someone starts `run_worker --name spare` again, and stops it once it is up (if it is)
+    impostor = subprocess.Popen(
+        [sys.executable, "manage.py", "run_worker", "--name", "spare"],
+        cwd=REPO,
+        env=platform.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while impostor.poll() is None and time.monotonic() < deadline:
+        beat = platform.redis.get(platform.heartbeat_key("spare"))
+        if beat and json.loads(beat)["pid"] == impostor.pid:
+            break  # accepted: it beats under the name
+        time.sleep(0.2)
+    if impostor.poll() is None:
+        impostor.send_signal(signal.SIGTERM)
+        impostor.wait(timeout=60)
+
+    # then the first is still registered, live, and its blocks are still in the index
+    with sqlite3.connect(platform.tmp / "db.sqlite3", timeout=20) as db:
+        (deregistered,) = db.execute(
+            "SELECT deregistered_at FROM routing_worker WHERE name = 'spare'"
+        ).fetchone()
+    assert deregistered is None
+    assert index.worker_blocks("spare") == held
+    time.sleep(0.5)
+    beat = platform.redis.get(platform.heartbeat_key("spare"))
+    assert beat and json.loads(beat)["pid"] == first_pid
