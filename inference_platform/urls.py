@@ -1,6 +1,7 @@
 """URL map: the OpenAI-compatible API under /v1/, the operators' admin under /admin/."""
 
 from django.contrib import admin
+from django.templatetags.static import static
 from django.urls import include, path
 from django.views.generic import RedirectView
 
@@ -13,6 +14,8 @@ admin.site.site_url = "/v1/docs"
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False), name="root"),
+    # Browsers ask every page's host for it (the API docs page names none): the admin's icon.
+    path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("admin/", include(admin_dashboard.urlpatterns)),  # before the admin's catch-all
     path("admin/", admin.site.urls),
     path("metrics", metrics.metrics, name="metrics"),

@@ -25,3 +25,9 @@ def test_the_admins_view_site_link_opens_a_page(admin_client):
     answer = admin_client.get(target)
     assert answer.status_code == 200
     assert "/v1/chat/completions" in answer.content.decode()
+
+
+def test_the_icon_browsers_ask_every_host_for_is_there(client):
+    response = client.get("/favicon.ico", follow=True)
+    assert response.status_code == 200
+    assert response.redirect_chain[-1][0].endswith("favicon.svg")
