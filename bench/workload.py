@@ -1,39 +1,35 @@
-"""The real platform under a multimodal chat workload: KV-aware routing against round robin and
-random, each on fresh workers, with the hit rate an infinite single cache would reach (the oracle).
+"""The real platform under four multimodal chat workloads: KV-aware routing against round robin
+and random, over three seeds, with medians and their spread.
 
-Usage: `.venv/bin/python bench/workload.py [--quick]` (Redis at REDIS_URL, default
-redis://127.0.0.1:6379/14, under a namespace of its own that is deleted afterwards; the model at
-MODEL_PATH, default var/models/demo, built into a temporary directory if absent). The last line
-is machine-readable:
-    kv_hit=<x.xxx> oracle_hit=<x.xxx> rr_hit=<x.xxx> random_hit=<x.xxx>
-    ttft_p50_kv_over_rr=<x.xx> imbalance_kv=<x.xx>  (on one line)
+Usage: `.venv/bin/python bench/workload.py [--requests N] [--seeds N] [--shapes a,b,c,d]`
+(Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
+deleted afterwards; the model at MODEL_PATH, default var/models/demo, built into a temporary
+directory if absent). Bounded: 4 shapes x 3 modes x 3 seeds x REQUESTS requests, about ten
+minutes on a quiet 2-core machine. It prints a table per shape and, as its last line:
+    shapes=4 worst_hit_kv_over_rr=<x.xx> worst_ttft_p50_kv_over_rr=<x.xx>
+    best_ttft_p50_kv_over_rr=<x.xx> overlap_given_up=<x.xxx>   (on one line)
+where each ratio is of medians over the seeds, worst/best over the shapes, and overlap_given_up
+is the KV router's given-up share of the best eligible overlap (blocks), over every kv run.
 
-The workload, and why it is shaped so (numbers are the full run's; `--quick` sends fewer requests):
-- A catalogue of IMAGES distinct 448x448 noise PNGs (256 image tokens each, the demo model's
-  max_pixels) served by a local origin. Popularity is Zipf-like (exponent ZIPF_EXPONENT): a few
-  products are asked about often, most rarely, as in a shop or a shared reference picture.
-- Every request is one user turn: the image, then that product's catalogue text
-  (DESCRIPTION_WORDS words, ~930 tokens with the demo tokenizer, the same for every question
-  about it), then one of QUESTIONS questions. The image and its text are ~97% of a prompt of
-  ~1,220 tokens (76 blocks), so a worker holding the product's prefix prefills one or two
-  blocks instead of 76, and the ~0.25 s a cold prefill costs on one CPU thread dominates TTFT.
-- Requests come in sessions (x-session-id): a user opens one product and asks 1-4 questions in
-  a row, each after the previous answer, as a chat about one picture does. Session affinity is
-  left at its default (on); it sends the follow-ups where the product already is.
-- CONCURRENCY sessions run at once (closed loop), so the workers stay busy and queueing shows
-  in TTFT, as it does in production; max_tokens is 4 so the figures are about prefill.
-- KV_CAPACITY_BLOCKS per worker (700, ~9 products) is about 40% of the full run's working set
-  (1,760 distinct blocks): one worker cannot hold the catalogue, three partitioned ones can. Round
-  robin and random spread every product over every worker, so each worker needs the whole
-  catalogue and evicts; the KV router keeps each product where it is cached.
-- The same seed gives the same sessions in every mode; each mode starts the platform afresh
-  (empty caches, nothing warmed) and stops it afterwards. The router keeps its defaults
-  (overlap credit 1, prefill load scale 1, temperature 0).
+The shapes (why each: routing that is right for one can be wrong for another):
+(a) sessions about one image: a user opens one product and asks 1-4 questions in a row, each
+    after the previous answer (x-session-id per user). Hard session affinity helps here.
+(b) sessions unrelated to images: a user asks about a different Zipf-chosen product each turn
+    under one session id. Affinity that overrides the cost sends a session's turns to where
+    its *previous* image is, away from where this one is cached.
+(c) multi-turn conversations: each turn appends to the previous prompt (assistant answers
+    included), the product's image sits in the first turn; the prefix grows turn by turn.
+(d) a long shared system prompt with unique images: every request's prefix up to the image is
+    the same everywhere, its image never seen before: the router must balance load, not chase
+    a prefix every worker holds.
 
-The oracle replays the kv run's requests in the order they were sent against one infinite
-cache: each request reuses the longest run of full blocks any earlier request shared with it,
-counted as the engine counts (full blocks, at most prompt tokens - 1), on the exact block hashes
-that POST /v1/route reports, which are the ones the workers use.
+Common to all: PRODUCTS distinct noise PNGs of IMAGE_SIDE px (256 image tokens on the demo
+model), Zipf-like popularity, catalogue text per product, CONCURRENCY users in a closed loop,
+max_tokens MAX_TOKENS (the figures are about prefill), two workers of one torch thread each
+whose KV cache (KV_CAPACITY_BLOCKS) cannot hold the working set. The workers are started once;
+before every run their caches (KV, embeddings, decoded images) are flushed and the router's
+load, index and affinity are empty, which is what fresh workers would have, without paying a
+model load 36 times. The same seed gives the same requests in every mode.
 """
 
 from __future__ import annotations
@@ -46,13 +42,14 @@ import queue
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,26 +58,26 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
+import redis  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 
 MODES = ("kv", "round_robin", "random")
-WORKERS = ("w0", "w1", "w2")
+SHAPES = ("a", "b", "c", "d")
+WORKERS = ("w0", "w1")
+SEEDS = (20260, 20261, 20262)
 BLOCK_SIZE = 16
 IMAGE_SIDE = 448  # the demo model's max_pixels: 256 image tokens
-IMAGES = 24
-QUESTIONS = 6
-DESCRIPTION_WORDS = 300
+PRODUCTS = 12
+DESCRIPTION_WORDS = 150
+SYSTEM_WORDS = 300  # shape (d)'s shared system prompt
 ZIPF_EXPONENT = 1.0
-SESSION_LENGTHS = (1, 2, 3, 4)  # questions per session, equally likely
-CONCURRENCY = 6
+CONCURRENCY = 4
 MAX_TOKENS = 4
-SEED = 20260
-REQUESTS_FULL = 240
-REQUESTS_QUICK = 60
-KV_CAPACITY_BLOCKS = 700
+REQUESTS = 30  # per run; 36 runs
+KV_CAPACITY_BLOCKS = 200  # per worker: ~4 of the 12 products' prefixes
 
 _VOCABULARY = (
     "matte steel frame walnut handle linen cover brass hinge oak veneer ceramic glaze woven strap "
@@ -101,34 +98,34 @@ _QUESTIONS = (
 
 @dataclass(frozen=True)
 class Turn:
-    """One request of the workload: which session, product and question."""
+    """One request: whose session, and the chat messages it sends."""
 
     session: int
-    image: int
-    question: int
+    messages: tuple  # JSON-ready messages (tuples of dicts, frozen for hashing by identity)
+    key: str  # what makes two turns the same prompt
 
 
 @dataclass
 class Outcome:
-    """What one request did on the platform."""
-
     turn: Turn
     sent_at: float
-    request_id: str
     worker: str
-    overlap: str  # X-Routing-Overlap, "<blocks the chosen worker held>/<prompt blocks>"
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
-    reason: str = ""  # the router's: cost | affinity | round_robin | random (from the server's log)
 
 
 @dataclass
-class ModeResult:
+class RunResult:
+    shape: str
     mode: str
+    seed: int
     outcomes: list[Outcome]
     wall_s: float
+    best_overlap: int = 0
+    given_up: int = 0
     failures: list[str] = field(default_factory=list)
+    reasons: list[tuple[int, int, str]] = field(default_factory=list)  # overlap, best, reason
 
     @property
     def hit_rate(self) -> float:
@@ -136,94 +133,150 @@ class ModeResult:
             sum(o.prompt_tokens for o in self.outcomes), 1
         )
 
-    def ttft_quantile(self, q: float) -> float:
-        return quantile([o.ttft_s for o in self.outcomes], q)
-
     @property
-    def requests_per_s(self) -> float:
-        return len(self.outcomes) / self.wall_s
+    def ttft_p50(self) -> float:
+        return quantile([o.ttft_s for o in self.outcomes], 0.5)
 
     @property
     def imbalance(self) -> float:
         counts = Counter(o.worker for o in self.outcomes)
         per_worker = [counts.get(name, 0) for name in WORKERS]
-        return max(per_worker) / (sum(per_worker) / len(per_worker))
+        return max(per_worker) / max(sum(per_worker) / len(per_worker), 1e-9)
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile: the value at least a fraction q of the sample does not exceed."""
+    """Nearest-rank quantile; nan for no values."""
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-# --- the workload ----------------------------------------------------------------------------------
-def noise_png(seed: int) -> bytes:
-    """A distinct incompressible picture: no two products share a pixel pattern."""
+# --- the workloads ---------------------------------------------------------------------------------
+def noise_png(seed: str) -> bytes:
+    """A distinct incompressible picture: no two share a pixel pattern."""
     pixels = random.Random(seed).randbytes(IMAGE_SIDE * IMAGE_SIDE * 3)
     buffer = io.BytesIO()
     Image.frombytes("RGB", (IMAGE_SIDE, IMAGE_SIDE), pixels).save(buffer, format="PNG", compress_level=1)
     return buffer.getvalue()
 
 
-def description(image: int) -> str:
-    rng = random.Random(f"description-{image}")
-    vocabulary = _VOCABULARY.split()
-    words = [rng.choice(vocabulary) for _ in range(DESCRIPTION_WORDS)]
-    return f"Catalogue entry {image}: " + " ".join(words) + "."
-
-
-def plan_sessions(requests: int, seed: int) -> list[list[Turn]]:
-    """Sessions of 1-4 questions about one Zipf-chosen product, `requests` turns in all."""
+def words(seed: str, n: int) -> str:
     rng = random.Random(seed)
-    weights = [1 / (rank + 1) ** ZIPF_EXPONENT for rank in range(IMAGES)]
-    # The popularity ranking is drawn too, so the hot products are not simply the first ones served.
-    products = rng.sample(range(IMAGES), IMAGES)
+    vocabulary = _VOCABULARY.split()
+    return " ".join(rng.choice(vocabulary) for _ in range(n))
+
+
+def description(product: int) -> str:
+    return f"Catalogue entry {product}: {words(f'description-{product}', DESCRIPTION_WORDS)}."
+
+
+def user_turn(image_url: str | None, text: str) -> dict:
+    content: list[dict] = []
+    if image_url is not None:
+        content.append({"type": "image_url", "image_url": {"url": image_url}})
+    content.append({"type": "text", "text": text})
+    return {"role": "user", "content": content}
+
+
+class Catalogue:
+    """The products' images on a local origin, plus one-off images for shape (d)."""
+
+    def __init__(self, origin: ImageServer, salt: str) -> None:
+        self._origin = origin
+        self._salt = salt
+        self.products = [
+            origin.add(f"/{salt}/product-{n}.png", noise_png(f"{salt}-{n}")) for n in range(PRODUCTS)
+        ]
+        self._unique = 0
+
+    def unique(self) -> str:
+        self._unique += 1
+        return self._origin.add(
+            f"/{self._salt}/unique-{self._unique}.png", noise_png(f"{self._salt}-unique-{self._unique}")
+        )
+
+
+def zipf_picker(rng: random.Random) -> Callable[[], int]:
+    weights = [1 / (rank + 1) ** ZIPF_EXPONENT for rank in range(PRODUCTS)]
+    ranking = rng.sample(range(PRODUCTS), PRODUCTS)  # the hot products are not simply the first
+    return lambda: rng.choices(ranking, weights)[0]
+
+
+def plan(shape: str, requests: int, seed: int, catalogue: Catalogue) -> list[list[Turn]]:
+    """Sessions of turns for one shape; the same seed and catalogue give the same sessions."""
+    rng = random.Random(f"{shape}-{seed}")
+    pick = zipf_picker(rng)
     sessions: list[list[Turn]] = []
     planned = 0
+    system = {
+        "role": "system",
+        "content": "You are a catalogue assistant. " + words(f"system-{seed}", SYSTEM_WORDS),
+    }
     while planned < requests:
-        image = rng.choices(products, weights)[0]
-        length = min(rng.choice(SESSION_LENGTHS), requests - planned)
-        questions = rng.sample(range(QUESTIONS), length)
-        sessions.append([Turn(len(sessions), image, question) for question in questions])
-        planned += length
+        n = len(sessions)
+        length = min(rng.choice((1, 2, 3, 4)), requests - planned)
+        turns: list[Turn] = []
+        if shape == "a":
+            product = pick()
+            for question in rng.sample(range(len(_QUESTIONS)), length):
+                text = f"{description(product)}\n\nQuestion: {_QUESTIONS[question]}"
+                turns.append(
+                    Turn(n, (user_turn(catalogue.products[product], text),), f"a{product}-{question}")
+                )
+        elif shape == "b":
+            for _ in range(length):
+                product, question = pick(), rng.randrange(len(_QUESTIONS))
+                text = f"{description(product)}\n\nQuestion: {_QUESTIONS[question]}"
+                turns.append(
+                    Turn(n, (user_turn(catalogue.products[product], text),), f"b{product}-{question}")
+                )
+        elif shape == "c":
+            product = pick()
+            history: list[dict] = []
+            for k, question in enumerate(rng.sample(range(len(_QUESTIONS)), length)):
+                if k == 0:
+                    message = user_turn(
+                        catalogue.products[product], f"{description(product)}\n\n{_QUESTIONS[question]}"
+                    )
+                else:
+                    message = user_turn(None, _QUESTIONS[question])
+                history = [*history, message]
+                turns.append(Turn(n, tuple(history), f"c{n}-{k}"))
+                # The answer becomes part of the next turn's prompt (a fixed one: the model's text
+                # would make the prompts differ between modes).
+                history = [*history, {"role": "assistant", "content": f"Answer {k} about product {product}."}]
+        elif shape == "d":
+            for _ in range(length):
+                question = rng.randrange(len(_QUESTIONS))
+                turns.append(
+                    Turn(
+                        n, (system, user_turn(catalogue.unique(), _QUESTIONS[question])), f"d{n}-{len(turns)}"
+                    )
+                )
+        else:
+            raise ValueError(f"unknown shape {shape!r}")
+        sessions.append(turns)
+        planned += len(turns)
     return sessions
 
 
-def chat_body(turn: Turn, image_urls: Sequence[str], *, stream: bool) -> dict:
-    text = f"{description(turn.image)}\n\nQuestion: {_QUESTIONS[turn.question]}"
-    body: dict = {
+# --- driving the platform --------------------------------------------------------------------------
+def send(client: httpx.Client, base_url: str, turn: Turn, session_salt: str) -> Outcome:
+    """One streamed request; TTFT is the time to the first chunk carrying generated text."""
+    body = {
         "model": "demo",
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": image_urls[turn.image]}},
-                    {"type": "text", "text": text},
-                ],
-            }
-        ],
+        "messages": list(turn.messages),
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-# --- driving the platform --------------------------------------------------------------------------
-def send(client: httpx.Client, base_url: str, turn: Turn, image_urls: Sequence[str]) -> Outcome:
-    """One streamed request; TTFT is the time to the first chunk carrying generated text."""
     sent_at = time.perf_counter()
     first_token: float | None = None
     usage: dict | None = None
-    headers = {"x-session-id": f"bench-session-{turn.session}"}
-    with client.stream(
-        "POST",
-        f"{base_url}/v1/chat/completions",
-        json=chat_body(turn, image_urls, stream=True),
-        headers=headers,
-    ) as response:
+    headers = {"x-session-id": f"bench-{session_salt}-{turn.session}"}
+    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
         for line in response.iter_lines():
@@ -235,19 +288,15 @@ def send(client: httpx.Client, base_url: str, turn: Turn, image_urls: Sequence[s
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
-                # The first chunk only announces the role; a random model may also end at once.
                 if first_token is None and (choice["delta"].get("content") or choice.get("finish_reason")):
                     first_token = time.perf_counter()
-        request_id, worker = response.headers["X-Request-Id"], response.headers["X-Routed-Worker"]
-        overlap = response.headers.get("X-Routing-Overlap", "")
+        worker = response.headers["X-Routed-Worker"]
     if usage is None or first_token is None:
         raise RuntimeError("the stream ended without a token or usage")
     return Outcome(
         turn=turn,
         sent_at=sent_at,
-        request_id=request_id,
         worker=worker,
-        overlap=overlap,
         prompt_tokens=int(usage["prompt_tokens"]),
         cached_tokens=int(usage["prompt_tokens_details"]["cached_tokens"]),
         ttft_s=first_token - sent_at,
@@ -255,12 +304,9 @@ def send(client: httpx.Client, base_url: str, turn: Turn, image_urls: Sequence[s
 
 
 def run_sessions(
-    base_url: str,
-    sessions: list[list[Turn]],
-    image_urls: Sequence[str],
-    headers: dict[str, str] | None = None,
-) -> ModeResult:
-    """CONCURRENCY users, each taking the next session and asking its questions one after another."""
+    base_url: str, sessions: list[list[Turn]], session_salt: str, headers: dict[str, str]
+) -> tuple[list[Outcome], float, list[str]]:
+    """CONCURRENCY users, each taking the next session and asking its turns one after another."""
     pending: queue.Queue[list[Turn]] = queue.Queue()
     for session in sessions:
         pending.put(session)
@@ -269,7 +315,7 @@ def run_sessions(
     lock = threading.Lock()
 
     def user() -> None:
-        with httpx.Client(timeout=120, headers=headers) as client:
+        with httpx.Client(timeout=180, headers=headers) as client:
             while True:
                 try:
                     session = pending.get_nowait()
@@ -277,10 +323,10 @@ def run_sessions(
                     return
                 for turn in session:
                     try:
-                        outcome = send(client, base_url, turn, image_urls)
+                        outcome = send(client, base_url, turn, session_salt)
                     except (httpx.HTTPError, RuntimeError, KeyError) as exc:
                         with lock:
-                            failures.append(f"{turn}: {exc}")
+                            failures.append(f"{turn.key}: {exc}")
                         continue
                     with lock:
                         outcomes.append(outcome)
@@ -292,128 +338,95 @@ def run_sessions(
     for thread in users:
         thread.join()
     outcomes.sort(key=lambda o: o.sent_at)
-    return ModeResult("", outcomes, time.perf_counter() - started, failures)
+    return outcomes, time.perf_counter() - started, failures
 
 
-def route_views(
-    base_url: str, turns: set[Turn], image_urls: Sequence[str], headers: dict[str, str] | None = None
-) -> dict[tuple[int, int], dict]:
-    """The router's view (block hashes, prompt tokens) of each distinct (product, question)."""
-    views: dict[tuple[int, int], dict] = {}
-    with httpx.Client(timeout=60, headers=headers) as client:
-        for turn in sorted(turns, key=lambda t: (t.image, t.question)):
-            key = (turn.image, turn.question)
-            if key in views:
-                continue
-            response = client.post(f"{base_url}/v1/route", json=chat_body(turn, image_urls, stream=False))
-            response.raise_for_status()
-            views[key] = response.json()
-    return views
+class Bench:
+    """One platform (two workers, one frontend per mode) reused across runs, reset before each."""
 
-
-def oracle_cached_tokens(outcomes: Sequence[Outcome], views: dict[tuple[int, int], dict]) -> list[int]:
-    """Per request, what one worker with an infinite cache would reuse, replaying `outcomes` in
-    the order they were sent."""
-    seen: set[int] = set()
-    cached: list[int] = []
-    for outcome in outcomes:
-        view = views[(outcome.turn.image, outcome.turn.question)]
-        hashes: list[int] = view["block_hashes"]
-        tokens: int = view["prompt_tokens"]
-        # Sequence hashes chain the whole prefix, so the longest shared prefix ends at the last seen one.
-        matched = 0
-        for position, block_hash in enumerate(hashes):
-            if block_hash in seen:
-                matched = position + 1
-            else:
-                break
-        cached.append(min(matched * BLOCK_SIZE, tokens - 1))
-        seen.update(hashes)
-    return cached
-
-
-def explain_kv_loss(outcomes: Sequence[Outcome], oracle: Sequence[int]) -> str:
-    """Where the kv run's reuse fell short of the oracle's, as fractions of all prompt tokens.
-
-    A request routed to a worker holding less than the oracle's prefix lost either because no
-    request of its product had produced a first token yet (its prefix was still being computed:
-    the oracle does not wait, a real cache must), or because the prefix was stored elsewhere
-    and the router preferred another worker (load) or the holder had evicted it. "run" losses:
-    the chosen worker held the prefix at the decision but evicted it before the request ran.
-    """
-    lost: Counter[str] = Counter()
-    first_answered: dict[int, float] = {}  # product -> earliest first token of a request sent so far
-    for outcome, best in zip(outcomes, oracle, strict=True):
-        held = int(outcome.overlap.partition("/")[0] or 0) * BLOCK_SIZE
-        at_decision = min(held, outcome.prompt_tokens - 1)
-        if at_decision < best:
-            answered = first_answered.get(outcome.turn.image, float("inf")) < outcome.sent_at
-            cause = "stored elsewhere" if answered else "still in flight"
-            lost[f"{cause} ({outcome.reason or 'unknown'})"] += best - at_decision
-        lost["evicted before the run"] += at_decision - outcome.cached_tokens
-        answer = outcome.sent_at + outcome.ttft_s
-        first_answered[outcome.turn.image] = min(first_answered.get(outcome.turn.image, answer), answer)
-    total = sum(outcome.prompt_tokens for outcome in outcomes)
-    return ", ".join(f"{cause} {tokens / total:.3f}" for cause, tokens in lost.most_common())
-
-
-def read_reasons(server_log: str, outcomes: Sequence[Outcome]) -> None:
-    """Fill each outcome's routing reason from the frontend's "request ... sent to worker" lines."""
-    reasons = dict(_SENT_LINE.findall(server_log))
-    for outcome in outcomes:
-        outcome.reason = reasons.get(outcome.request_id, "")
-
-
-_SENT_LINE = re.compile(r"request (\S+) sent to worker \S+ \(.*?, ([\w-]+)\)$", re.MULTILINE)
-
-
-def run_mode(
-    mode: str,
-    model_dir: Path,
-    redis_url: str,
-    sessions: list[list[Turn]],
-    image_urls: Sequence[str],
-    route: bool,
-) -> tuple[ModeResult, dict[tuple[int, int], dict]]:
-    namespace = f"bench:workload:{uuid.uuid4().hex[:10]}:"
-    with tempfile.TemporaryDirectory(prefix=f"workload-{mode}-") as tmp:
-        platform = PlatformProcesses(
-            Path(tmp),
-            model_dir,
+    def __init__(self, tmp: Path, model: Path, redis_url: str) -> None:
+        self.namespace = f"bench:workload:{uuid.uuid4().hex[:10]}:"
+        self.redis = redis.Redis.from_url(redis_url)
+        self.platform = PlatformProcesses(
+            tmp,
+            model,
             redis_url,
-            namespace,
+            self.namespace,
             {
-                "ROUTER_MODE": mode,
                 "KV_CAPACITY_BLOCKS": str(KV_CAPACITY_BLOCKS),
                 "KV_BLOCK_SIZE": str(BLOCK_SIZE),
                 "MEDIA_ALLOWED_HOSTS": "127.0.0.1",
                 "WORKER_TORCH_THREADS": "1",
                 "LOG_LEVEL": "WARNING",
-                # Each request's routing reason (cost or affinity), for explaining the hit rate.
+                # Each decision's overlap, best overlap and reason, to explain what kv gave up.
                 "LOG_LEVELS": "inference_platform.serving=info",
             },
         )
-        try:
-            started = time.perf_counter()
-            for name in WORKERS:
-                platform.start_worker(name)
-                # Registrations at the same instant can fail on SQLite ("database is locked",
-                # see the report); loads started apart register apart.
-                time.sleep(1.5)
-            platform.wait_for_workers(*WORKERS)
-            base_url = platform.start_server()
-            print(f"[{mode}] platform up in {time.perf_counter() - started:.1f} s", flush=True)
-            result = run_sessions(base_url, sessions, image_urls, platform.headers)
-            result.mode = mode
-            read_reasons(platform.log("server"), result.outcomes)
-            views = (
-                route_views(base_url, {o.turn for o in result.outcomes}, image_urls, platform.headers)
-                if route
-                else {}
-            )
-        finally:
-            platform.close()
-    return result, views
+        self.frontends: dict[str, str] = {}
+
+    def start(self) -> None:
+        started = time.perf_counter()
+        for name in WORKERS:
+            self.platform.start_worker(name)
+            time.sleep(1.5)  # registrations at one instant can lock SQLite
+        self.platform.wait_for_workers(*WORKERS)
+        for mode in MODES:
+            self.platform.env["ROUTER_MODE"] = mode
+            self.frontends[mode] = self.platform.start_server()
+        print(f"platform up in {time.perf_counter() - started:.1f} s", flush=True)
+
+    def reset(self) -> None:
+        """Empty caches on both workers, and no load, predicted blocks or affinity left over."""
+        subprocess.run(
+            [sys.executable, "manage.py", "flush_caches", "--cache", "kv", "--cache", "embeddings",
+             "--cache", "images", "--json"],
+            cwd=REPO, env=self.platform.env, check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        for pattern in ("aff:*", "kv:approx*", "load:*"):
+            for key in self.redis.scan_iter(match=f"{self.namespace}{pattern}", count=1000):
+                self.redis.delete(key)
+
+    def routing_counters(self) -> tuple[int, int]:
+        """Best overlap and overlap given up (blocks) summed over every decision so far."""
+        totals = self.redis.hgetall(f"{self.namespace}m:total")
+        best = given_up = 0.0
+        for raw_field, value in totals.items():
+            name = raw_field.decode(errors="replace").split("\x1f", 1)[0]
+            if name == "routing_best_overlap_blocks":
+                best += float(value)
+            elif name == "routing_overlap_given_up_blocks":
+                given_up += float(value)
+        return int(best), int(given_up)
+
+    def decisions(self, mode: str) -> list[tuple[int, int, str]]:
+        """(overlap, best overlap, reason) of every decision the mode's frontend logged so far."""
+        label = "server" if mode == MODES[0] else f"server-{MODES.index(mode)}"
+        return [(int(o), int(b), r) for o, b, r in _SENT_LINE.findall(self.platform.log(label))]
+
+    def run(self, shape: str, mode: str, seed: int, sessions: list[list[Turn]]) -> RunResult:
+        self.reset()
+        logged = len(self.decisions(mode))
+        before = self.routing_counters()
+        time.sleep(1.2)  # metrics flush each second: counters read below are this run's
+        outcomes, wall_s, failures = run_sessions(
+            self.frontends[mode], sessions, f"{shape}{mode}{seed}", self.platform.headers
+        )
+        time.sleep(1.2)
+        after = self.routing_counters()
+        result = RunResult(
+            shape, mode, seed, outcomes, wall_s, after[0] - before[0], after[1] - before[1], failures
+        )
+        result.reasons = self.decisions(mode)[logged:]
+        return result
+
+    def close(self) -> None:
+        self.platform.close()
+        self.redis.close()
+
+
+_SENT_LINE = re.compile(
+    r"\(\d+ prompt tokens, (\d+)/\d+ blocks cached, best (\d+), ([\w-]+)\)$", re.MULTILINE
+)
 
 
 def model_dir(scratch: Path) -> Path:
@@ -430,62 +443,101 @@ def model_dir(scratch: Path) -> Path:
     return path
 
 
+def spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"{REQUESTS_QUICK} requests per mode")
+    parser.add_argument(
+        "--requests", type=int, default=REQUESTS, help=f"requests per run (default {REQUESTS})"
+    )
+    parser.add_argument("--seeds", type=int, default=len(SEEDS), help=f"seeds (default {len(SEEDS)})")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (tuning only)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes (default a,b,c,d)")
     args = parser.parse_args(argv)
-    requests = REQUESTS_QUICK if args.quick else REQUESTS_FULL
+    shapes = [s for s in args.shapes.split(",") if s]
+    seeds = (
+        SEEDS[: args.seeds] if args.seeds <= len(SEEDS) else tuple(SEEDS[0] + i for i in range(args.seeds))
+    )
     redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
-    sessions = plan_sessions(requests, SEED)
+    results: dict[tuple[str, str], list[RunResult]] = {}
+    started = time.perf_counter()
 
-    with tempfile.TemporaryDirectory(prefix="workload-model-") as scratch, ImageServer() as origin:
-        model = model_dir(Path(scratch))
-        image_urls = [origin.add(f"/product-{n}.png", noise_png(SEED + n)) for n in range(IMAGES)]
-        results: dict[str, ModeResult] = {}
-        views: dict[tuple[int, int], dict] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="workload-") as scratch,
+        ImageServer() as origin,
+    ):
+        bench = Bench(Path(scratch), model_dir(Path(scratch)), redis_url)
+        try:
+            bench.start()
+            for seed in seeds:
+                catalogue = Catalogue(origin, f"s{seed}")
+                for shape in shapes:
+                    sessions = plan(shape, args.requests, seed, catalogue)
+                    # Rotate the modes' order per seed: no mode always runs first after a reset.
+                    order = [m for m in MODES[seed % 3 :] + MODES[: seed % 3] if m in args.modes.split(",")]
+                    for mode in order:
+                        result = bench.run(shape, mode, seed, sessions)
+                        results.setdefault((shape, mode), []).append(result)
+                        print(
+                            f"[{shape} {mode:<11} seed {seed}] hit {result.hit_rate:.3f} ttft p50 "
+                            f"{result.ttft_p50 * 1000:.0f} ms imbalance {result.imbalance:.2f} "
+                            f"failed {len(result.failures)}",
+                            flush=True,
+                        )
+                        for failure in result.failures[:2]:
+                            print(f"  failed: {failure}", flush=True)
+        finally:
+            bench.close()
+
+    hit_ratios, ttft_ratios = [], []
+    best = given_up = 0
+    for shape in shapes:
+        print(f"\nshape ({shape}): medians over {len(seeds)} seeds [min-max]")
+        print(f"{'mode':<12} {'hit':>22} {'ttft p50 (s)':>22} {'imbalance':>22} {'given up':>9}")
         for mode in MODES:
-            results[mode], mode_views = run_mode(
-                mode, model, redis_url, sessions, image_urls, route=mode == "kv"
+            runs = results.get((shape, mode))
+            if not runs:
+                continue
+            shape_best = sum(r.best_overlap for r in runs)
+            shape_given_up = sum(r.given_up for r in runs)
+            print(
+                f"{mode:<12} {spread([r.hit_rate for r in runs]):>22}"
+                f" {spread([r.ttft_p50 for r in runs]):>22}"
+                f" {spread([r.imbalance for r in runs]):>22} {shape_given_up / max(shape_best, 1):9.3f}"
             )
-            views.update(mode_views)
-
-    kv = results["kv"]
-    oracle_cached = oracle_cached_tokens(kv.outcomes, views)
-    oracle = sum(oracle_cached) / sum(o.prompt_tokens for o in kv.outcomes)
-    working_set = len({block for view in views.values() for block in view["block_hashes"]})
-    mismatched = sum(
-        1 for o in kv.outcomes if views[(o.turn.image, o.turn.question)]["prompt_tokens"] != o.prompt_tokens
-    )
-    popularity = Counter(turn.image for session in sessions for turn in session)
-    print(
-        f"\n{requests} requests in {len(sessions)} sessions, {IMAGES} images (top image "
-        f"{popularity.most_common(1)[0][1]} requests), {QUESTIONS} questions, concurrency {CONCURRENCY}, "
-        f"KV capacity {KV_CAPACITY_BLOCKS} blocks/worker, prompt ~"
-        f"{round(statistics.mean(o.prompt_tokens for o in kv.outcomes))} tokens"
-    )
-    print(
-        f"working set {working_set} blocks (capacity {KV_CAPACITY_BLOCKS / working_set:.0%} of it"
-        f" per worker); route view vs engine prompt tokens mismatches: {mismatched}"
-    )
-    print(f"oracle (one infinite cache): hit {oracle:.3f}; kv short of it by {oracle - kv.hit_rate:.3f}:")
-    print(f"  losses: {explain_kv_loss(kv.outcomes, oracle_cached)}")
-    header = f"{'mode':<12} {'hit':>6} {'ttft p50':>9} {'ttft p90':>9} {'req/s':>6} {'imbal':>6}"
-    print(f"{header}  per worker  failed")
-    for result in results.values():
-        counts = Counter(o.worker for o in result.outcomes)
+            if mode == "kv":
+                best += shape_best
+                given_up += shape_given_up
+        kv, rr = results.get((shape, "kv"), []), results.get((shape, "round_robin"), [])
+        by_reason: Counter[str] = Counter()
+        lost: Counter[str] = Counter()
+        for run in kv:
+            for overlap, best_overlap, reason in run.reasons:
+                by_reason[reason] += 1
+                lost[reason] += best_overlap - overlap
         print(
-            f"{result.mode:<12} {result.hit_rate:6.3f} {result.ttft_quantile(0.5) * 1000:7.0f}ms"
-            f" {result.ttft_quantile(0.9) * 1000:7.0f}ms {result.requests_per_s:6.2f} {result.imbalance:6.2f}"
-            f"  {'/'.join(str(counts.get(w, 0)) for w in WORKERS):<11} {len(result.failures)}"
+            "kv decisions by reason (blocks given up): "
+            + ", ".join(f"{reason} {count} ({lost[reason]})" for reason, count in by_reason.most_common())
         )
-        for failure in result.failures[:3]:
-            print(f"  failed: {failure}")
-    rr = results["round_robin"]
+        if not (kv and rr):
+            continue
+        hit_ratio = statistics.median(r.hit_rate for r in kv) / max(
+            statistics.median(r.hit_rate for r in rr), 1e-9
+        )
+        ttft_ratio = statistics.median(r.ttft_p50 for r in kv) / statistics.median(r.ttft_p50 for r in rr)
+        hit_ratios.append(hit_ratio)
+        ttft_ratios.append(ttft_ratio)
+        print(f"kv/rr: hit {hit_ratio:.2f}, ttft p50 {ttft_ratio:.2f}")
+    runs = sum(len(r) for r in results.values())
+    print(f"\n{runs} runs of {args.requests} requests in {time.perf_counter() - started:.0f} s")
+    if not hit_ratios:
+        return 0
     print(
-        f"kv_hit={kv.hit_rate:.3f} oracle_hit={oracle:.3f} rr_hit={rr.hit_rate:.3f}"
-        f" random_hit={results['random'].hit_rate:.3f}"
-        f" ttft_p50_kv_over_rr={kv.ttft_quantile(0.5) / rr.ttft_quantile(0.5):.2f}"
-        f" imbalance_kv={kv.imbalance:.2f}"
+        f"shapes={len(shapes)} worst_hit_kv_over_rr={min(hit_ratios):.2f}"
+        f" worst_ttft_p50_kv_over_rr={max(ttft_ratios):.2f} best_ttft_p50_kv_over_rr={min(ttft_ratios):.2f}"
+        f" overlap_given_up={given_up / max(best, 1):.3f}"
     )
     return 0
 

@@ -16,16 +16,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 from django.conf import settings
 
 from inference_platform.api.errors import ApiError
 from inference_platform.celery import app as celery_app
+from routing import telemetry
 from routing.affinity import SessionAffinity
 from routing.contract import CONTRACT_VERSION, DONE, ERROR, ROLE_ENCODE, STARTED, TOKEN, GenerateTask
 from routing.index import KvIndex
+from routing.lease import RESERVED, RequestLease
 from routing.load import LoadTracker
 from routing.media_store import MediaRef, MediaStore, media_store_from_settings
 from routing.models import Worker, worker_queue
@@ -38,7 +40,7 @@ from routing.responses import (
     read_response_events,
     response_key,
 )
-from routing.router import KvRouter
+from routing.router import KvRouter, RoutingDecision, WorkerReport
 
 logger = logging.getLogger("inference_platform.dispatch")
 
@@ -46,27 +48,41 @@ logger = logging.getLogger("inference_platform.dispatch")
 _POLL_MS = 1000
 
 
-@dataclass
 class Dispatch:
-    """A request on its way to a worker, with what the API reports about it."""
+    """A request on its way to a worker: its lease (the router's one owner of its load), and
+    what the API reports about it. Migration moves the lease (`RequestLease.reassign`)."""
 
-    request_id: str
-    worker: str
-    total_blocks: int = 0
-    overlap_blocks: int = 0
-    prefill_done: bool = False
-    media: list[MediaRef] = field(default_factory=list)  # the request's blobs in the side store
-    # The id the worker answers under: the request id, then `<id>-m<n>` after each migration.
-    task_id: str = ""
-    migrations: int = 0
-    tried: list[str] = field(default_factory=list)  # workers that had the request, in order
-    # Sends the request to another eligible worker (serving.py builds it); False if none is left.
-    migrate: Callable[[Dispatch], Awaitable[bool]] | None = None
+    def __init__(
+        self,
+        lease: RequestLease,
+        *,
+        media: list[MediaRef] | None = None,
+        migrate: Callable[[Dispatch], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.lease = lease
+        self.media: list[MediaRef] = list(media or [])  # the request's blobs in the side store
+        # The id the worker answers under: the request id, then `<id>-m<n>` after each migration.
+        self.task_id = lease.request_id
+        self.migrations = 0
+        self.tried: list[str] = [lease.worker]  # workers that had the request, in order
+        # Sends the request to another eligible worker (serving.py builds it); False if none is left.
+        self.migrate = migrate
 
-    def __post_init__(self) -> None:
-        self.task_id = self.task_id or self.request_id
-        if not self.tried:
-            self.tried.append(self.worker)
+    @property
+    def request_id(self) -> str:
+        return self.lease.request_id
+
+    @property
+    def worker(self) -> str:
+        return self.lease.worker
+
+    @property
+    def total_blocks(self) -> int:
+        return self.lease.decision.total_blocks
+
+    @property
+    def overlap_blocks(self) -> int:
+        return self.lease.decision.overlap
 
 
 class WorkerLost(Exception):
@@ -111,6 +127,7 @@ def router() -> KvRouter:
             load=LoadTracker(client, namespace, entry_ttl_s=settings.ROUTER_LOAD_ENTRY_TTL_SECS),
             affinity=SessionAffinity(client, namespace, ttl_s=settings.ROUTER_AFFINITY_TTL_SECS),
             approximate_ttl_s=settings.ROUTER_APPROXIMATE_TTL_SECS,
+            predicted_ttl_s=settings.ROUTER_PREDICTED_TTL_SECS,
         )
         _routers[key] = kv_router
     return kv_router
@@ -240,27 +257,30 @@ async def request_cancel(request_id: str) -> None:
 async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     """The worker's events for this request until DONE or ERROR; ApiError if the worker fails us.
 
-    A worker that vanishes (its heartbeat lapses) before it starts the request gives a 503
-    (nothing was done; the client may retry), after it started a 502; a worker that stays
-    silent past the timeouts gives a 504. In each case the worker is asked to stop.
+    A worker that vanishes (its heartbeat lapses, or a new process took its name) before it
+    starts the request gives a 503 (nothing was done; the client may retry), after it started
+    a 502; a worker that stays silent past the timeouts gives a 504. In each case the worker
+    is asked to stop. Before the first token the request migrates instead, where it can. The
+    request's lease is released exactly once, however this ends.
     """
-    load = router().load
+    lease = dispatch.lease
     rid = dispatch.request_id
+    outcome = "abandoned"  # the client went away (the generator was closed) unless set below
     try:
         while True:
             worker = dispatch.worker
             try:
                 async for event in _follow(dispatch):
-                    if event.type == TOKEN and not dispatch.prefill_done:
-                        # The first token ends prefill: the request's load moves from prefill to decode.
-                        dispatch.prefill_done = True
-                        await asyncio.to_thread(load.prefill_done, worker, rid)
+                    if event.type == TOKEN and lease.state == RESERVED:
+                        # The first token ends prefill: the request's load moves to decode.
+                        await asyncio.to_thread(lease.first_token)
+                    if event.type in (DONE, ERROR):
+                        outcome = event.type
                     yield event
                 return
             except WorkerLost as lost:
                 if dispatch.migrate is None or dispatch.migrations >= settings.REQUEST_MIGRATION_LIMIT:
                     raise lost.error from None
-                await asyncio.to_thread(load.free, worker, rid)
                 if not await dispatch.migrate(dispatch):
                     raise lost.error from None
                 logger.warning(
@@ -269,18 +289,46 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
                     worker,
                     dispatch.worker,
                 )
+    except ApiError as error:
+        outcome = error.code or "failed"
+        raise
     except redis.RedisError as exc:
+        outcome = "state_unavailable"
         raise state_unavailable(rid, exc) from exc
     finally:
-        # Done, failed, timed out or the client went away: the worker's load is freed (and
-        # if Redis is gone too, the entry expires on its own).
-        worker = dispatch.worker
+        # If Redis is gone too, the reservation expires on its own.
         try:
-            await asyncio.shield(asyncio.to_thread(load.free, worker, rid))
+            await asyncio.shield(asyncio.to_thread(lease.release, outcome))
         except redis.RedisError:
-            logger.warning("could not free the load of request %s on worker %s", rid, worker)
+            logger.warning("could not free the load of request %s on worker %s", rid, lease.worker)
         await asyncio.shield(release_media(dispatch))
         await asyncio.shield(_forget_mark(rid))
+
+
+def lease_ttl_s() -> float:
+    """How long a request's reservation outlives the last sign of its frontend (two liveness TTLs):
+    the frontend renews it with its liveness mark, so a frontend that dies anywhere between the
+    decision and the answer leaves no load behind for longer (workers sweep with each beat)."""
+    return settings.REQUEST_LIVENESS_TTL_SECS * 2
+
+
+def worker_report(beat: Heartbeat) -> WorkerReport:
+    """What the router's busy check uses of a worker's heartbeat (see ARCHITECTURE, "Busy")."""
+    # A worker that reports nothing (an older one) has zeros here: max() with the router's own
+    # reservations then uses those alone.
+    return WorkerReport(
+        capacity_blocks=beat.kv_capacity_blocks,
+        running_and_waiting=beat.running + beat.waiting,
+        kv_used_blocks=beat.kv_blocks_used,
+    )
+
+
+def record_decision(decision: RoutingDecision) -> None:
+    """The decision's routing-quality counters: /metrics, the dashboard and routing_stats read them."""
+    labels = {"worker": decision.worker}
+    telemetry.inc("routing_decisions", 1, {"worker": decision.worker, "reason": decision.reason})
+    telemetry.inc("routing_best_overlap_blocks", decision.best_overlap, labels)
+    telemetry.inc("routing_overlap_given_up_blocks", decision.overlap_given_up, labels)
 
 
 async def _forget_mark(request_id: str) -> None:
@@ -321,6 +369,7 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     rid, worker = dispatch.task_id, dispatch.worker
     last_id = "0-0"
     started = False
+    started_by = ""
     produced = False  # a token reached the client: from here the request cannot move
     # Refreshed a few times per TTL while this process follows the request (see LIVE_FAMILY).
     mark, mark_ttl_ms = (
@@ -333,12 +382,14 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     while True:
         if time.monotonic() - marked_at > settings.REQUEST_LIVENESS_TTL_SECS / 4:
             await client.set(mark, b"1", px=max(1, mark_ttl_ms))
+            await asyncio.to_thread(dispatch.lease.renew, lease_ttl_s())
             marked_at = time.monotonic()
         events = await read_response_events(client, namespace, rid, last_id, _POLL_MS)
         for event in events:
             last_id = event.id
             if event.type == STARTED:
                 started = True
+                started_by = str(event.data.get("instance") or "")
             elif event.type == TOKEN:
                 started = produced = True
                 timeout = settings.REQUEST_TOKEN_TIMEOUT_SECS
@@ -359,9 +410,26 @@ async def _follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
                 f"Worker {worker} did not answer request {rid} within {timeout:g} s.",
                 code="worker_timeout",
             )
-        if not await client.exists(heartbeat_key(namespace, worker)):
+        raw = await client.get(heartbeat_key(namespace, worker))
+        beat = Heartbeat.from_json(raw) if raw is not None else None
+        # A new process under the same name is not the one the request went to, unless that
+        # new process is the one that started it (it took the task from the shared queue).
+        replaced = (
+            beat is not None
+            and bool(dispatch.lease.instance)
+            and beat.instance not in (dispatch.lease.instance, started_by)
+        )
+        if beat is None or replaced:
             await request_cancel(rid)
             shown = dispatch.request_id
+            if replaced:
+                logger.warning(
+                    "request %s: worker %s was replaced by a new process (instance %s, not %s)",
+                    shown,
+                    worker,
+                    beat.instance,
+                    dispatch.lease.instance,
+                )
             if produced:
                 raise ApiError(
                     502, f"Worker {worker} stopped while answering request {shown}.", code="worker_vanished"

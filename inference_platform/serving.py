@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import random
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,13 +24,15 @@ from inference_platform.api.errors import ApiError
 from inference_platform.dispatch import (
     Dispatch,
     eligible_workers,
+    lease_ttl_s,
     media_store,
     note_redis_failure,
+    record_decision,
     redis_recently_failed,
-    registry,
     release_media,
     router,
     send_to_worker,
+    worker_report,
     worker_states,
 )
 from inference_platform.encoding import describe_encoding, plan_encoding
@@ -38,6 +40,7 @@ from inference_platform.policy import current_policy
 from routing import telemetry
 from routing.contract import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
+from routing.lease import RequestLease
 from routing.media import (
     MediaError,
     MediaPolicy,
@@ -51,7 +54,8 @@ from routing.media_store import MediaRef, MediaStoreError
 from routing.model_view import ModelDirectoryError, ModelView, model_view
 from routing.redis_keys import sync_client
 from routing.registry import Heartbeat
-from routing.router import RoutingDecision
+from routing.router import AllWorkersBusy, RoutingDecision
+from routing.selection import Score
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
 from routing.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
 from routing.video import SampledVideo, VideoLimits, resolve_videos
@@ -486,33 +490,45 @@ def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None
         )
 
 
-def choose_worker(
+def _decision_inputs(prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None):
+    view = prepared.view
+    policy = current_policy()
+    args = (view.block_hashes, view.prompt_tokens, view.block_size, sorted(workers), policy.routing)
+    options = {
+        "session_key": scope_key,
+        "affinity_enabled": policy.session_affinity,
+        "approximate_workers": {name for name, beat in workers.items() if not beat.publishes_events},
+        "reports": {name: worker_report(beat) for name, beat in workers.items()},
+        "mode": policy.mode,
+    }
+    return args, options
+
+
+def preview_worker(
     prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None
 ) -> RoutingDecision:
-    """The KV router's decision; the round-robin and random modes (baselines) override its choice."""
-    view = prepared.view
-    names = sorted(workers)
-    approximate = {name for name, beat in workers.items() if not beat.publishes_events}
-    policy = current_policy()
-    decision = router().route(
-        view.block_hashes,
-        view.prompt_tokens,
-        view.block_size,
-        names,
-        policy.routing,
-        session_key=scope_key,
-        affinity_enabled=policy.session_affinity,
-        approximate_workers=approximate,
-    )
-    mode = policy.mode
-    if mode == "kv":
-        return decision
-    worker = (
-        names[registry().next_round_robin() % len(names)] if mode == "round_robin" else random.choice(names)
-    )
-    chosen = next(score for score in decision.scores if score.worker == worker)
-    return dataclasses.replace(
-        decision, worker=worker, overlap=chosen.overlap, reason=mode, approximate=worker in approximate
+    """The decision the router would make now, reserving nothing (`/v1/route`, inspect_request)."""
+    args, options = _decision_inputs(prepared, workers, scope_key)
+    return router().route(*args, **options)
+
+
+def reserve_worker(
+    prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None, request_id: str
+) -> RequestLease:
+    """Decide and reserve in one atomic step (the baselines, round robin and random, too)."""
+    args, options = _decision_inputs(prepared, workers, scope_key)
+    instances = {name: beat.instance for name, beat in workers.items()}
+    return router().decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
+
+
+def all_busy(model: str, request_id: str, busy: AllWorkersBusy) -> ApiError:
+    retry_after = settings.ROUTER_BUSY_RETRY_AFTER_SECS
+    return ApiError(
+        503,
+        f"Every worker serving '{model}' is busy ({len(busy.workers)} past the busy threshold); "
+        f"retry request {request_id} in {retry_after:g} s.",
+        code="all_workers_busy",
+        headers={"Retry-After": str(max(1, math.ceil(retry_after)))},
     )
 
 
@@ -597,18 +613,17 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
             code="no_live_worker",
         )
     started = time.perf_counter()
-    decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
+    try:
+        lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, request_id)
+    except AllWorkersBusy as busy:
+        raise all_busy(model.name, request_id, busy) from busy
     telemetry.observe("routing_decision_seconds", time.perf_counter() - started)
-    telemetry.inc("routing_decisions", labels={"worker": decision.worker, "reason": decision.reason})
-    dispatch = Dispatch(
-        request_id=request_id,
-        worker=decision.worker,
-        total_blocks=decision.total_blocks,
-        overlap_blocks=decision.overlap,
-    )
-    media, video_media = await store_media(prepared, dispatch)
+    decision = lease.decision
+    record_decision(decision)
+    dispatch = Dispatch(lease)
     task: GenerateTask | None = None
     try:
+        media, video_media = await store_media(prepared, dispatch)
         task = dataclasses.replace(
             prepared.generate_task(request_id, scope_key, media, video_media), follow_id=request_id
         )
@@ -618,19 +633,20 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
         # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
         await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
     except BaseException:
-        await release_media(dispatch)
+        # Never sent: the media and the reservation go now rather than when they expire.
+        await asyncio.shield(release_media(dispatch))
+        await asyncio.shield(asyncio.to_thread(lease.release, "send_failed"))
         raise
-    # Counted only once the task is queued, so a refused send leaves no phantom load behind.
-    await asyncio.to_thread(router().dispatch, decision, request_id, view.prompt_tokens, view.block_size)
     dispatch.migrate = _migration(prepared, scope_key, task)
     logger.info(
-        "request %s of %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, %s)",
+        "request %s of %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, best %d, %s)",
         request_id,
         caller.label,
         decision.worker,
         view.prompt_tokens,
         decision.overlap,
         decision.total_blocks,
+        decision.best_overlap,
         decision.reason,
     )
     return dispatch
@@ -646,18 +662,26 @@ def _migration(prepared: PreparedRequest, scope_key: str | None, task: GenerateT
             workers.pop(tried, None)
         if not workers:
             return False
-        decision = await asyncio.to_thread(choose_worker, prepared, workers, scope_key)
+        try:
+            # Reserved on the new worker under the same request id; the lease then moves there.
+            moved_lease = await asyncio.to_thread(
+                reserve_worker, prepared, workers, scope_key, dispatch.request_id
+            )
+        except AllWorkersBusy:
+            return False
+        decision = moved_lease.decision
+        task_id = f"{dispatch.request_id}-m{dispatch.migrations + 1}"
+        moved = dataclasses.replace(task, request_id=task_id, dispatched_at=time.time())
+        try:
+            await send_to_worker(decision.worker, moved)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(moved_lease.release, "send_failed"))
+            raise
+        await asyncio.to_thread(dispatch.lease.reassign, decision, moved_lease.instance)
         dispatch.migrations += 1
-        dispatch.task_id = f"{dispatch.request_id}-m{dispatch.migrations}"
-        dispatch.worker = decision.worker
+        dispatch.task_id = task_id
         dispatch.tried.append(decision.worker)
-        dispatch.total_blocks, dispatch.overlap_blocks = decision.total_blocks, decision.overlap
-        dispatch.prefill_done = False
-        moved = dataclasses.replace(task, request_id=dispatch.task_id, dispatched_at=time.time())
-        await send_to_worker(decision.worker, moved)
-        await asyncio.to_thread(
-            router().dispatch, decision, dispatch.request_id, view.prompt_tokens, view.block_size
-        )
+        record_decision(decision)
         telemetry.inc("request_migrations", labels={"worker": decision.worker})
         return True
 
@@ -697,27 +721,38 @@ async def describe_route(
     description = prepared.describe()
     states = await worker_states(prepared.model.name, prepared.view.block_size)
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
-    scores = {}
+    scores: dict[str, Score] = {}
+    busy: tuple[str, ...] = ()
+    decision = None
     if workers:
-        decision = await asyncio.to_thread(choose_worker, prepared, workers, None)
+        try:
+            decision = await asyncio.to_thread(preview_worker, prepared, workers, None)
+        except AllWorkersBusy as exc:
+            busy = exc.workers
+            description["choice"] = None
+    if decision is not None:
         scores = {score.worker: score for score in decision.scores}
+        busy = decision.busy
         description["choice"] = {
             "worker": decision.worker,
             "overlap": decision.overlap,
+            "best_overlap": decision.best_overlap,
             "reason": decision.reason,
         }
+    choice = description.get("choice") or {}
     description["encode"] = await describe_encoding(
         prepared.generate_task("route", scope_key),
         prepared.view,
         prepared.model.name,
-        description.get("choice", {}).get("worker"),
-        description.get("choice", {}).get("overlap", 0),
+        choice.get("worker"),
+        choice.get("overlap", 0),
     )
     description["candidates"] = [
         {
             "worker": state.name,
             "eligible": state.ineligible_because is None,
             "ineligible_because": state.ineligible_because,
+            "busy": state.name in busy,
             **(
                 {
                     "overlap": scores[state.name].overlap,

@@ -176,6 +176,17 @@ ROUTER_SESSION_AFFINITY = env_bool("ROUTER_SESSION_AFFINITY", True)
 ROUTER_AFFINITY_TTL_SECS = env_float("ROUTER_AFFINITY_TTL_SECS", 1800.0, positive=True)
 ROUTER_APPROXIMATE_TTL_SECS = env_float("ROUTER_APPROXIMATE_TTL_SECS", 120.0, positive=True)
 ROUTER_LOAD_ENTRY_TTL_SECS = env_float("ROUTER_LOAD_ENTRY_TTL_SECS", 300.0, positive=True)
+# Predicted blocks: a routed prompt counts as cached on its worker for this long, until the
+# worker's own events arrive (Dynamo's --router-predicted-ttl-secs). 0 turns it off.
+ROUTER_PREDICTED_TTL_SECS = env_float("ROUTER_PREDICTED_TTL_SECS", 3.0, minimum=0.0)
+# Session affinity as a bounded preference (see routing.selection.RoutingPolicy).
+ROUTER_AFFINITY_COST_SLACK = env_float("ROUTER_AFFINITY_COST_SLACK", 0.25, minimum=0.0)
+ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS = env_int("ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS", 2, minimum=0)
+# Busy thresholds: a worker at or past one takes no new request; when all are, 503 + Retry-After.
+ROUTER_BUSY_MAX_REQUESTS = env_int("ROUTER_BUSY_MAX_REQUESTS", 32, minimum=0)  # running + waiting; 0: off
+ROUTER_BUSY_KV_FRACTION = env_float("ROUTER_BUSY_KV_FRACTION", 0.0, minimum=0.0)  # of capacity; 0: off
+# At least a heartbeat interval: the engine's report may count a finished request that long.
+ROUTER_BUSY_RETRY_AFTER_SECS = env_float("ROUTER_BUSY_RETRY_AFTER_SECS", 2.0, positive=True)
 
 # --- Media (names and defaults from Dynamo's documentation) ------------------------------------
 DYN_MM_FRONTEND_DECODING = env_bool("DYN_MM_FRONTEND_DECODING", False)

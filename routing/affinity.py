@@ -29,6 +29,10 @@ class SessionAffinity:
         self._namespace = namespace
         self._ttl_ms = max(int(ttl_s * 1000), 1)
 
+    @property
+    def ttl_ms(self) -> int:
+        return self._ttl_ms
+
     def key(self, scope_hash: str) -> str:
         return f"{self._namespace}{AFFINITY_FAMILY}{_checked(scope_hash)}"
 

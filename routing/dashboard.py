@@ -104,7 +104,7 @@ class DashboardReader:
 
         current_minute = int(now // 60)
         minute_starts = [m * 60 for m in range(current_minute - minutes + 1, current_minute + 1)]
-        loads, totals, series = self._read_load_and_counters(names, minute_starts)
+        loads, totals, series, metric_totals = self._read_load_and_counters(names, minute_starts)
 
         workers = [
             _worker_entry(
@@ -139,6 +139,7 @@ class DashboardReader:
             # Lifetime totals (what /metrics exposes) ...
             "caches": {cache: _with_rate(cache, all_totals[cache]) for cache in CACHES},
             "series": all_series,
+            "routing": routing_quality(metric_totals),
             # ... and the chosen window's figures, read from the per-minute buckets only.
             "window": self._window(minute_starts, window_caches) if minutes else None,
             # E/PD: encoder load and queue, embedding-cache hit rate, transfer bytes and time per image.
@@ -164,7 +165,12 @@ class DashboardReader:
 
     def _read_load_and_counters(
         self, names: Sequence[str], minute_starts: Sequence[int]
-    ) -> tuple[list[tuple[int, int, int]], dict[str, dict[str, Counts]], dict[str, dict[str, list[Counts]]]]:
+    ) -> tuple[
+        list[tuple[int, int, int]],
+        dict[str, dict[str, Counts]],
+        dict[str, dict[str, list[Counts]]],
+        telemetry.Parsed,
+    ]:
         """Load, counter totals and per-minute counters of every worker, in one pipeline."""
         pipe = self._client.pipeline(transaction=False)
         # Sweep first, as LoadTracker.snapshot does, so requests of a dead frontend do not linger.
@@ -177,6 +183,7 @@ class DashboardReader:
             for cache in CACHES:
                 for start in minute_starts:
                     pipe.hgetall(series_key(self._namespace, name, cache, start // 60))
+        pipe.hgetall(telemetry.total_key(self._namespace))
         replies = iter(execute_pipeline(pipe, [self._load.sweep_script])[1:])
         prefill, blocks, requests = LoadTracker.totals_columns(
             [next(replies) for _ in range(load_replies)], names
@@ -187,7 +194,29 @@ class DashboardReader:
             name: {cache: [_counts(next(replies)) for _ in minute_starts] for cache in CACHES}
             for name in names
         }
-        return loads, totals, series
+        metric_totals = telemetry.parse_fields(next(replies))
+        return loads, totals, series, metric_totals
+
+
+def routing_quality(metric_totals: telemetry.Parsed) -> dict[str, Any]:
+    """The router's decisions and the prefix blocks it gave up: "the hit rate we could have had".
+
+    best_overlap_blocks sums, over decisions, the longest prefix any eligible worker held;
+    overlap_given_up_blocks what the chosen worker lacked of it (load, affinity or a baseline
+    mode chose elsewhere). given_up_fraction is their ratio (None before any overlap was seen).
+    """
+
+    def total(name: str) -> int:
+        series = metric_totals.get(name)
+        return int(sum(series.values.values())) if series is not None else 0
+
+    best, given_up = total("routing_best_overlap_blocks"), total("routing_overlap_given_up_blocks")
+    return {
+        "decisions": total("routing_decisions"),
+        "best_overlap_blocks": best,
+        "overlap_given_up_blocks": given_up,
+        "given_up_fraction": given_up / best if best else None,
+    }
 
 
 _readers: dict[tuple[redis.Redis, str], DashboardReader] = {}

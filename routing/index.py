@@ -8,8 +8,10 @@ prompt's hashes, sliced with string.sub instead of parsed):
   stored as a listpack, far smaller than a set of strings; HLEN counts its holders in O(1),
   which the overlap query bisects on (see kv_overlaps_bisect).
 - `kv:w:<worker>`: a set of the worker's block hashes, so a purge finds what to drop.
-- `kv:approx:<worker>`: approximate mode for workers that publish no events; a sorted set of
-  the blocks the router itself sent there, scored by expiry (Redis server time, milliseconds).
+- `kv:approx:<worker>`: the blocks the router itself sent to a worker, scored by expiry (Redis
+  server time, milliseconds): for a worker that publishes no events (approximate mode) its
+  only credit, for the others predicted blocks with a short TTL that cover the time until the
+  worker's own `stored` events arrive.
   `kv:approximate` is the set of workers that have one (at most one entry per worker), so the
   overlap query looks for approximate blocks only where there can be some.
 
@@ -20,6 +22,7 @@ last member goes, so nothing stays behind after a worker removes its blocks or i
 from __future__ import annotations
 
 import struct
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
 BLOCK_FAMILY = "kv:blk:"
 WORKER_FAMILY = "kv:w:"
 APPROXIMATE_FAMILY = "kv:approx:"
+# A random token set by whoever first finds it missing. Redis restarted without its data (or
+# flushed) loses it with the index: a worker that sees it change re-announces its blocks.
+EPOCH_KEY = "kv:epoch"
 
 DEFAULT_APPROXIMATE_TTL_S = 120.0  # Dynamo's approximate-mode default
 
@@ -85,6 +91,28 @@ local function server_time_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+
+-- Blocks the router sent to a worker, credited to it until now + ttl (approximate mode, and
+-- the predicted blocks of event-publishing workers until their own events arrive).
+local function kv_predict(ns, worker, packed, now, ttl)
+  local key = ns .. 'kv:approx:' .. worker
+  local expiry = now + ttl
+  local args = {}
+  for i = 1, #packed, 8 do
+    args[#args + 1] = expiry
+    args[#args + 1] = string.sub(packed, i, i + 7)
+    if #args >= 1000 then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then redis.call('ZADD', key, unpack(args)) end
+  -- Expired entries go at every write and the key itself expires with its newest entry,
+  -- so a worker the router stops using leaves nothing behind.
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  redis.call('SADD', ns .. 'kv:approximate', worker)
+end
 """
 
 _APPLY_LUA = (
@@ -106,19 +134,7 @@ _RECORD_ROUTED_LUA = (
     INDEX_LUA_FUNCTIONS
     + """
 -- ARGV: ns, worker, ttl_ms, packed hashes
-local key = ARGV[1] .. 'kv:approx:' .. ARGV[2]
-local ttl = tonumber(ARGV[3])
-local now = server_time_ms()
-local packed = ARGV[4]
-local expiry = now + ttl
-for i = 1, #packed, 8 do
-  redis.call('ZADD', key, expiry, string.sub(packed, i, i + 7))
-end
--- Expired entries go at every write and the key itself expires with its newest entry,
--- so a worker the router stops using leaves nothing behind.
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-redis.call('PEXPIRE', key, ttl)
-redis.call('SADD', ARGV[1] .. 'kv:approximate', ARGV[2])
+kv_predict(ARGV[1], ARGV[2], ARGV[4], server_time_ms(), tonumber(ARGV[3]))
 return 0
 """
 )
@@ -418,6 +434,16 @@ class KvIndex:
             return
         ttl_ms = max(int(ttl_s * 1000), 1)
         self._record(self._namespace, check_worker_name(worker), ttl_ms, pack_hashes(block_hashes))
+
+    def epoch(self) -> str:
+        """The index's epoch, created if missing (one round trip; SET NX, so all agree on it)."""
+        key = f"{self._namespace}{EPOCH_KEY}"
+        proposed = uuid.uuid4().hex
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(key, proposed, nx=True)
+        pipe.get(key)
+        _created, current = pipe.execute()
+        return current.decode() if isinstance(current, bytes) else str(current)
 
     def worker_blocks(self, worker: str) -> set[int]:
         """The blocks the index believes the worker holds (events, plus unexpired approximate)."""

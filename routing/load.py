@@ -109,6 +109,25 @@ return 1
 
 _FREE_LUA = _LOAD_LUA_FUNCTIONS + "return release(ARGV[1], ARGV[2], ARGV[3])\n"
 
+_RENEW_LUA = (
+    _LOAD_LUA_FUNCTIONS
+    + """
+-- ARGV: ns, worker, request id, ttl ms -> 1 if the entry is still tracked
+return redis.call('ZADD', ARGV[1] .. 'load:expiry', 'XX', 'CH', server_time_ms() + tonumber(ARGV[4]),
+  ARGV[2] .. '\\n' .. ARGV[3])
+"""
+)
+
+_FREE_WORKER_LUA = (
+    _LOAD_LUA_FUNCTIONS
+    + """
+-- ARGV: ns, worker -> how many requests were freed
+local ids = redis.call('HKEYS', ARGV[1] .. 'load:req:' .. ARGV[2])
+for _, request_id in ipairs(ids) do release(ARGV[1], ARGV[2], request_id) end
+return #ids
+"""
+)
+
 # The sweep of expired entries, as a Lua function the router's decision script embeds too.
 SWEEP_LUA_FUNCTIONS = (
     _LOAD_LUA_FUNCTIONS
@@ -139,12 +158,18 @@ class LoadTracker:
         self._add = LuaScript(client, _ADD_LUA)
         self._prefill_done = LuaScript(client, _PREFILL_DONE_LUA)
         self._free = LuaScript(client, _FREE_LUA)
+        self._free_worker = LuaScript(client, _FREE_WORKER_LUA)
+        self._renew = LuaScript(client, _RENEW_LUA)
         self.sweep_script = LuaScript(client, _SWEEP_LUA)
         self._client = client
 
     @property
     def namespace(self) -> str:
         return self._namespace
+
+    @property
+    def entry_ttl_ms(self) -> int:
+        return self._ttl_ms
 
     def add(self, worker: str, request_id: str, prefill_tokens: int, blocks: int) -> None:
         if prefill_tokens < 0 or blocks < 0:
@@ -165,6 +190,19 @@ class LoadTracker:
     def free(self, worker: str, request_id: str) -> bool:
         """Completion, failure or cancellation. False if it was not tracked (already freed)."""
         return bool(self._free(self._namespace, check_worker_name(worker), request_id))
+
+    def renew(self, worker: str, request_id: str, ttl_s: float) -> bool:
+        """Push the entry's expiry to now + ttl_s (its frontend still follows it)."""
+        ttl_ms = max(int(ttl_s * 1000), 1)
+        return bool(self._renew(self._namespace, check_worker_name(worker), request_id, ttl_ms))
+
+    def sweep(self) -> int:
+        """Release entries whose time ran out; how many (workers run it with every heartbeat)."""
+        return int(self.sweep_script(self._namespace))
+
+    def free_worker(self, worker: str) -> int:
+        """Free every request of a worker (its process was replaced); how many there were."""
+        return int(self._free_worker(self._namespace, check_worker_name(worker)))
 
     def snapshot(self, workers: Sequence[str]) -> dict[str, WorkerLoad]:
         """Load of each worker (one round trip), after sweeping entries whose time ran out."""

@@ -47,6 +47,7 @@ class Heartbeat:
     running_peak: int = 0  # the most requests ever in one batch (since the process started)
     forward_passes: int = 0  # model steps since start
     generated_tokens: int = 0  # tokens generated since start
+    beat_at: float = 0.0  # when this beat was sent (a successor watches it move)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -68,6 +69,29 @@ def heartbeat_key(namespace: str, name: str) -> str:
     return f"{namespace}{HEARTBEAT_FAMILY}{name}"
 
 
+class NameInUse(RuntimeError):
+    """Another live process (it still renews its heartbeat) already serves under this name."""
+
+    def __init__(self, holder: Heartbeat) -> None:
+        self.holder = holder
+        super().__init__(
+            f"worker {holder.name!r} is already running: instance {holder.instance or '?'}, "
+            f"pid {holder.pid} on {holder.host or '?'} still renews its heartbeat; stop it first "
+            "or choose another --name"
+        )
+
+
+# Deletes the heartbeat only if it is the given instance's: a process that shuts down after a
+# successor took its name must not deregister the successor.
+_REMOVE_OWN_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, beat = pcall(cjson.decode, raw)
+if ARGV[1] ~= '' and ok and type(beat) == 'table' and beat['instance'] ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
 class WorkerRegistry:
     def __init__(self, client: redis.Redis, namespace: str) -> None:
         self._client = client
@@ -79,8 +103,34 @@ class WorkerRegistry:
     def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
         self._client.set(self._key(heartbeat.name), heartbeat.to_json(), px=int(ttl_s * 1000))
 
-    def remove(self, name: str) -> None:
-        self._client.delete(self._key(name))
+    def remove(self, name: str, instance: str = "") -> bool:
+        """Deregister; with an instance, only if the heartbeat is still that instance's."""
+        return bool(self._client.eval(_REMOVE_OWN_LUA, 1, self._key(name), instance))
+
+    def get(self, name: str) -> Heartbeat | None:
+        raw = self._client.get(self._key(name))
+        return None if raw is None else Heartbeat.from_json(raw)
+
+    def claim(self, name: str, instance: str, watch_s: float) -> Heartbeat | None:
+        """The same-name start rule, for a new process `instance` starting as worker `name`.
+
+        No live heartbeat: None. A heartbeat of another instance: watch it for `watch_s` (one
+        heartbeat interval and a little): if it is renewed, that process is alive and
+        `NameInUse` names it; if not, it is dead and its heartbeat is returned, for the caller to
+        take over at once (free its load, fail over its requests) instead of waiting for the TTL.
+        """
+        first = self.get(name)
+        if first is None or first.instance == instance:
+            return None
+        deadline = time.monotonic() + watch_s
+        while time.monotonic() < deadline:
+            time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+            now = self.get(name)
+            if now is None:
+                return first  # it lapsed while we watched: dead
+            if now.instance != first.instance or now.beat_at != first.beat_at:
+                raise NameInUse(now)
+        return first
 
     def alive(self, names: Iterable[str]) -> dict[str, Heartbeat]:
         names = list(names)

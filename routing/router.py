@@ -1,16 +1,25 @@
 """The KV-aware router: overlap from the index and load from the tracker, scored, one worker chosen.
 
-`route` reads overlaps, load and session affinity in one pipelined round trip (a Lua script,
-then the load totals) and decides;
-`dispatch` records the decision (load, approximate blocks, affinity) once the request was
-actually sent, so a failed send leaves no phantom load behind.
+A decision is one Lua script, one round trip: it sweeps expired load, reads every candidate's
+overlap (index and predicted blocks) and load, drops the busy ones, applies the bounded session
+affinity, chooses, and, when asked to (`decide`), reserves the request's load on the chosen
+worker, records its blocks as predicted there, and remembers the session's worker, all in the
+same atomic step. Two frontend processes deciding at the same instant therefore see each
+other's reservations: requests with different prefixes spread over idle workers instead of
+piling onto the one that looked idle to both.
+
+`route` is the same decision without the writes (`/v1/route`, the benches); `decide` returns a
+`RequestLease` (routing.lease), the one owner of the request's load from then on.
+
+The cost is `selection.score_workers`'s, computed again in Lua from the same numbers; the
+scores returned for display and logs are Python's, from the numbers the script read.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -26,22 +35,155 @@ from routing.index import (
     execute_pipeline,
     pack_hashes,
 )
+from routing.lease import RequestLease
 from routing.load import SWEEP_LUA_FUNCTIONS, LoadTracker
-from routing.selection import RoutingPolicy, Score, score_workers, select_worker
+from routing.registry import ROUND_ROBIN_KEY
+from routing.selection import RoutingPolicy, Score, score_workers
 
-# Embeds the index's and the load tracker's own Lua, so each key family is still read by the
-# code of the module that owns it.
+DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
+MODES = ("kv", "round_robin", "random")
+
+# Embeds the index's and the load tracker's own Lua, so each key family is still read and
+# written by the code of the module that owns it (kv_store / adjust / load_sweep ...).
 _DECISION_LUA = (
     INDEX_LUA_FUNCTIONS
     + OVERLAPS_LUA_FUNCTIONS
     + SWEEP_LUA_FUNCTIONS
     + """
--- ARGV: ns, packed block hashes, affinity key or '', worker...
--- The load totals are read by the HGETALLs pipelined right after this script, once it swept.
-load_sweep(ARGV[1])
+-- ARGV:  1 ns, 2 packed block hashes, 3 affinity key or '', 4 request id ('' = decide only),
+--  5 isl, 6 block size, 7 overlap credit, 8 prefill load scale, 9 temperature,
+-- 10 affinity cost slack, 11 affinity max overlap lead (blocks), 12 busy max requests (0 off),
+-- 13 busy kv fraction (0 off), 14 mode, 15 uniform random in [0, 1), 16 load entry ttl ms,
+-- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
+-- then per worker: name, approximate (0/1), kv capacity blocks, reported running + waiting
+-- (-1: none), reported kv blocks in use (-1: none).
+local ns, packed = ARGV[1], ARGV[2]
+local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
+local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local slack, lead = tonumber(ARGV[10]), tonumber(ARGV[11])
+local max_requests, max_kv = tonumber(ARGV[12]), tonumber(ARGV[13])
+local mode, u = ARGV[14], tonumber(ARGV[15])
+local names, approximate, capacity, rep_requests, rep_kv = {}, {}, {}, {}, {}
+for i = 21, #ARGV, 5 do
+  local j = #names + 1
+  names[j] = ARGV[i]
+  approximate[j] = ARGV[i + 1] == '1'
+  capacity[j] = tonumber(ARGV[i + 2])
+  rep_requests[j] = tonumber(ARGV[i + 3])
+  rep_kv[j] = tonumber(ARGV[i + 4])
+end
+
+load_sweep(ns)
+local overlaps = {overlaps}(ns, packed, names)
+local function totals(family)
+  local flat = redis.call('HGETALL', ns .. family)
+  local t = {}
+  for i = 1, #flat, 2 do t[flat[i]] = tonumber(flat[i + 1]) end
+  return t
+end
+local prefill_t, blocks_t, requests_t = totals('load:prefill'), totals('load:blocks'), totals('load:requests')
+local n_blocks = math.ceil(isl / bs)
+
+-- Busy: the router's reservations and the engine's last report count the same requests, so
+-- they merge by max, never by sum (a report lags reservations in flight; reservations miss
+-- what Redis forgot or what expired).
+local prefill, decode, busy, candidates = {}, {}, {}, {}
+local best_overlap = 0
+for j, name in ipairs(names) do
+  prefill[j] = prefill_t[name] or 0
+  decode[j] = blocks_t[name] or 0
+  local requests = math.max(requests_t[name] or 0, rep_requests[j])
+  local kv_used = math.max(decode[j], rep_kv[j])
+  busy[j] = (max_requests > 0 and requests >= max_requests)
+    or (max_kv > 0 and capacity[j] > 0 and kv_used >= max_kv * capacity[j])
+  if not busy[j] then
+    candidates[#candidates + 1] = j
+    if overlaps[j] > best_overlap then best_overlap = overlaps[j] end
+  end
+end
 local sticky = false
 if ARGV[3] ~= '' then sticky = redis.call('GET', ARGV[3]) end
-return {{overlaps}(ARGV[1], ARGV[2], {unpack(ARGV, 4)}), sticky}
+local function reply(chosen, reason)
+  local b = {}
+  for j = 1, #names do b[j] = busy[j] and 1 or 0 end
+  return {chosen, reason, best_overlap, overlaps, prefill, decode, b, sticky}
+end
+if #candidates == 0 then return reply(false, 'busy') end
+
+local cost = {}
+local lowest, highest = nil, nil
+for _, j in ipairs(candidates) do
+  local p = math.max((prefill[j] + isl) / bs - credit * overlaps[j], 0)
+  local c = scale * p + decode[j] + n_blocks - overlaps[j]
+  cost[j] = c
+  if lowest == nil or c < lowest then lowest = c end
+  if highest == nil or c > highest then highest = c end
+end
+
+local chosen, reason = nil, 'cost'
+if mode == 'round_robin' then
+  -- A preview (no request id) reads the counter; only a real decision moves it.
+  local n
+  if ARGV[4] == '' then
+    n = (tonumber(redis.call('GET', ns .. ARGV[20])) or 0) + 1
+  else
+    n = redis.call('INCR', ns .. ARGV[20])
+  end
+  chosen, reason = candidates[(n % #candidates) + 1], 'round_robin'
+elseif mode == 'random' then
+  chosen, reason = candidates[math.floor(u * #candidates) + 1], 'random'
+elseif #candidates == 1 then
+  chosen, reason = candidates[1], 'only-candidate'
+else
+  if sticky then
+    for _, j in ipairs(candidates) do
+      if names[j] == sticky and cost[j] <= lowest * (1 + slack) + 1e-9
+        and best_overlap - overlaps[j] <= lead then
+        chosen, reason = j, 'affinity'
+      end
+    end
+  end
+  if chosen == nil then
+    if temperature <= 0 or highest - lowest <= 0 then
+      local tied = {}
+      local below = lowest + 1e-9 * math.max(1, math.abs(lowest))
+      for _, j in ipairs(candidates) do
+        if cost[j] <= below then tied[#tied + 1] = j end
+      end
+      chosen = tied[math.min(math.floor(u * #tied) + 1, #tied)]
+    else
+      local weights, sum = {}, 0
+      for k, j in ipairs(candidates) do
+        weights[k] = math.exp(-(cost[j] - lowest) / ((highest - lowest) * temperature))
+        sum = sum + weights[k]
+      end
+      local target, acc = u * sum, 0
+      chosen = candidates[#candidates]
+      for k, j in ipairs(candidates) do
+        acc = acc + weights[k]
+        if target < acc then chosen = j break end
+      end
+    end
+  end
+end
+
+local request_id = ARGV[4]
+if request_id ~= '' then
+  local worker = names[chosen]
+  local prefill_tokens = math.max(isl - overlaps[chosen] * bs, 0)
+  -- The reservation, as LoadTracker.add makes it (a re-add replaces, never double counts).
+  release(ns, worker, request_id)
+  redis.call('HSET', ns .. 'load:req:' .. worker, request_id, prefill_tokens .. ' ' .. n_blocks)
+  adjust(ns, worker, prefill_tokens, n_blocks, 1)
+  local now = server_time_ms()
+  redis.call('ZADD', ns .. 'load:expiry', now + tonumber(ARGV[16]), worker .. '\\n' .. request_id)
+  -- Predicted blocks: siblings arriving before the worker's own events credit it with this
+  -- prompt for a short while (approximate workers: for the approximate TTL, their only credit).
+  local ttl = approximate[chosen] and tonumber(ARGV[18]) or tonumber(ARGV[17])
+  if ttl > 0 and #packed > 0 then kv_predict(ns, worker, packed, now, ttl) end
+  if ARGV[3] ~= '' then redis.call('SET', ARGV[3], worker, 'PX', tonumber(ARGV[19])) end
+end
+return reply(names[chosen], reason)
 """
 )
 
@@ -50,16 +192,40 @@ class NoEligibleWorker(Exception):
     """No worker can take the request (none live, enabled and compatible)."""
 
 
+class AllWorkersBusy(Exception):
+    """Every eligible worker is past a busy threshold: the caller answers 503 with Retry-After."""
+
+    def __init__(self, workers: Sequence[str]) -> None:
+        self.workers = tuple(workers)
+        super().__init__(f"every eligible worker is busy: {', '.join(workers)}")
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker's heartbeat says of its engine; None where it reports nothing."""
+
+    capacity_blocks: int = 0
+    running_and_waiting: int | None = None
+    kv_used_blocks: int | None = None
+
+
 @dataclass(frozen=True)
 class RoutingDecision:
     worker: str
     overlap: int  # leading blocks the chosen worker holds
     total_blocks: int  # ceil(isl / block_size)
     scores: list[Score]
-    reason: str  # "cost" | "affinity" | "only-candidate"
+    reason: str  # "cost" | "affinity" | "only-candidate" | "round_robin" | "random"
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
-    approximate: bool = False  # the worker publishes no events: dispatch records its blocks
-    session_key: str | None = None  # scope hash to remember the worker for
+    approximate: bool = False  # the worker publishes no events
+    session_key: str | None = None  # scope hash the worker was remembered for
+    best_overlap: int = 0  # the largest overlap any eligible, not busy worker had
+    busy: tuple[str, ...] = ()  # eligible workers left out as busy
+
+    @property
+    def overlap_given_up(self) -> int:
+        """Prefix blocks the choice gave up against the best candidate (load, affinity, baseline)."""
+        return max(self.best_overlap - self.overlap, 0)
 
 
 class KvRouter:
@@ -73,6 +239,7 @@ class KvRouter:
         affinity: SessionAffinity | None = None,
         logger: logging.Logger | None = None,
         approximate_ttl_s: float = DEFAULT_APPROXIMATE_TTL_S,
+        predicted_ttl_s: float = DEFAULT_PREDICTED_TTL_S,
     ) -> None:
         if index.namespace != namespace or load.namespace != namespace:
             raise ValueError("the router, its index and its load tracker must share one namespace")
@@ -83,7 +250,8 @@ class KvRouter:
         self._load = load
         self._affinity = affinity
         self._logger = logger or logging.getLogger("routing")
-        self._approximate_ttl_s = approximate_ttl_s
+        self._approximate_ttl_ms = max(int(approximate_ttl_s * 1000), 1)
+        self._predicted_ttl_ms = max(int(predicted_ttl_s * 1000), 0)
         self._rng = random.Random()
 
     @property
@@ -105,71 +273,198 @@ class KvRouter:
         session_key: str | None = None,
         affinity_enabled: bool = True,
         approximate_workers: Collection[str] = (),
+        reports: Mapping[str, WorkerReport] | None = None,
+        mode: str = "kv",
         rng: random.Random | None = None,
     ) -> RoutingDecision:
-        """Choose the worker for a request; records nothing (see `dispatch`)."""
+        """The decision for a request, without reserving anything (see `decide`)."""
+        return self._run(
+            block_hashes,
+            isl,
+            block_size,
+            workers,
+            policy,
+            request_id="",
+            session_key=session_key,
+            affinity_enabled=affinity_enabled,
+            approximate_workers=approximate_workers,
+            reports=reports,
+            mode=mode,
+            rng=rng,
+        )
+
+    def decide(
+        self,
+        request_id: str,
+        block_hashes: Sequence[int],
+        isl: int,
+        block_size: int,
+        workers: Sequence[str],
+        policy: RoutingPolicy,
+        *,
+        session_key: str | None = None,
+        affinity_enabled: bool = True,
+        approximate_workers: Collection[str] = (),
+        reports: Mapping[str, WorkerReport] | None = None,
+        instances: Mapping[str, str] | None = None,
+        mode: str = "kv",
+        rng: random.Random | None = None,
+        reservation_ttl_s: float | None = None,
+    ) -> RequestLease:
+        """Decide and reserve in one atomic step; the lease frees the reservation exactly once.
+
+        reservation_ttl_s: the reservation's expiry until the lease renews it (None: the load
+        tracker's entry TTL). AllWorkersBusy when every eligible worker is past a busy threshold
+        (nothing reserved).
+        """
+        if not request_id:
+            raise ValueError("a reservation needs a request id")
+        decision = self._run(
+            block_hashes,
+            isl,
+            block_size,
+            workers,
+            policy,
+            request_id=request_id,
+            session_key=session_key,
+            affinity_enabled=affinity_enabled,
+            approximate_workers=approximate_workers,
+            reports=reports,
+            mode=mode,
+            rng=rng,
+            reservation_ttl_ms=None if reservation_ttl_s is None else max(int(reservation_ttl_s * 1000), 1),
+        )
+        return RequestLease(
+            self._load,
+            request_id=request_id,
+            decision=decision,
+            instance=(instances or {}).get(decision.worker, ""),
+        )
+
+    def _run(
+        self,
+        block_hashes: Sequence[int],
+        isl: int,
+        block_size: int,
+        workers: Sequence[str],
+        policy: RoutingPolicy,
+        *,
+        request_id: str,
+        session_key: str | None,
+        affinity_enabled: bool,
+        approximate_workers: Collection[str],
+        reports: Mapping[str, WorkerReport] | None,
+        mode: str,
+        rng: random.Random | None,
+        reservation_ttl_ms: int | None = None,
+    ) -> RoutingDecision:
         eligible = list(dict.fromkeys(workers))
         if not eligible:
             raise NoEligibleWorker("no eligible worker")
+        if mode not in MODES:
+            raise ValueError(f"routing mode {mode!r} is not one of {', '.join(MODES)}")
+        if block_size < 1 or isl < 0:
+            raise ValueError(f"invalid request size: isl {isl}, block size {block_size}")
         total_blocks = -(-isl // block_size)
-        use_affinity = bool(affinity_enabled and session_key and self._affinity is not None)
-
+        use_affinity = bool(affinity_enabled and session_key and self._affinity is not None and mode == "kv")
         affinity_key = self._affinity.key(session_key) if use_affinity else ""  # type: ignore[union-attr, arg-type]
+        approximate = set(approximate_workers)
+        reports = reports or {}
+        args: list[object] = [
+            self._namespace,
+            pack_hashes(block_hashes),
+            affinity_key,
+            request_id,
+            isl,
+            block_size,
+            repr(float(policy.overlap_credit)),
+            repr(float(policy.prefill_load_scale)),
+            repr(float(policy.temperature)),
+            repr(float(policy.affinity_cost_slack)),
+            int(policy.affinity_max_overlap_lead),
+            int(policy.busy_max_requests),
+            repr(float(policy.busy_kv_fraction)),
+            mode,
+            repr((rng or self._rng).random()),
+            reservation_ttl_ms or self._load.entry_ttl_ms,
+            self._predicted_ttl_ms,
+            self._approximate_ttl_ms,
+            self._affinity.ttl_ms if self._affinity is not None else 1,
+            ROUND_ROBIN_KEY,
+        ]
+        for name in checked_workers(eligible):
+            report = reports.get(name) or _NO_REPORT
+            args += [
+                name,
+                1 if name in approximate else 0,
+                int(report.capacity_blocks),
+                -1 if report.running_and_waiting is None else int(report.running_and_waiting),
+                -1 if report.kv_used_blocks is None else int(report.kv_used_blocks),
+            ]
         pipe = self._client.pipeline(transaction=False)
-        self._decision.queue(
-            pipe, self._namespace, pack_hashes(block_hashes), affinity_key, *checked_workers(eligible)
+        self._decision.queue(pipe, *args)
+        # A reserving decision must run once: it only goes again if Redis lost the script, in
+        # which case the first attempt did nothing.
+        ((chosen, reason, best_overlap, overlaps, prefill, decode, busy_flags, _sticky),) = execute_pipeline(
+            pipe, [self._decision]
         )
-        self._load.queue_totals(pipe, with_requests=False)
-        (overlaps, sticky_reply), *totals = execute_pipeline(pipe, [self._decision])
-        prefill_tokens, decode_blocks = LoadTracker.totals_columns(totals, eligible)
-        sticky = SessionAffinity.parse(sticky_reply) if use_affinity else None
-        scores = score_workers(eligible, overlaps, prefill_tokens, decode_blocks, isl, block_size, policy)
-        if sticky is not None and sticky in eligible:
-            chosen, reason = scores[eligible.index(sticky)], "affinity"
-        elif len(scores) == 1:
-            chosen, reason = scores[0], "only-candidate"
-        else:
-            chosen, reason = select_worker(scores, policy, rng or self._rng), "cost"
-
-        if self._logger.isEnabledFor(logging.DEBUG):
-            for s in scores:
-                self._logger.debug(
-                    "[ROUTING] Formula for worker_%s: cost=%.3f = %.3f * prefill_blocks %.3f"
-                    " + decode_blocks %.3f (overlap %d/%d)",
-                    s.worker,
-                    s.cost,
-                    policy.prefill_load_scale,
-                    s.prefill_blocks,
-                    s.decode_blocks,
-                    s.overlap,
-                    total_blocks,
-                )
-            self._logger.debug(
-                "[ROUTING] Best: worker_%s with %d/%d blocks overlap",
-                chosen.worker,
-                chosen.overlap,
-                total_blocks,
-            )
-        return RoutingDecision(
-            worker=chosen.worker,
-            overlap=chosen.overlap,
+        reason = reason.decode() if isinstance(reason, bytes) else reason
+        busy = tuple(name for name, flag in zip(eligible, busy_flags, strict=True) if flag)
+        if not chosen:
+            raise AllWorkersBusy(eligible)
+        chosen = chosen.decode() if isinstance(chosen, bytes) else chosen
+        candidates = [i for i, name in enumerate(eligible) if name not in busy]
+        scores = score_workers(
+            [eligible[i] for i in candidates],
+            [int(overlaps[i]) for i in candidates],
+            [int(prefill[i]) for i in candidates],
+            [int(decode[i]) for i in candidates],
+            isl,
+            block_size,
+            policy,
+        )
+        chosen_score = next(s for s in scores if s.worker == chosen)
+        decision = RoutingDecision(
+            worker=chosen,
+            overlap=chosen_score.overlap,
             total_blocks=total_blocks,
             scores=scores,
             reason=reason,
             block_hashes=tuple(block_hashes),
-            approximate=chosen.worker in approximate_workers,
+            approximate=chosen in approximate,
             session_key=session_key if use_affinity else None,
+            best_overlap=int(best_overlap),
+            busy=busy,
+        )
+        if self._logger.isEnabledFor(logging.DEBUG):
+            self._log(decision, policy)
+        return decision
+
+    def _log(self, decision: RoutingDecision, policy: RoutingPolicy) -> None:
+        total_blocks = decision.total_blocks
+        for s in decision.scores:
+            self._logger.debug(
+                "[ROUTING] Formula for worker_%s: cost=%.3f = %.3f * prefill_blocks %.3f"
+                " + decode_blocks %.3f (overlap %d/%d)",
+                s.worker,
+                s.cost,
+                policy.prefill_load_scale,
+                s.prefill_blocks,
+                s.decode_blocks,
+                s.overlap,
+                total_blocks,
+            )
+        self._logger.debug(
+            "[ROUTING] Best: worker_%s with %d/%d blocks overlap (%s; best eligible overlap %d,"
+            " given up %d%s)",
+            decision.worker,
+            decision.overlap,
+            total_blocks,
+            decision.reason,
+            decision.best_overlap,
+            decision.overlap_given_up,
+            f"; busy: {', '.join(decision.busy)}" if decision.busy else "",
         )
 
-    def dispatch(self, decision: RoutingDecision, request_id: str, isl: int, block_size: int) -> None:
-        """Count the request against its worker; called after the send succeeded.
 
-        Prefill tokens are the ones the worker must still compute (the cached prefix is
-        skipped); blocks are all of the prompt's, resident until the request is freed.
-        """
-        prefill_tokens = max(isl - decision.overlap * block_size, 0)
-        self._load.add(decision.worker, request_id, prefill_tokens, decision.total_blocks)
-        if decision.approximate:
-            self._index.record_routed(decision.worker, decision.block_hashes, self._approximate_ttl_s)
-        if decision.session_key is not None and self._affinity is not None:
-            self._affinity.set(decision.session_key, decision.worker)
+_NO_REPORT = WorkerReport()

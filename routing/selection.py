@@ -17,9 +17,26 @@ class RoutingPolicy:
     overlap_credit: float = 1.0  # blocks of prefill saved per cached block
     prefill_load_scale: float = 1.0  # weight of prefill work against decode blocks
     temperature: float = 0.0  # 0: always the cheapest; > 0: softmax sampling over costs
+    # Session affinity is a preference bounded like consistent hashing with bounded loads: the
+    # session's last worker wins while its cost is at most (1 + slack) x the best candidate's,
+    # and no other candidate holds more than `affinity_max_overlap_lead` more prefix blocks.
+    affinity_cost_slack: float = 0.25
+    affinity_max_overlap_lead: int = 2
+    # Busy thresholds (Dynamo's): a worker at or past one is no candidate. 0 turns one off.
+    busy_max_requests: int = 0  # requests running + waiting on the worker
+    busy_kv_fraction: float = 0.0  # KV blocks held by active requests / the worker's capacity
 
     def __post_init__(self) -> None:
-        if self.overlap_credit < 0 or self.prefill_load_scale < 0 or self.temperature < 0:
+        values = (
+            self.overlap_credit,
+            self.prefill_load_scale,
+            self.temperature,
+            self.affinity_cost_slack,
+            self.affinity_max_overlap_lead,
+            self.busy_max_requests,
+            self.busy_kv_fraction,
+        )
+        if any(value < 0 for value in values):
             raise ValueError(f"routing policy values must be >= 0: {self}")
 
 

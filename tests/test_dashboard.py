@@ -504,3 +504,31 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
     assert window["statuses"] == ["200", "503"]
     assert len(window["per_minute"]) == 5 and window["per_minute"][-1]["requests"] == 4
     assert window["minute_starts"][-1] == int(now // 60) * 60
+
+
+def test_snapshot_shows_the_overlap_the_router_gave_up(redis_client: redis.Redis, key_namespace: str) -> None:
+    # given: two decisions recorded by a frontend process: one took the best overlap, one gave up 6
+    from inference_platform.dispatch import record_decision
+    from routing import telemetry
+    from routing.router import RoutingDecision
+
+    recorder = telemetry.MetricsRecorder(redis_client, key_namespace, source="frontend-test")
+    original = telemetry._process_recorder
+    telemetry._process_recorder = recorder
+    try:
+        record_decision(RoutingDecision("gpu0", 10, 12, [], "cost", best_overlap=10))
+        record_decision(RoutingDecision("gpu1", 2, 12, [], "affinity", best_overlap=8))
+        recorder.flush()
+    finally:
+        telemetry._process_recorder = original
+
+    # when
+    routing = DashboardReader(redis_client, key_namespace).snapshot([], minutes=0)["routing"]
+
+    # then
+    assert routing == {
+        "decisions": 2,
+        "best_overlap_blocks": 18,
+        "overlap_given_up_blocks": 6,
+        "given_up_fraction": 6 / 18,
+    }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -16,7 +18,7 @@ from routing.hashing import MediaPlacement, block_hashes
 from routing.index import KvIndex
 from routing.kv_events import KvEvent, KvEventPublisher
 from routing.load import LoadTracker
-from routing.router import KvRouter, NoEligibleWorker
+from routing.router import AllWorkersBusy, KvRouter, NoEligibleWorker, WorkerReport
 from routing.selection import RoutingPolicy
 
 BS = 16
@@ -69,10 +71,10 @@ def test_a_repeated_request_goes_back_to_the_worker_holding_its_blocks_with_more
     rng = random.Random(1)
 
     # when: the first request is served, and its worker publishes the blocks it cached
-    first = router.route(hashes, len(tokens), BS, WORKERS, RoutingPolicy(), rng=rng)
-    router.dispatch(first, "r1", len(tokens), BS)
+    lease = router.decide("r1", hashes, len(tokens), BS, WORKERS, RoutingPolicy(), rng=rng)
+    first = lease.decision
     publisher.publish([KvEvent("stored", first.worker, tuple(hashes))])
-    router.load.free(first.worker, "r1")
+    lease.release("done")
     second = router.route(hashes, len(tokens), BS, WORKERS, RoutingPolicy(), rng=rng)
 
     # then
@@ -119,8 +121,7 @@ def test_a_shared_system_prompt_does_not_pile_every_request_onto_one_worker(
     for i in range(300):
         tokens = system + _tokens(1_000 + i, rng.randrange(200, 1_200))
         hashes = block_hashes(tokens, BS)
-        decision = router.route(hashes, len(tokens), BS, WORKERS, RoutingPolicy(), rng=rng)
-        router.dispatch(decision, f"r{i}", len(tokens), BS)
+        decision = router.decide(f"r{i}", hashes, len(tokens), BS, WORKERS, RoutingPolicy(), rng=rng).decision
         publisher.publish([KvEvent("stored", decision.worker, tuple(hashes[decision.overlap :]))])
         sent[decision.worker] += 1
         assert decision.overlap >= len(system_hashes)
@@ -188,7 +189,9 @@ def test_each_decision_logs_its_candidates_and_the_routing_line(
 
     # then
     lines = [r.getMessage() for r in caplog.records if r.name == "routing"]
-    assert lines[-1] == "[ROUTING] Best: worker_gpu2 with 6/7 blocks overlap"
+    assert lines[-1] == (
+        "[ROUTING] Best: worker_gpu2 with 6/7 blocks overlap (cost; best eligible overlap 6, given up 0)"
+    )
     assert len(lines) == len(WORKERS) + 1
     for worker, line in zip(WORKERS, lines, strict=False):
         assert re.fullmatch(
@@ -220,27 +223,54 @@ def test_temperature_spreads_choices_by_cost_with_a_seeded_rng(
     assert all(0.11 < picks[w] / 600 < 0.24 for w in WORKERS[1:])
 
 
-def test_a_session_goes_back_to_its_last_worker_while_it_is_eligible(router: KvRouter) -> None:
+def test_a_session_goes_back_to_its_last_worker_while_its_cost_stays_within_the_bound(
+    router: KvRouter,
+) -> None:
+    # given: a session's first request, decided and reserved on some worker
     hashes = block_hashes(_tokens(6, 320), BS)
-    first = router.route(hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE, rng=random.Random(1))
-    router.dispatch(first, "s1", 320, BS)
-    router.load.add(first.worker, "burden", 5_000, 400)  # now the most expensive worker
-
-    again = router.route(hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE)
-    off = router.route(hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE, affinity_enabled=False)
+    first = router.decide(
+        "s1", hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE, rng=random.Random(1)
+    ).decision
     others = [w for w in WORKERS if w != first.worker]
+
+    # when: its worker carries that request (its predicted blocks offset it), then much more
+    near = router.route(hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE)
+    off = router.route(hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE, affinity_enabled=False)
+    router.load.add(first.worker, "burden", 5_000, 400)
+    far = router.route(hashes, 320, BS, WORKERS, RoutingPolicy(), session_key=SCOPE)
     gone = router.route(hashes, 320, BS, others, RoutingPolicy(), session_key=SCOPE)
 
-    assert (again.worker, again.reason) == (first.worker, "affinity")
-    assert off.worker != first.worker and off.reason == "cost"
+    # then: within the bound the session stays; with 5,000 tokens queued there it moves
+    assert (near.worker, near.reason) == (first.worker, "affinity")
+    assert off.reason == "cost"
+    assert far.worker in others and far.reason == "cost"
     assert gone.worker in others and gone.reason == "cost"
+
+
+def test_affinity_gives_way_when_another_worker_holds_a_longer_prefix(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: the session last went to gpu0 (which holds 2 blocks); gpu1 holds 12 of 20
+    hashes = block_hashes(_tokens(12, 320), BS)
+    router.decide("s1", hashes[:1], 16, BS, ["gpu0"], RoutingPolicy(), session_key=SCOPE).release("done")
+    publisher.publish(
+        [KvEvent("stored", "gpu0", tuple(hashes[:2])), KvEvent("stored", "gpu1", tuple(hashes[:12]))]
+    )
+    lenient = RoutingPolicy(affinity_cost_slack=10.0, affinity_max_overlap_lead=20)
+
+    # when: the same session asks about the longer prompt
+    strict = router.route(hashes, 320, BS, ["gpu0", "gpu1"], RoutingPolicy(), session_key=SCOPE)
+    loose = router.route(hashes, 320, BS, ["gpu0", "gpu1"], lenient, session_key=SCOPE)
+
+    # then: 10 blocks more than the 2-block bound: the prefix wins; with a huge bound, the session
+    assert (strict.worker, strict.reason, strict.overlap_given_up) == ("gpu1", "cost", 0)
+    assert (loose.worker, loose.reason, loose.overlap_given_up) == ("gpu0", "affinity", 10)
 
 
 def test_dispatch_counts_the_request_and_a_single_worker_is_the_only_candidate(router: KvRouter) -> None:
     hashes = block_hashes(_tokens(7, 330), BS)
-    decision = router.route(hashes, 330, BS, ["gpu3"], RoutingPolicy())
-    assert decision.reason == "only-candidate"
-    router.dispatch(decision, "r1", 330, BS)
+    lease = router.decide("r1", hashes, 330, BS, ["gpu3"], RoutingPolicy())
+    assert lease.decision.reason == "only-candidate"
     load = router.load.snapshot(["gpu3"])["gpu3"]
     assert (load.active_prefill_tokens, load.active_decode_blocks, load.active_requests) == (330, 21, 1)
 
@@ -248,9 +278,9 @@ def test_dispatch_counts_the_request_and_a_single_worker_is_the_only_candidate(r
 def test_an_approximate_worker_gets_credit_for_what_was_routed_to_it(router: KvRouter) -> None:
     # given: workers that publish no events
     hashes = block_hashes(_tokens(8, 640), BS)
-    first = router.route(hashes, 640, BS, WORKERS, RoutingPolicy(), approximate_workers=set(WORKERS))
-    router.dispatch(first, "r1", 640, BS)
-    router.load.free(first.worker, "r1")
+    lease = router.decide("r1", hashes, 640, BS, WORKERS, RoutingPolicy(), approximate_workers=set(WORKERS))
+    lease.release("done")
+    first = lease.decision
 
     # when
     second = router.route(hashes, 640, BS, WORKERS, RoutingPolicy(), approximate_workers=set(WORKERS))
@@ -259,11 +289,128 @@ def test_an_approximate_worker_gets_credit_for_what_was_routed_to_it(router: KvR
     assert (first.overlap, second.worker, second.overlap) == (0, first.worker, 40)
 
 
-def test_an_event_publishing_worker_gets_no_credit_before_its_own_events(router: KvRouter) -> None:
+def test_predicted_blocks_credit_an_event_publishing_worker_only_until_their_ttl(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given: a router whose predicted blocks last 1 s, and one that predicts nothing
+    router = _router(redis_client, key_namespace, predicted_ttl_s=1.0)
     hashes = block_hashes(_tokens(8, 640), BS)
-    first = router.route(hashes, 640, BS, ["gpu0"], RoutingPolicy(), approximate_workers={"gpu1"})
-    router.dispatch(first, "r1", 640, BS)
+    router.decide("r1", hashes, 640, BS, ["gpu0"], RoutingPolicy())
+
+    # when / then: a sibling right away sees the prompt as cached there; later it does not
+    sibling = router.route(hashes, 640, BS, ["gpu0", "gpu1"], RoutingPolicy())
+    assert {s.worker: s.overlap for s in sibling.scores} == {"gpu0": 40, "gpu1": 0}
+    time.sleep(1.2)
     assert router.route(hashes, 640, BS, ["gpu0"], RoutingPolicy()).overlap == 0
+    blind = _router(redis_client, key_namespace, predicted_ttl_s=0)
+    blind.decide("r2", hashes, 640, BS, ["gpu1"], RoutingPolicy())
+    assert blind.route(hashes, 640, BS, ["gpu1"], RoutingPolicy()).overlap == 0
+
+
+def test_decisions_in_the_same_instant_see_each_others_reservations(
+    redis_url: str, key_namespace: str
+) -> None:
+    # given: 8 threads, each with its own connection (as 8 frontend processes), 8 idle workers
+    workers = [f"w{i}" for i in range(8)]
+    barrier = threading.Barrier(8)
+    chosen: list[str] = []
+
+    def decide(i: int) -> None:
+        client = redis.Redis.from_url(redis_url)
+        try:
+            router = _router(client, key_namespace)
+            hashes = block_hashes(_tokens(100 + i, 480), BS)
+            barrier.wait()
+            chosen.append(router.decide(f"r{i}", hashes, 480, BS, workers, RoutingPolicy()).worker)
+        finally:
+            client.close()
+
+    # when: each decides a request with its own prefix at the same instant
+    threads = [threading.Thread(target=decide, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    # then: one request per worker
+    assert sorted(chosen) == workers
+
+
+def test_busy_workers_are_no_candidates_and_all_busy_reserves_nothing(router: KvRouter) -> None:
+    # given: at most 2 requests per worker; gpu0 has 2 reserved, gpu1 reports 3 itself
+    policy = RoutingPolicy(busy_max_requests=2)
+    hashes = block_hashes(_tokens(13, 160), BS)
+    for rid in ("a", "b"):
+        router.decide(rid, hashes, 160, BS, ["gpu0"], RoutingPolicy())
+    reports = {"gpu1": WorkerReport(running_and_waiting=3), "gpu2": WorkerReport(running_and_waiting=1)}
+
+    # when / then: only gpu2 is a candidate; its own report (1) and one reservation merge to 1, not 2
+    first = router.decide("c", hashes, 160, BS, ["gpu0", "gpu1", "gpu2"], policy, reports=reports)
+    assert (first.worker, first.decision.busy) == ("gpu2", ("gpu0", "gpu1"))
+    reports["gpu2"] = WorkerReport(running_and_waiting=1)  # the report counts the same request
+    with pytest.raises(AllWorkersBusy):
+        router.decide("d", hashes, 160, BS, ["gpu0", "gpu1"], policy, reports=reports)
+    second = router.decide("d", hashes, 160, BS, ["gpu0", "gpu1", "gpu2"], policy, reports=reports)
+    assert second.worker == "gpu2"
+    with pytest.raises(AllWorkersBusy):
+        router.decide("e", hashes, 160, BS, ["gpu0", "gpu1", "gpu2"], policy, reports=reports)
+    assert router.load.snapshot(["gpu2"])["gpu2"].active_requests == 2
+
+
+def test_a_worker_past_its_kv_fraction_is_busy(router: KvRouter) -> None:
+    policy = RoutingPolicy(busy_kv_fraction=0.5)
+    hashes = block_hashes(_tokens(14, 320), BS)  # 20 blocks
+    reports = {w: WorkerReport(capacity_blocks=40) for w in ("gpu0", "gpu1")}
+    reports["gpu1"] = WorkerReport(capacity_blocks=40, kv_used_blocks=30)  # the engine says 30 in use
+    first = router.decide("a", hashes, 320, BS, ["gpu0", "gpu1"], policy, reports=reports)
+    assert (first.worker, first.decision.busy) == ("gpu0", ("gpu1",))
+    with pytest.raises(AllWorkersBusy):  # gpu0 now holds 20 of 40 blocks for the request
+        router.decide("b", hashes, 320, BS, ["gpu0", "gpu1"], policy, reports=reports)
+
+
+def test_round_robin_reserves_too_and_reports_the_overlap_it_gave_up(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    hashes = block_hashes(_tokens(15, 320), BS)
+    publisher.publish([KvEvent("stored", "gpu0", tuple(hashes))])
+    picks = [
+        router.decide(f"r{i}", hashes, 320, BS, WORKERS, RoutingPolicy(), mode="round_robin")
+        for i in range(8)
+    ]
+    assert [lease.worker for lease in picks] == WORKERS[1:] + WORKERS + WORKERS[:1]
+    assert all(lease.decision.best_overlap == 20 for lease in picks)
+    assert [lease.decision.overlap_given_up for lease in picks[:4]] == [20, 20, 20, 0]
+    assert router.load.snapshot(WORKERS)["gpu1"].active_requests == 2
+
+
+def test_a_lease_frees_its_load_exactly_once_and_runs_its_callbacks_once(router: KvRouter) -> None:
+    hashes = block_hashes(_tokens(16, 320), BS)
+    lease = router.decide("r1", hashes, 320, BS, ["gpu0"], RoutingPolicy())
+    released: list[str] = []
+    lease.on_release(lambda done: released.append(done.outcome or ""))
+    assert lease.first_token() and not lease.first_token()
+    assert router.load.snapshot(["gpu0"])["gpu0"] == (0, 20, 1)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(lease.release("done"))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [False, False, False, True]
+    assert released == ["done"] and router.load.snapshot(["gpu0"])["gpu0"] == (0, 0, 0)
+    lease.on_release(lambda done: released.append("late"))  # already released: runs at once
+    assert released == ["done", "late"]
+
+
+def test_a_lease_moves_to_another_worker_before_its_first_token(router: KvRouter) -> None:
+    hashes = block_hashes(_tokens(17, 320), BS)
+    lease = router.decide("r1", hashes, 320, BS, ["gpu0"], RoutingPolicy())
+    moved = router.decide("r1", hashes, 320, BS, ["gpu1"], RoutingPolicy())
+    lease.reassign(moved.decision, instance="i2")
+    assert (lease.worker, lease.instance) == ("gpu1", "i2")
+    assert router.load.snapshot(["gpu0", "gpu1"]) == {"gpu0": (0, 0, 0), "gpu1": (320, 20, 1)}
+    lease.release("done")
+    assert router.load.snapshot(["gpu1"])["gpu1"] == (0, 0, 0)
 
 
 def test_a_decision_reads_redis_in_one_round_trip(redis_url: str, key_namespace: str) -> None:
@@ -278,6 +425,10 @@ def test_a_decision_reads_redis_in_one_round_trip(redis_url: str, key_namespace:
         )
         assert CountingConnection.writes == 1
         assert len(decision.scores) == 64
+        CountingConnection.writes = 0
+        lease = router.decide("r1", hashes, 2_000, BS, [f"w{i}" for i in range(64)], RoutingPolicy())
+        assert CountingConnection.writes == 1  # decided and reserved in the same round trip
+        assert router.load.snapshot([lease.worker])[lease.worker].active_requests == 1
     finally:
         client.close()
         pool.disconnect()
@@ -306,3 +457,21 @@ def test_a_router_recovers_when_redis_forgot_its_scripts(
 
     # then
     assert (decision.worker, decision.overlap) == ("gpu1", 10)
+
+
+def test_a_reservation_lives_only_while_its_frontend_renews_it(router: KvRouter) -> None:
+    # given: two reservations that expire in 0.5 s unless renewed
+    hashes = block_hashes(_tokens(18, 320), BS)
+    kept = router.decide("kept", hashes, 320, BS, ["gpu0"], RoutingPolicy(), reservation_ttl_s=0.5)
+    router.decide("orphan", hashes, 320, BS, ["gpu0"], RoutingPolicy(), reservation_ttl_s=0.5)
+
+    # when: only one is renewed (its frontend is alive), and a worker sweeps after the TTL
+    for _ in range(4):
+        time.sleep(0.2)
+        assert kept.renew(0.5)
+    router.load.sweep()
+
+    # then: the orphan's load is gone, the followed request's is not
+    assert router.load.snapshot(["gpu0"])["gpu0"].active_requests == 1
+    assert kept.release("done") and router.load.snapshot(["gpu0"])["gpu0"].active_requests == 0
+    assert not kept.renew(0.5)

@@ -28,7 +28,7 @@ class ApiError(Exception):
     message: str
     code: str | None = None
     param: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)  # e.g. Retry-After on a 429
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. Retry-After on a 429 or 503
 
     @property
     def type(self) -> str:
@@ -48,4 +48,6 @@ def error_response(error: ApiError, request_id: str | None = None) -> JsonRespon
         response[name] = value
     if request_id:
         response["X-Request-Id"] = request_id
+    for name, value in error.headers.items():
+        response[name] = value
     return response

@@ -109,6 +109,12 @@ class Command(BaseCommand):
             self.stdout.write(line)
         kv = snapshot["caches"]["kv"]
         self.stdout.write(f"kv tokens: {kv['cached_tokens']} cached of {kv['prompt_tokens']} prompt tokens")
+        routing = snapshot["routing"]
+        self.stdout.write(
+            f"routing: {routing['decisions']} decisions, overlap given up "
+            f"{routing['overlap_given_up_blocks']} of {routing['best_overlap_blocks']} best-overlap blocks "
+            f"({percent(routing['given_up_fraction'])})"
+        )
         if snapshot["window"] is not None:
             self._print_window(snapshot)
         if snapshot["minutes"]:

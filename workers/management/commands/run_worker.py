@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from django.conf import settings
@@ -31,11 +32,12 @@ from routing.cache_stats import CacheStats
 from routing.contract import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
 from routing.encoders import EncoderPool
 from routing.index import KvIndex
-from routing.kv_events import KvEventPublisher
+from routing.kv_events import KvEvent, KvEventPublisher
+from routing.load import LoadTracker
 from routing.media_store import media_store_from_settings
 from routing.models import Worker, worker_queue
 from routing.redis_keys import redact_url, sync_client
-from routing.registry import Heartbeat, WorkerRegistry, new_instance_id
+from routing.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
 
 logger = logging.getLogger("workers.run_worker")
 
@@ -106,6 +108,15 @@ class Command(BaseCommand):
         client = sync_client(settings.REDIS_URL)
         namespace = settings.REDIS_KEY_PREFIX
         instance = new_instance_id()
+        registry = WorkerRegistry(client, namespace)
+        # The same-name start rule: refuse to run beside a live process of this name; take over
+        # from a dead one at once (below, when this process registers).
+        try:
+            predecessor = registry.claim(
+                name, instance, watch_s=settings.WORKER_HEARTBEAT_INTERVAL_SECS * 1.5
+            )
+        except NameInUse as exc:
+            raise CommandError(str(exc)) from exc
         stats = CacheStats(client, namespace, name)
         metrics = telemetry.attach(client, namespace, name)
         image_loader = build_image_loader(name, stats, model_path)
@@ -176,8 +187,29 @@ class Command(BaseCommand):
                 "deregistered_at": None,
             },
         )
-        registry = WorkerRegistry(client, settings.REDIS_KEY_PREFIX)
-        beats = _HeartbeatLoop(registry, heartbeat, runtime if role != ROLE_ENCODE else None)
+        # No live process serves this name (the claim above), so whatever load is still
+        # reserved under it belongs to a dead predecessor: freed now, not when it expires.
+        # Frontends waiting on its requests see the new instance and fail them over at once.
+        freed = LoadTracker(client, namespace).free_worker(name)
+        if predecessor is not None or freed:
+            logger.warning(
+                "worker %s: took over from instance %s (%d requests freed)",
+                name,
+                predecessor.instance if predecessor is not None else "?",
+                freed,
+            )
+        announcer = _BlockAnnouncer(name, index, publisher, getattr(runtime, "engine", None))
+        load = LoadTracker(client, namespace)
+
+        def after_beat() -> None:
+            announcer.check()
+            # Reservations whose frontend stopped renewing them go now, even if no frontend
+            # decides anything for a while (decisions sweep too).
+            load.sweep()
+
+        beats = _HeartbeatLoop(
+            registry, heartbeat, runtime if role != ROLE_ENCODE else None, on_beat=after_beat
+        )
         beats.start()
 
         from celery.signals import worker_shutting_down
@@ -206,12 +238,48 @@ class Command(BaseCommand):
             celery_worker.start()
         finally:
             beats.stop()
-            registry.remove(name)
+            # Only this instance's heartbeat and row: a successor may already serve this name.
+            own = registry.remove(name, instance)
             stats.close()
             metrics.close()
             image_loader.close()
-            Worker.objects.filter(name=name).update(deregistered_at=timezone.now())
-            self.stdout.write(f"worker {name}: deregistered")
+            if own:
+                Worker.objects.filter(name=name, pid=heartbeat.pid, host=heartbeat.host).update(
+                    deregistered_at=timezone.now()
+                )
+            self.stdout.write(f"worker {name}: deregistered" if own else f"worker {name}: stopped (replaced)")
+
+
+class _BlockAnnouncer:
+    """Re-announces the worker's cached blocks when the index's epoch changes (Redis lost them).
+
+    Checked with every heartbeat: a Redis restarted without its data comes back with no epoch
+    and an empty index, and routing would stay load-only until each worker restarted.
+    """
+
+    def __init__(self, name: str, index: KvIndex, publisher: KvEventPublisher | None, engine) -> None:
+        self._name = name
+        self._index = index
+        self._publisher = publisher
+        self._engine = engine
+        self._epoch = index.epoch()  # the engine announced `cleared` when it loaded: in sync
+
+    def check(self) -> None:
+        epoch = self._index.epoch()
+        if epoch == self._epoch:
+            return
+        self._epoch = epoch
+        if self._publisher is None:
+            return  # approximate mode: the router credits what it routes, nothing to announce
+        # A block stored or evicted between the snapshot and the publish is announced by its
+        # own event too, in order after this one, so the index converges.
+        blocks = tuple(self._engine.kv_block_hashes())
+        self._publisher.publish(
+            [KvEvent("cleared", self._name, ()), KvEvent("stored", self._name, blocks)]
+            if blocks
+            else [KvEvent("cleared", self._name, ())]
+        )
+        logger.warning("worker %s: the KV index was lost; re-announced %d blocks", self._name, len(blocks))
 
 
 def _encode_runtime(name, model_path, device, client, encoders, features, image_loader):
@@ -293,10 +361,17 @@ class _HeartbeatLoop:
     """Refreshes the worker's heartbeat key every interval, well inside its TTL, with the engine's
     state at that moment (and its gauges)."""
 
-    def __init__(self, registry: WorkerRegistry, heartbeat: Heartbeat, runtime=None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        heartbeat: Heartbeat,
+        runtime=None,
+        on_beat: Callable[[], None] | None = None,
+    ) -> None:
         self._registry = registry
         self._heartbeat = heartbeat
         self._runtime = runtime  # a generating worker's WorkerRuntime; None for an encode worker
+        self._on_beat = on_beat  # after each beat (the index epoch check)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -316,11 +391,13 @@ class _HeartbeatLoop:
 
     def _beat(self) -> None:
         with self._lock:
-            heartbeat = self._heartbeat
+            heartbeat = self._heartbeat = dataclasses.replace(self._heartbeat, beat_at=time.time())
         try:
             if self._runtime is not None:
                 heartbeat = _with_engine_load(heartbeat, self._runtime)
             self._registry.beat(heartbeat, settings.WORKER_HEARTBEAT_TTL_SECS)
+            if self._on_beat is not None:
+                self._on_beat()
         except Exception:  # a Redis hiccup: the next beat may land before the TTL lapses
             logger.warning("worker %s: heartbeat failed", heartbeat.name, exc_info=True)
 

@@ -1,0 +1,118 @@
+"""The request lease: the one owner of a routed request's life in the router.
+
+`KvRouter.decide` reserves the request's load on its worker and hands out a lease; from then
+on only the lease changes that load: `first_token` moves it from prefill to decode, `release`
+frees it exactly once, whatever ends the request (completion, failure, cancellation, a send
+that failed). If the process holding the lease dies, the reservation expires in Redis on its
+own (`LoadTracker`'s entry TTL), which is the lease's expiry.
+
+What other parts tie to a request's life rides on the lease, so it is freed with it and only
+once: `attributes` carries their data (the migration attempt, the frontend's liveness mark,
+the tenant whose concurrency slot the request holds) and `on_release` callbacks run once, in
+the order registered, after the load is freed. `reassign` moves the lease to a new decision
+(migration to another worker before the first token) without ending it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from routing.load import LoadTracker
+    from routing.router import RoutingDecision
+
+logger = logging.getLogger("routing.lease")
+
+RESERVED, DECODING, RELEASED = "reserved", "decoding", "released"
+
+
+@dataclass(eq=False)
+class RequestLease:
+    load: LoadTracker = field(repr=False)
+    request_id: str
+    decision: RoutingDecision = field(repr=False)
+    instance: str = ""  # the worker process (registry instance id) the request was sent to
+    state: str = RESERVED
+    outcome: str | None = None  # why it was released: "done", "error", "cancelled", ...
+    decided_at: float = field(default_factory=time.monotonic)
+    attributes: dict[str, Any] = field(default_factory=dict)
+    _callbacks: list[Callable[[RequestLease], None]] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def worker(self) -> str:
+        return self.decision.worker
+
+    @property
+    def released(self) -> bool:
+        return self.state == RELEASED
+
+    def first_token(self) -> bool:
+        """Prefill is over: the load moves to decode. True the first time, False after."""
+        with self._lock:
+            if self.state != RESERVED:
+                return False
+            self.state = DECODING
+        self.load.prefill_done(self.worker, self.request_id)
+        return True
+
+    def renew(self, ttl_s: float) -> bool:
+        """The frontend still follows the request: its reservation lives ttl_s more.
+
+        Reservations are made with a short expiry (the frontend's liveness), so a frontend that
+        dies anywhere between the decision and the answer leaves no load behind for long.
+        """
+        if self.state == RELEASED:
+            return False
+        return self.load.renew(self.worker, self.request_id, ttl_s)
+
+    def on_release(self, callback: Callable[[RequestLease], None]) -> None:
+        """Run `callback(lease)` once when the lease is released (at once if it already was)."""
+        with self._lock:
+            if self.state != RELEASED:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def release(self, outcome: str) -> bool:
+        """Free the request's load and run the release callbacks; True only the first time.
+
+        A Redis error while freeing still ends the lease here (the entry then expires in Redis)
+        and runs the callbacks; the error is raised afterwards.
+        """
+        with self._lock:
+            if self.state == RELEASED:
+                return False
+            self.state, self.outcome = RELEASED, outcome
+            callbacks, self._callbacks = self._callbacks, []
+        failure: Exception | None = None
+        try:
+            self.load.free(self.worker, self.request_id)
+        except Exception as exc:  # Redis away: the reservation expires on its own
+            failure = exc
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("a release callback of request %s failed", self.request_id)
+        if failure is not None:
+            raise failure
+        return True
+
+    def reassign(self, decision: RoutingDecision, instance: str = "") -> None:
+        """Migration: the request now runs under `decision` (reserved by `KvRouter.decide`).
+
+        The old worker's reservation is freed; the lease, its attributes and callbacks stay.
+        """
+        with self._lock:
+            if self.state == RELEASED:
+                raise RuntimeError(f"request {self.request_id}: a released lease cannot move")
+            old = self.decision
+            self.decision, self.instance, self.state = decision, instance, RESERVED
+        if old.worker != decision.worker:
+            self.load.free(old.worker, self.request_id)
