@@ -149,6 +149,16 @@ def test_the_docs_page_lists_every_endpoint_and_loads_nothing_from_elsewhere():
     for path in ("/v1/chat/completions", "/v1/models/{model_id}", "/ready", "/v1/openapi.json"):
         assert path in page
     assert "src=" not in page and "<script" not in page and 'rel="stylesheet"' not in page
+    # the document's CommonMark code spans read as code, not as backticks
+    assert "<code>Authorization: Bearer &lt;API key&gt;</code>" in page
+    assert "`" not in page.split("<body>", 1)[1].split("<h2>Request fields</h2>", 1)[1]
+
+
+def test_the_docs_pages_code_spans_escape_what_they_hold():
+    from inference_platform.api.openapi import inline_code
+
+    shown = inline_code("send `<b>x</b>` & `y`")
+    assert shown == "send <code>&lt;b&gt;x&lt;/b&gt;</code> &amp; <code>y</code>"
 
 
 def test_control_tokens_in_a_clients_text_stay_text(served_demo_model):

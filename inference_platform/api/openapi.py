@@ -9,11 +9,14 @@ settings, so the document always says what this server accepts.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.utils.html import escape
+from django.utils.safestring import SafeString, mark_safe
 
 from inference_platform.api.boundary import only_get
 from inference_platform.api.chat_request import (
@@ -483,13 +486,30 @@ def docs(request: HttpRequest) -> HttpResponse:
         for path, item in document["paths"].items()
         for method, operation in item.items()
     ]
-    request_fields = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    chat_request = document["components"]["schemas"]["ChatCompletionRequest"]
+    request_fields = chat_request["properties"]
     fields = [
-        {"name": name, "type": spec.get("type", "one of several"), "description": spec.get("description", "")}
+        {
+            "name": name,
+            "type": spec.get("type", "one of several"),
+            "description": inline_code(spec.get("description", "")),
+        }
         for name, spec in request_fields.items()
     ]
     return render(
         request,
         "api/docs.html",
-        {"document": document, "operations": operations, "fields": fields, "model": served_model().name},
+        {
+            "document": document,
+            "intro": inline_code(document["info"]["description"]),
+            "request_note": inline_code(chat_request["description"]),
+            "operations": operations,
+            "fields": fields,
+            "model": served_model().name,
+        },
     )
+
+
+def inline_code(text: str) -> SafeString:
+    """The document's descriptions are CommonMark: their `code` spans as HTML, everything escaped."""
+    return mark_safe(re.sub(r"`([^`]+)`", r"<code>\1</code>", escape(text)))  # escaped first
