@@ -20,8 +20,6 @@ import httpx
 import pytest
 import redis
 
-from routing.registry import WorkerRegistry
-
 pytestmark = pytest.mark.integration
 
 
@@ -307,11 +305,6 @@ def test_a_frozen_redis_answers_503_within_its_deadline_and_recovers_when_thawed
 
 
 # --- a second process under a running worker's name ----------------------------------------------
-@pytest.mark.skipif(
-    not hasattr(WorkerRegistry, "claim"),
-    reason="the same-name start rule and instance-scoped deregistration are issue 10's; "
-    "this reproduction runs once they land",
-)
 def test_a_second_process_under_a_running_workers_name_never_deregisters_the_first(two_workers):
     # given spare serving, with blocks in the router's index
     import json
