@@ -55,8 +55,9 @@ _DECISION_LUA = (
 -- 10 affinity cost slack, 11 affinity max overlap lead (blocks), 12 busy max requests (0 off),
 -- 13 busy kv fraction (0 off), 14 mode, 15 uniform random in [0, 1), 16 load entry ttl ms,
 -- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
--- then per worker: name, approximate (0/1), kv capacity blocks, reported running + waiting
--- (-1: none), reported kv blocks in use (-1: none).
+-- 21 per-worker facts, packed: "<index> <approximate 0/1> <kv capacity blocks> <reported
+-- running + waiting or -1> <reported kv blocks in use or -1>;" for the workers that have any
+-- (one string: far cheaper to send than five arguments per worker), then the worker names.
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -64,13 +65,14 @@ local slack, lead = tonumber(ARGV[10]), tonumber(ARGV[11])
 local max_requests, max_kv = tonumber(ARGV[12]), tonumber(ARGV[13])
 local mode, u = ARGV[14], tonumber(ARGV[15])
 local names, approximate, capacity, rep_requests, rep_kv = {}, {}, {}, {}, {}
-for i = 21, #ARGV, 5 do
-  local j = #names + 1
-  names[j] = ARGV[i]
-  approximate[j] = ARGV[i + 1] == '1'
-  capacity[j] = tonumber(ARGV[i + 2])
-  rep_requests[j] = tonumber(ARGV[i + 3])
-  rep_kv[j] = tonumber(ARGV[i + 4])
+for i = 22, #ARGV do
+  local j = i - 21
+  names[j], approximate[j], capacity[j], rep_requests[j], rep_kv[j] = ARGV[i], false, 0, -1, -1
+end
+for j, a, cap, req, kv in string.gmatch(ARGV[21], '(%d+) (%d) (%-?%d+) (%-?%d+) (%-?%d+);') do
+  j = tonumber(j)
+  approximate[j], capacity[j] = a == '1', tonumber(cap)
+  rep_requests[j], rep_kv[j] = tonumber(req), tonumber(kv)
 end
 
 load_sweep(ns)
@@ -392,15 +394,19 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
-        for name in checked_workers(eligible):
-            report = reports.get(name) or _NO_REPORT
-            args += [
-                name,
-                1 if name in approximate else 0,
-                int(report.capacity_blocks),
-                -1 if report.running_and_waiting is None else int(report.running_and_waiting),
-                -1 if report.kv_used_blocks is None else int(report.kv_used_blocks),
-            ]
+        facts = []
+        if reports or approximate:
+            for j, name in enumerate(eligible, start=1):
+                report = reports.get(name)
+                if report is None and name not in approximate:
+                    continue
+                report = report or _NO_REPORT
+                requests = -1 if report.running_and_waiting is None else int(report.running_and_waiting)
+                kv_used = -1 if report.kv_used_blocks is None else int(report.kv_used_blocks)
+                flag = 1 if name in approximate else 0
+                facts.append(f"{j} {flag} {int(report.capacity_blocks)} {requests} {kv_used};")
+        args.append("".join(facts))
+        args += checked_workers(eligible)
         pipe = self._client.pipeline(transaction=False)
         self._decision.queue(pipe, *args)
         # A reserving decision must run once: it only goes again if Redis lost the script, in
