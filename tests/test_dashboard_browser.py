@@ -166,6 +166,7 @@ def test_dashboard_in_a_browser_shows_what_was_sent_follows_a_drain_and_fits_800
     until(lambda: number(driver, "requests"), lambda v: v == str(sent), what=f"{sent} requests on the page")
     until(lambda: requests_in_chart_table(driver), lambda v: v == sent, what="the chart's data table")
     assert number(driver, "hit_kv") not in ("—", "0.0%"), "repeated images hit the KV prefix cache"
+    assert number(driver, "overlap_given_up").endswith("%)"), "the router's overlap figures reached the page"
     assert len(driver.find_elements(By.CSS_SELECTOR, "#charts .uplot")) == 9, "every chart drew"
     full_page_screenshot(driver, shots / "dashboard-1400.png", WIDE)
     assert driver.execute_script(OVERFLOW_JS) <= 0

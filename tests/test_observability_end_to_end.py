@@ -95,6 +95,10 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
         staff.close()
     assert window_matches(dashboard, platform), (dashboard["window"]["totals"], platform.ledger)
     assert dashboard["window"]["totals"]["by_status"] == {"200": platform.ledger.requests}
+    # the router's quality figure: repeated images had a best eligible overlap, some or all kept
+    routing = dashboard["window"]["totals"]
+    assert routing["best_overlap_blocks"] > 0
+    assert 0 <= routing["overlap_given_up_blocks"] <= routing["best_overlap_blocks"]
     # ... while the lifetime totals hold the history too
     assert stats["caches"]["kv"]["hits"] == platform.ledger.kv_hits + 5
     # and a terminal reader gets the same figures as text
