@@ -320,6 +320,10 @@ class StartedEvent:
 class TokenEvent:
     type: ClassVar[str] = TOKEN
     text: str = ""
+    # With `logprobs`: the entries ({token, logprob, bytes, top_logprobs}) of the tokens this piece
+    # completes, so a streamed chunk carries its own tokens' log probabilities as OpenAI's do. Any
+    # token no piece carried (a stop string's) is only in DoneEvent.logprobs, which lists them all.
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -153,10 +153,26 @@ def test_a_completion_carries_logprobs_when_asked(platform):
         max_tokens=5,
         temperature=0,
         logprobs=True,
+        top_logprobs=2,
         stream=True,
     )
-    chunks = [chunk for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
-    assert [e.token for e in chunks[-1].choices[0].logprobs.content] == [e.token for e in content]
+    chunks = [chunk.choices[0] for chunk in streamed if chunk.choices]
+    texts = [choice for choice in chunks if choice.delta.content]
+    # As OpenAI streams them: each content chunk carries its own tokens' entries, not the last one.
+    assert all(choice.logprobs and choice.logprobs.content for choice in texts)
+    assert "".join(choice.delta.content for choice in texts) == answer.choices[0].message.content
+    for choice in texts:
+        tokens = "".join(entry.token for entry in choice.logprobs.content)
+        if "\ufffd" not in tokens:  # a token of part of a character shows as U+FFFD on its own
+            assert tokens == choice.delta.content
+    joined = [entry for choice in chunks if choice.logprobs for entry in choice.logprobs.content]
+    assert len(texts) > 1 or len(joined) == 1
+    # Joined in order, the streamed entries are the non-streamed ones of the same greedy request.
+    assert [(e.token, e.bytes) for e in joined] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in joined] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in joined] == [
+        [t.token for t in e.top_logprobs] for e in content
+    ]
 
 
 def test_a_second_tenant_can_probe_nothing_of_the_first_tenants_prompts(platform):

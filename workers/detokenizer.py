@@ -46,14 +46,22 @@ class IncrementalDetokenizer:
 
 class TextStream:
     """A request's output text: sends pieces as they are decoded, holding back any tail that could
-    still become a stop string, and ends the text at the first stop string."""
+    still become a stop string, and ends the text at the first stop string.
 
-    def __init__(self, tokenizer: Any, stops: list[str], send: Callable[[str], None]) -> None:
+    `send(piece, tokens)` also says how many generated tokens the piece completes: a token goes
+    with the piece that carries the last character of its text (a token holding only part of a
+    character goes with the token that completes it). Tokens whose text is never sent (a stop
+    string's) are counted by no piece."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], send: Callable[[str, int], None]) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stops = [stop for stop in stops if stop]
         self._send_piece = send
         self._text = ""  # decoded so far
         self._sent = 0  # characters of _text sent
+        self._token_ends: list[int] = []  # per token whose text appeared: where it ends in _text
+        self._textless = 0  # tokens accepted whose text has not appeared yet
+        self._tokens_sent = 0  # tokens counted by the pieces sent
         self.text = ""  # the final text, set when finished
 
     @property
@@ -62,15 +70,22 @@ class TextStream:
 
     def accept(self, token: int) -> bool:
         """Adds a generated token; True when a stop string has ended the text."""
-        self._text += self._detokenizer.push(token)
+        self._textless += 1
+        self._append(self._detokenizer.push(token))
         return self._check_stops()
 
     def finish(self) -> None:
         """The end of generation: sends what was held back."""
-        self._text += self._detokenizer.flush()
+        self._append(self._detokenizer.flush())
         if not self._check_stops():
             self._send(len(self._text))
             self.text = self._text
+
+    def _append(self, piece: str) -> None:
+        if piece:
+            self._text += piece
+            self._token_ends.extend([len(self._text)] * self._textless)
+            self._textless = 0
 
     def _check_stops(self) -> bool:
         for stop in self._stops:
@@ -98,4 +113,9 @@ class TextStream:
         if upto > self._sent:
             piece = self._text[self._sent : upto]
             self._sent = upto
-            self._send_piece(piece)
+            tokens = 0
+            ends = self._token_ends
+            while self._tokens_sent + tokens < len(ends) and ends[self._tokens_sent + tokens] <= upto:
+                tokens += 1
+            self._tokens_sent += tokens
+            self._send_piece(piece, tokens)

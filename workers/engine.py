@@ -12,6 +12,7 @@ the reused prefix covers are neither loaded nor encoded.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -193,9 +194,11 @@ class _RequestState:
     request: GenerationRequest
     placed: list[PromptImage]
     sampler: RequestSampler
-    stream: TextStream
     events: queue.SimpleQueue
     submitted_at: float
+    stream: TextStream = field(init=False)
+    # With `logprobs`: OpenAI's entries of the tokens streamed so far, in order.
+    logprob_entries: list[dict[str, Any]] = field(default_factory=list)
     mrope: torch.Tensor | None = None
     rope_delta: int = 0
     embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -324,9 +327,12 @@ class Engine:
         on_token: Callable[[str], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        on_piece: Callable[[str, list[dict[str, Any]] | None], None] | None = None,
     ) -> GenerationResult:
         """Serves one request in the shared batch and waits for it; thread-safe. Callbacks run in
-        the calling thread. `should_stop` is asked while waiting; True cancels the request."""
+        the calling thread. `should_stop` is asked while waiting; True cancels the request.
+        `on_piece` gets each piece of text as `on_token` does, with the log probabilities of the
+        tokens the piece completes (None when the request did not ask for them)."""
         handle = self.submit(request)
         finished = False
         try:
@@ -338,8 +344,11 @@ class Engine:
                         handle.cancel()
                     continue
                 if kind == "token":
+                    text, logprobs = value
+                    if on_piece is not None:
+                        on_piece(text, logprobs)
                     if on_token is not None:
-                        on_token(value)
+                        on_token(text)
                     if should_stop is not None and should_stop():
                         handle.cancel()
                 elif kind == "first":
@@ -396,9 +405,11 @@ class Engine:
             request=request,
             placed=placed,
             sampler=RequestSampler(params),
-            stream=TextStream(self.tokenizer, list(request.stop), lambda piece: events.put(("token", piece))),
             events=events,
             submitted_at=submitted_at,
+        )
+        state.stream = TextStream(
+            self.tokenizer, list(request.stop), functools.partial(self._send_piece, state)
         )
         if self.uses_mrope:
             state.mrope, state.rope_delta = self.runner.rope_positions(input_ids, placed)
@@ -709,16 +720,29 @@ class Engine:
             )
         )
 
-    def _logprobs(self, state: _RequestState) -> list[dict[str, Any]]:
-        """The sampler's log probabilities in OpenAI's shape, one per token of the answer."""
+    def _send_piece(self, state: _RequestState, piece: str, tokens: int) -> None:
+        """A piece of the answer's text to the caller, with the log probabilities of its tokens."""
+        logprobs = None
+        if state.request.logprobs:
+            start = len(state.logprob_entries)
+            logprobs = self._logprob_entries(state, start, start + tokens)
+            state.logprob_entries.extend(logprobs)
+        state.events.put(("token", (piece, logprobs)))
 
+    def _logprobs(self, state: _RequestState) -> list[dict[str, Any]]:
+        """The sampler's log probabilities in OpenAI's shape, one per token of the answer: those
+        streamed with the pieces, then those of tokens no piece carried (a stop string's)."""
+        streamed = state.logprob_entries
+        return streamed + self._logprob_entries(state, len(streamed), state.stream.completion_tokens)
+
+    def _logprob_entries(self, state: _RequestState, start: int, end: int) -> list[dict[str, Any]]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             text = self.tokenizer.decode([token])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
         return [
             {**entry(chosen.token, chosen.logprob), "top_logprobs": [entry(t, lp) for t, lp in chosen.top]}
-            for chosen in state.sampler.logprobs[: state.stream.completion_tokens]
+            for chosen in state.sampler.logprobs[start:end]
         ]
 
     def _fail(self, sequence: SequenceState, exc: Exception) -> None:

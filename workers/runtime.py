@@ -160,7 +160,9 @@ class WorkerRuntime:
         labels = {"worker": self.name}
         if task.dispatched_at is not None:
             telemetry.observe("queue_seconds", max(0.0, time.time() - task.dispatched_at), labels=labels)
-        on_token = _timing_tokens(lambda text: writer.emit(TokenEvent(text=text)), labels)
+        on_piece = _timing_tokens(
+            lambda text, logprobs: writer.emit(TokenEvent(text=text, logprobs=logprobs)), labels
+        )
         self._engine_entered(+1)
         try:
             cache_salt = _cache_salt(task.cache_salt)
@@ -192,7 +194,7 @@ class WorkerRuntime:
                 receipt = self.features.receive(task, request.images)
             result = self.engine.generate(
                 request,
-                on_token=on_token,
+                on_piece=on_piece,
                 should_stop=_throttled(writer.cancelled, _CANCEL_CHECK_INTERVAL_S),
             )
             if self._drop_abandoned(task, writer):
@@ -441,16 +443,16 @@ def _timing_tokens(send, labels: dict[str, str]):
     """`send`, observing the time between consecutive tokens of one request."""
     last: list[float] = []
 
-    def on_token(text: str) -> None:
+    def on_piece(text: str, logprobs: list[dict[str, Any]] | None) -> None:
         now = time.monotonic()
         if last:
             telemetry.observe("inter_token_seconds", now - last[0], labels=labels)
             last[0] = now
         else:
             last.append(now)
-        send(text)
+        send(text, logprobs)
 
-    return on_token
+    return on_piece
 
 
 def _throttled(check, interval_s: float):

@@ -323,7 +323,14 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                                     "content": {"type": "string"},
                                 },
                             },
-                            "logprobs": logprobs,
+                            "logprobs": {
+                                **logprobs,
+                                "description": "With `logprobs: true`: on each content chunk, the "
+                                "entries of the tokens whose text that chunk completes; on the chunk "
+                                "with `finish_reason`, those of tokens no content chunk carried (a "
+                                "stop string's), else null. Joined in order they equal the "
+                                "non-streamed `logprobs.content`.",
+                            },
                             # OpenAPI 3.0: a nullable enum lists null among its values.
                             "finish_reason": {
                                 "type": "string",

@@ -197,6 +197,20 @@ def _logprobs(chat: ChatRequest, done: DoneEvent) -> dict[str, Any] | None:
     return {"content": [] if done.logprobs is None else list(done.logprobs)}
 
 
+def _streamed_logprobs(chat: ChatRequest, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A streamed chunk's `choices[0].logprobs`: its own tokens' entries, when the request asked
+    for them and the chunk carries any (null otherwise, as OpenAI sends)."""
+    if not chat.logprobs or not entries:
+        return None
+    return {"content": list(entries)}
+
+
+def _remaining_logprobs(chat: ChatRequest, done: DoneEvent, streamed: int) -> dict[str, Any] | None:
+    """The last chunk's `logprobs`: the entries of tokens no content chunk carried (a stop
+    string's, or all of them from a worker that does not stream them), else null."""
+    return _streamed_logprobs(chat, (done.logprobs or [])[streamed:])
+
+
 def _chunk(
     request_id: str,
     model: str,
@@ -230,20 +244,24 @@ async def _stream(
     rid = dispatch.request_id
     finished = False
     done: DoneEvent | None = None
+    logprobs_streamed = 0
     try:
         yield _chunk(rid, chat.model, {"role": "assistant", "content": ""})
         async for entry in follow(dispatch):
             event = entry.event
             if isinstance(event, TokenEvent):
                 clock.first_token()
-                yield _chunk(rid, chat.model, {"content": event.text})
+                logprobs_streamed += len(event.logprobs or ())
+                yield _chunk(
+                    rid, chat.model, {"content": event.text}, None, _streamed_logprobs(chat, event.logprobs)
+                )
             elif isinstance(event, ErrorEvent):
                 raise _worker_error(event, dispatch)
             elif isinstance(event, DoneEvent):
                 done = event
                 clock.finish(200, dispatch.worker, event)
-                # The worker reports log probabilities with its result: they ride on the last chunk.
-                yield _chunk(rid, chat.model, {}, event.finish_reason, _logprobs(chat, event))
+                remaining = _remaining_logprobs(chat, event, logprobs_streamed)
+                yield _chunk(rid, chat.model, {}, event.finish_reason, remaining)
                 if chat.include_usage:
                     yield _event(rid, chat.model, [], usage=_usage(event))
         finished = True
