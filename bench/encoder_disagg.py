@@ -19,6 +19,9 @@ The workload, and why it is shaped so:
   fewer requests while blocked (hiding the wait from the percentiles) and, in E/PD, many more
   whose CPU would then compete with the encoder. In the aggregated mode a text request routed to
   a worker that is encoding waits behind the vision tower; in E/PD the LLM worker never encodes.
+- E/PD runs with the platform's split policy as configured (EPD_SPLIT, EPD_LOCAL_ENCODE_WEIGHT
+  from the environment, else their defaults): the images the encoder's backlog would delay more
+  than the LLM worker's own stay on the LLM worker; the summary says how many it encoded.
 - max_tokens is MAX_TOKENS, so the figures are about the time to the first token. Each mode
   starts the platform afresh (empty caches); TTFT is measured at the client (streamed).
 """
@@ -341,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     detail = epd.transfer()
     print(
-        f"E/PD: fallbacks {detail['fallbacks']}, LLM worker tower runs {detail['llm_tower_runs']}; "
+        f"E/PD: fallbacks {detail['fallbacks']}, LLM worker tower runs {detail['llm_tower_runs']} of "
+        f"{result_images(epd)} images (kept on it by the split, EPD_LOCAL_ENCODE_WEIGHT="
+        f"{os.environ.get('EPD_LOCAL_ENCODE_WEIGHT', 'default')}, or fallbacks); "
         "agg has no transfer (the worker that encodes also generates)"
     )
     print(
@@ -350,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" transfer_ms_per_image={_fmt(detail['ms'], 2)}"
     )
     return 0 if not (agg.failures or epd.failures) else 1
+
+
+def result_images(result: ModeResult) -> int:
+    return result.count("images") * IMAGES_PER_REQUEST
 
 
 def _fmt(value: float | None, digits: int) -> str:

@@ -9,12 +9,26 @@ Keys (this module owns them):
 - `<ns>enc:busy:<worker>`: images it has taken and not finished (loading, waiting for its tower,
   encoding);
 - `<ns>enc:done:<request>`: list of per-image results the LLM worker waits on (short TTL);
-- `<ns>enc:stats:<worker>`: hash of counters (see STAT_FIELDS).
+- `<ns>enc:stats:<worker>`: hash of counters (see STAT_FIELDS);
+- `<ns>enc:local:<llm worker>`: sorted set of images the frontend left an LLM worker to encode
+  itself (the split below), scored by when it is expected to have encoded them: its own encoding
+  backlog, gone on its own once the time has passed.
+
+The split (`split_images`, pure): the chosen encoder's backlog (images pending on it times its
+measured milliseconds per image) is weighed against the LLM worker's own (the images it was
+left to encode and has not finished, by the same estimate, times `local_weight`): each image
+goes where it would be encoded sooner, an image the encoder's embedding cache holds always to
+the encoder. At low load every image goes to the encoder; when the encoder's queue grows past
+what the LLM worker would take to encode an image, some (or all) of the request's images stay
+on the LLM worker's aggregated path, so encoding capacity is not halved by the disaggregation
+(llm-d's encoder-affinity choice lost at high load because it ignored encoder load).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,6 +42,7 @@ PENDING_FAMILY = "enc:pending:"
 BUSY_FAMILY = "enc:busy:"
 DONE_FAMILY = "enc:done:"
 STATS_FAMILY = "enc:stats:"
+LOCAL_FAMILY = "enc:local:"
 DONE_TTL_SECS = 300
 
 # Encode worker: images encoded, its embedding cache's hits and misses, microseconds encoding,
@@ -87,12 +102,17 @@ def stats_key(namespace: str, worker: str) -> str:
     return f"{namespace}{STATS_FAMILY}{worker}"
 
 
+def local_key(namespace: str, worker: str) -> str:
+    return f"{namespace}{LOCAL_FAMILY}{worker}"
+
+
 @dataclass(frozen=True)
 class EncoderScore:
     worker: str
     cached: int  # of the request's images, how many its embedding cache holds
     pending: int  # images sent to it and not finished yet (its queue and the one it is encoding)
     cost: float  # images it must encode before this request's are ready
+    encode_ms: float | None = None  # its measured milliseconds per encoded image (None: none yet)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +136,70 @@ def score_encoders(
         )
         for worker in sorted(cached)
     ]
+
+
+@dataclass(frozen=True)
+class EncodeSplit:
+    """Which of a request's images (positions in the list given) the encoder encodes and which the
+    LLM worker keeps, and when each side is expected to be done (ms from now)."""
+
+    to_encoder: tuple[int, ...]
+    kept_local: tuple[int, ...]
+    encoder_ready_ms: float
+    local_ready_ms: float
+    encoder_backlog_ms: float
+    local_backlog_ms: float
+    encode_ms: float
+    local_encode_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: an infinite figure (the split turned off) reads as None."""
+        return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in asdict(self).items()}
+
+
+def split_images(
+    cached: Sequence[bool],
+    *,
+    encoder_pending: int,
+    encode_ms: float,
+    local_backlog_ms: float,
+    local_weight: float,
+) -> EncodeSplit:
+    """The split of a request's images between the chosen encode worker and the LLM worker.
+
+    `cached[i]`: the encoder's embedding cache holds image i (it costs the encoder nothing);
+    `encoder_pending`: images already waiting on the encoder, each `encode_ms` (measured);
+    `local_backlog_ms`: what the LLM worker was already left to encode; one image costs it
+    `encode_ms * local_weight` (the same tower; the weight > 1 says that its encoding stalls the
+    LLM worker's batch, text requests included, where an encoder's stalls nothing else).
+    Greedily, in order, each uncached image goes where it would be done sooner, ties to the
+    encoder: list scheduling on two machines. With `local_weight` infinite nothing stays local."""
+    if encode_ms < 0 or local_backlog_ms < 0 or encoder_pending < 0 or not local_weight > 0:
+        raise ValueError("encode_ms, backlogs and pending must be >= 0 and local_weight > 0")
+    local_ms = math.inf if math.isinf(local_weight) else encode_ms * local_weight
+    encoder_backlog = encoder_pending * encode_ms
+    encoder_ready, local_ready = encoder_backlog, local_backlog_ms
+    to_encoder: list[int] = []
+    kept: list[int] = []
+    for position, held in enumerate(cached):
+        if held:
+            to_encoder.append(position)
+        elif encoder_ready + encode_ms <= local_ready + local_ms:
+            to_encoder.append(position)
+            encoder_ready += encode_ms
+        else:
+            kept.append(position)
+            local_ready += local_ms
+    return EncodeSplit(
+        tuple(to_encoder),
+        tuple(kept),
+        encoder_ready,
+        local_ready,
+        encoder_backlog,
+        local_backlog_ms,
+        encode_ms,
+        local_ms,
+    )
 
 
 def select_encoder(scores: Sequence[EncoderScore], rng: random.Random | None = None) -> str:
@@ -143,13 +227,44 @@ class EncoderPool:
             if tags:
                 pipe.smismember(cached_key(self._namespace, worker), list(tags))
             pipe.zcount(pending_key(self._namespace, worker), now, "+inf")
+            pipe.hmget(stats_key(self._namespace, worker), ["encode_us", "cache_misses"])
         answers = iter(pipe.execute())
         cached: dict[str, int] = {}
         pending: dict[str, int] = {}
+        encode_ms: dict[str, float | None] = {}
         for worker in workers:
             cached[worker] = sum(1 for held in next(answers) if held) if tags else 0
             pending[worker] = int(next(answers))
-        return score_encoders(tags, cached, pending)
+            encode_us, misses = (int(v or 0) for v in next(answers))
+            encode_ms[worker] = encode_us / 1000 / misses if misses else None
+        return [
+            dataclasses.replace(score, encode_ms=encode_ms[score.worker])
+            for score in score_encoders(tags, cached, pending)
+        ]
+
+    def held(self, worker: str, tags: Sequence[str]) -> list[bool]:
+        """Which of these tags the worker's embedding cache holds (per tag, in order)."""
+        if not tags:
+            return []
+        return [bool(h) for h in self._client.smismember(cached_key(self._namespace, worker), list(tags))]
+
+    def local_backlog_ms(self, worker: str) -> float:
+        """How long the LLM worker is expected to take for the images it was left to encode."""
+        now = time.time()
+        last = self._client.zrevrangebyscore(local_key(self._namespace, worker), "+inf", now, 0, 1, True)
+        return max(0.0, (float(last[0][1]) - now) * 1000) if last else 0.0
+
+    def keep_local(self, worker: str, members: Sequence[str], ready_ms: Sequence[float]) -> None:
+        """Images left to the LLM worker, each counted until its expected end (`ready_ms` from now)."""
+        if not members:
+            return
+        key = local_key(self._namespace, worker)
+        now = time.time()
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zadd(key, {m: now + ms / 1000 for m, ms in zip(members, ready_ms, strict=True)})
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.expire(key, int(self._pending_ttl_s) + 60)
+        pipe.execute()
 
     def choose(self, workers: Iterable[str], tags: Sequence[str]) -> EncoderChoice | None:
         scores = self.scores(workers, tags)

@@ -3,6 +3,7 @@ on each encoder, from the state the encode workers keep in Redis."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -16,6 +17,7 @@ from routing.encoders import (
     pending_key,
     score_encoders,
     select_encoder,
+    split_images,
     summarize,
 )
 
@@ -114,3 +116,62 @@ def test_the_frontend_tags_images_with_the_partition_the_workers_cache_them_unde
         for scope, salt in ((None, None), ("s" * 32, None), (None, "00000000000000ff"), ("s" * 32, "ab" * 8)):
             expected = runtime.cache_partition(scope, None if salt is None else int(salt, 16))
             assert cache_partition(scoped, scope, salt) == expected
+
+
+# --- the split between the encoder and the LLM worker (pure) ----------------------------------------
+def test_at_low_load_every_image_goes_to_the_encoder() -> None:
+    split = split_images([False, False], encoder_pending=0, encode_ms=300, local_backlog_ms=0, local_weight=2)
+    assert split.to_encoder == (0, 1) and split.kept_local == ()
+    assert split.encoder_ready_ms == 600 and split.local_ready_ms == 0
+
+
+def test_a_busy_encoder_leaves_images_on_the_llm_worker_as_their_waits_balance() -> None:
+    # 4 images queued on the encoder (1200 ms) against an idle LLM worker at 600 ms an image
+    split = split_images([False] * 3, encoder_pending=4, encode_ms=300, local_backlog_ms=0, local_weight=2)
+    assert split.kept_local == (0, 1) and split.to_encoder == (2,)
+    assert (split.encoder_backlog_ms, split.encoder_ready_ms, split.local_ready_ms) == (1200, 1500, 1200)
+    # the LLM worker's own backlog counts: already 2 s of local encoding, so the encoder keeps them
+    busy_llm = split_images(
+        [False] * 3, encoder_pending=4, encode_ms=300, local_backlog_ms=2000, local_weight=2
+    )
+    assert busy_llm.kept_local == () and busy_llm.to_encoder == (0, 1, 2)
+
+
+def test_images_the_encoders_cache_holds_always_go_to_it_and_cost_nothing() -> None:
+    split = split_images(
+        [True, False, True], encoder_pending=10, encode_ms=100, local_backlog_ms=0, local_weight=1
+    )
+    assert split.to_encoder == (0, 2) and split.kept_local == (1,)
+    assert split.encoder_ready_ms == 1000
+
+
+def test_the_weight_protects_the_llm_worker_and_infinity_turns_the_split_off() -> None:
+    args = {"encoder_pending": 2, "encode_ms": 300, "local_backlog_ms": 0}
+    assert split_images([False], **args, local_weight=1).kept_local == (0,)  # 900 ms there, 300 here
+    assert split_images([False], **args, local_weight=4).kept_local == ()  # 900 ms there, 1200 here
+    off = split_images(
+        [False] * 5, encoder_pending=50, encode_ms=300, local_backlog_ms=0, local_weight=math.inf
+    )
+    assert off.kept_local == () and off.to_dict()["local_encode_ms"] is None
+    with pytest.raises(ValueError):
+        split_images([False], encoder_pending=0, encode_ms=-1, local_backlog_ms=0, local_weight=1)
+    with pytest.raises(ValueError):
+        split_images([False], encoder_pending=0, encode_ms=1, local_backlog_ms=0, local_weight=0)
+
+
+def test_the_llm_workers_backlog_is_what_it_was_left_until_its_expected_end(pool: EncoderPool) -> None:
+    assert pool.local_backlog_ms("llm-1") == 0
+    pool.keep_local("llm-1", ["r1:0", "r1:2"], [600, 1200])
+    assert 1000 < pool.local_backlog_ms("llm-1") <= 1200
+    assert pool.local_backlog_ms("llm-2") == 0
+    pool.keep_local("llm-1", ["r2:0"], [-5])  # past its end: no longer counted, and swept
+    assert 1000 < pool.local_backlog_ms("llm-1") <= 1200
+
+
+def test_encoder_scores_carry_its_measured_milliseconds_per_image(pool: EncoderPool) -> None:
+    assert pool.scores(["enc-1"], [])[0].encode_ms is None
+    pool.count("enc-1", {"cache_misses": 4, "encode_us": 1_200_000, "cache_hits": 3})
+    assert pool.scores(["enc-1"], [])[0].encode_ms == 300
+    tag = cache_tag(None, "d" * 32)
+    pool.cached("enc-1", tag)
+    assert pool.held("enc-1", [cache_tag(None, "e" * 32), tag]) == [False, True]
