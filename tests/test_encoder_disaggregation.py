@@ -248,6 +248,42 @@ def test_a_drained_encode_worker_gets_nothing_new(platform, admin) -> None:
     admin_action(admin, "enable", "enc")
 
 
+def test_a_backlogged_encoder_leaves_the_image_on_the_llm_worker_with_the_same_answer(
+    platform, remembered
+) -> None:
+    # given the encoder re-enabled (previous test) with a simulated backlog: five images reserved
+    # on it as a frontend does, and the LLM worker's cached prefix of the first question forgotten
+    time.sleep(1.2)  # the admin's "enable"
+    manage(platform, "flush_caches", "--worker", "llm", "--json")
+    pool = EncoderPool(platform.redis, platform.namespace, pending_ttl_s=30)
+    backlog = [f"simulated-backlog:{n}" for n in range(5)]
+    pool.reserve("enc", backlog)
+    try:
+        request = body("What is in this picture?", data_url(1))
+        route = httpx.post(
+            f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30
+        ).json()
+        # then the route shows the split: the encoder's backlog outweighs encoding it locally
+        split = route["encode"]["split"]
+        assert route["encode"]["mode"] == "epd" and route["encode"]["kept_local"] == [0], route["encode"]
+        assert route["encode"]["images"] == [] and split["to_encoder"] == []
+        assert split["encoder_backlog_ms"] == pytest.approx(5 * split["encode_ms"])
+        assert split["local_weight"] == 2.0 and split["enabled"] is True
+        before_llm, before_enc = counters(platform, "llm"), counters(platform, "enc")
+
+        answer = ask(platform, request)
+    finally:
+        pool.release("enc", backlog)
+
+    # and the LLM worker encoded the image itself, with the answer the encoder's features gave
+    time.sleep(0.3)
+    assert answer.json()["choices"][0]["message"]["content"] == remembered["first"]
+    assert counters(platform, "llm")["tower_forwards"] == before_llm["tower_forwards"] + 1
+    assert counters(platform, "llm")["received"] == before_llm["received"]
+    assert counters(platform, "enc")["images"] == before_enc["images"]
+    assert "image(s) 0 stay on llm" in platform.log("server")
+
+
 def test_an_encode_worker_killed_mid_request_leaves_it_answered_through_the_fallback(
     platform, origin
 ) -> None:
