@@ -366,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"per round (images/text p50 ratio): {spread}; the table and last line pool all rounds")
     print(
         f"E/PD: fallbacks {detail['fallbacks']}, LLM worker tower runs {detail['llm_tower_runs']} of "
-        f"{result_images(epd)} images (kept on it by the split, EPD_LOCAL_ENCODE_WEIGHT="
+        f"{result_images(epd)} images (kept on it by the split, EPD_SPLIT="
+        f"{os.environ.get('EPD_SPLIT', 'default')} EPD_LOCAL_ENCODE_WEIGHT="
         f"{os.environ.get('EPD_LOCAL_ENCODE_WEIGHT', 'default')}, or fallbacks); "
         "agg has no transfer (the worker that encodes also generates)"
     )
