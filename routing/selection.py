@@ -15,7 +15,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class RoutingPolicy:
     overlap_credit: float = 1.0  # blocks of prefill saved per cached block
-    prefill_load_scale: float = 1.0  # weight of prefill work against decode blocks
+    # Weight of prefill work against decode blocks (Dynamo's overlap_score_weight). TTFT on a
+    # batching engine is the prefill queued ahead plus the request's own uncached prefill; a
+    # request already decoding adds one token to each step, yet weighs all of its blocks in the
+    # decode term. At 1 a worker with two short decodes looked costlier than a cold one, and a
+    # cached prefix was given up for a full prefill elsewhere (bench/workload.py shape (b)).
+    # 4: a decode block weighs a quarter of a prefill block; KV pressure has its own threshold.
+    prefill_load_scale: float = 4.0
     temperature: float = 0.0  # 0: always the cheapest; > 0: softmax sampling over costs
     # Session affinity is a preference bounded like consistent hashing with bounded loads: the
     # session's last worker wins while its cost is at most (1 + slack) x the best candidate's,

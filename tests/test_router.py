@@ -93,11 +93,12 @@ def test_a_busy_worker_with_the_best_overlap_loses_to_an_idle_one_when_the_cost_
     pair = ["gpu0", "gpu1"]
 
     # when gpu0 is lightly loaded: cost 0 = (160+2000)/16-100 + (10+25) = 70 < gpu1's 250
+    dynamo = RoutingPolicy(prefill_load_scale=1.0)  # the figures below are Dynamo's weights
     router.load.add("gpu0", "light", prefill_tokens=160, blocks=10)
-    light = router.route(hashes, 2_000, BS, pair, RoutingPolicy())
+    light = router.route(hashes, 2_000, BS, pair, dynamo)
     # when gpu0 has 3,200 prefill tokens and 200 blocks queued: (3200+2000)/16-100 + 225 = 450
     router.load.add("gpu0", "heavy", prefill_tokens=3_040, blocks=190)
-    heavy = router.route(hashes, 2_000, BS, pair, RoutingPolicy())
+    heavy = router.route(hashes, 2_000, BS, pair, dynamo)
 
     # then
     assert (light.worker, light.overlap) == ("gpu0", 100)
@@ -195,7 +196,7 @@ def test_each_decision_logs_its_candidates_and_the_routing_line(
     assert len(lines) == len(WORKERS) + 1
     for worker, line in zip(WORKERS, lines, strict=False):
         assert re.fullmatch(
-            rf"\[ROUTING\] Formula for worker_{worker}: cost=[\d.]+ = 1\.000 \* prefill_blocks [\d.]+"
+            rf"\[ROUTING\] Formula for worker_{worker}: cost=[\d.]+ = 4\.000 \* prefill_blocks [\d.]+"
             r" \+ decode_blocks [\d.]+ \(overlap \d/7\)",
             line,
         ), line

@@ -99,9 +99,44 @@ def test_policy_refuses_negative_values() -> None:
 
 
 def test_scores_built_on_the_hot_path_are_ordinary_frozen_scores() -> None:
-    (score,) = score_candidates([Candidate("a", 2, 16, 3)], isl=64, block_size=16, policy=RoutingPolicy())
+    policy = RoutingPolicy(prefill_load_scale=1.0)
+    (score,) = score_candidates([Candidate("a", 2, 16, 3)], isl=64, block_size=16, policy=policy)
     assert score == Score("a", 2, 3.0, 5.0, 8.0)
     assert hash(score) == hash(Score("a", 2, 3.0, 5.0, 8.0))
     assert dataclasses.asdict(score)["cost"] == 8.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         score.cost = 0.0  # type: ignore[misc]
+
+
+def test_default_policy_keeps_a_cached_prefix_on_a_worker_that_is_only_decoding() -> None:
+    # given: a 49-block prompt, 46 blocks cached on a, which decodes two requests (98 blocks,
+    # nothing left to prefill); b holds 1 block and is idle. TTFT on a is 3 blocks of prefill
+    # plus a token per step for the decodes; on b it is 48 blocks of prefill.
+    candidates = [
+        Candidate("a", overlap=46, active_prefill_tokens=0, active_decode_blocks=98),
+        Candidate("b", overlap=1, active_prefill_tokens=0, active_decode_blocks=0),
+    ]
+
+    # when
+    scores = score_candidates(candidates, isl=49 * 16, block_size=16, policy=RoutingPolicy())
+
+    # then: a (4 x 3 + 98 + 3 = 113) beats b (4 x 48 + 48 = 240); at Dynamo's weight of 1 it lost
+    assert select_worker(scores, RoutingPolicy(), random.Random(0)).worker == "a"
+    at_one = score_candidates(
+        candidates, isl=49 * 16, block_size=16, policy=RoutingPolicy(prefill_load_scale=1.0)
+    )
+    assert select_worker(at_one, RoutingPolicy(), random.Random(0)).worker == "b"
+
+
+def test_default_policy_still_leaves_a_cached_prefix_behind_queued_prefill() -> None:
+    # given: the same prompt; a holds 46 blocks but has three cold prompts (144 blocks) queued
+    candidates = [
+        Candidate("a", overlap=46, active_prefill_tokens=144 * 16, active_decode_blocks=147),
+        Candidate("b", overlap=1, active_prefill_tokens=0, active_decode_blocks=0),
+    ]
+
+    # when
+    scores = score_candidates(candidates, isl=49 * 16, block_size=16, policy=RoutingPolicy())
+
+    # then: waiting for 147 blocks of prefill on a is slower than 48 on b
+    assert select_worker(scores, RoutingPolicy(), random.Random(0)).worker == "b"
