@@ -182,6 +182,26 @@ DEFAULT_VISION = {"depth": 2, "embed_dim": 128, "num_heads": 4}
 HEAVY_VISION = {"depth": 8, "embed_dim": 384, "num_heads": 6}
 
 
+def _qwen_demo_tokenizer(seed: int) -> tuple[Any, dict[str, int]]:
+    """The demo tokenizer as transformers loads it, and the ids of its special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_demo_tokenizer(seed)
+    token_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+    return tokenizer, token_ids
+
+
 def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None) -> Any:
     from transformers import Qwen2VLConfig
 
@@ -235,25 +255,13 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    backend = train_demo_tokenizer(seed)
-    token_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
-        model_max_length=32768,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-    )
+    tokenizer, token_ids = _qwen_demo_tokenizer(seed)
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
@@ -554,24 +562,12 @@ def build_demo_qwen3_vl(path: Path, *, seed: int = 0) -> None:
     tower, interleaved M-RoPE) with the demo tokenizer and Qwen3-VL's image and video settings."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    backend = train_demo_tokenizer(seed)
-    token_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-        bos_token=None,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
-        model_max_length=32768,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-    )
+    tokenizer, token_ids = _qwen_demo_tokenizer(seed)
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE  # the same vision markers as Qwen3-VL's template
     tokenizer.save_pretrained(path)
 
