@@ -120,6 +120,26 @@ def _refuse_degenerate(width: int, height: int) -> None:
         raise ImageSizeRefused(width, height, "has a side under 1 pixel, which no image processor accepts")
 
 
+def qwen_smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """(height, width) of transformers' Qwen2-VL smart_resize, aspect-ratio check left to the caller.
+
+    The same float operations in the same order as the processor, so rounding agrees exactly.
+    """
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 @dataclass(frozen=True, slots=True)
 class QwenVLLayout:
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: smart_resize to multiples of patch·merge, then merged patches."""
@@ -144,18 +164,7 @@ class QwenVLLayout:
                 f"has an aspect ratio of {ratio:.4g}, over {QWEN_MAX_ASPECT_RATIO}, which {name} refuses",
             )
         factor = self.patch_size * self.merge_size
-        # The same float operations in the same order as the processor, so rounding agrees exactly.
-        h_bar = round(height / factor) * factor
-        w_bar = round(width / factor) * factor
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt((height * width) / self.max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return qwen_smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
 
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
         """The processor's image_grid_thw for one image: (temporal, height, width) in patches."""

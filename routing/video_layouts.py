@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from routing.layouts import FAMILY_NAMES, QWEN_MAX_ASPECT_RATIO
+from routing.layouts import FAMILY_NAMES, QWEN_MAX_ASPECT_RATIO, qwen_smart_resize
 
 QWEN_VIDEO_PLACEHOLDER = "<|video_pad|>"
 QWEN_VISION_START = "<|vision_start|>"
@@ -124,17 +124,7 @@ class QwenVideoLayout:
 
     def _smart_resize_qwen2(self, height: int, width: int, factor: int) -> tuple[int, int]:
         self._check_ratio(height, width)
-        h_bar = round(height / factor) * factor
-        w_bar = round(width / factor) * factor
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt((height * width) / self.max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return qwen_smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
 
     def _smart_resize_qwen3(self, num_frames: int, height: int, width: int, factor: int) -> tuple[int, int]:
         tps = self.temporal_patch_size
