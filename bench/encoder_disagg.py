@@ -30,7 +30,6 @@ The workload, and why it is shaped so:
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import random
@@ -49,8 +48,8 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
-from PIL import Image  # noqa: E402
 
+from bench.samples import noise_png, quantile  # noqa: E402
 from routing.encoders import EncoderPool, summarize  # noqa: E402
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
@@ -135,21 +134,6 @@ class ModeResult:
                 c.get("tower_forwards", 0) for n, c in self.counters.items() if n == "llm0"
             ),
         }
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile: the value at least a fraction q of the sample does not exceed."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
-def noise_png(seed: int) -> bytes:
-    pixels = random.Random(seed).randbytes(IMAGE_SIDE * IMAGE_SIDE * 3)
-    buffer = io.BytesIO()
-    Image.frombytes("RGB", (IMAGE_SIDE, IMAGE_SIDE), pixels).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
 
 
 def chat_body(text: str, image_urls: Sequence[str]) -> dict:
@@ -321,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 image_urls = [
                     [
                         origin.add(
-                            f"/{mode}-{round_no}-{r}-{i}.png", noise_png(offset + r * IMAGES_PER_REQUEST + i)
+                            f"/{mode}-{round_no}-{r}-{i}.png",
+                            noise_png(offset + r * IMAGES_PER_REQUEST + i, IMAGE_SIDE),
                         )
                         for i in range(IMAGES_PER_REQUEST)
                     ]

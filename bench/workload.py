@@ -36,7 +36,6 @@ model load 36 times. The same seed gives the same requests in every mode.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import queue
@@ -60,8 +59,8 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 import redis  # noqa: E402
-from PIL import Image  # noqa: E402
 
+from bench.samples import noise_png, quantile  # noqa: E402
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 
@@ -145,23 +144,7 @@ class RunResult:
         return max(per_worker) / max(sum(per_worker) / len(per_worker), 1e-9)
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile; nan for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
 # --- the workloads ---------------------------------------------------------------------------------
-def noise_png(seed: str) -> bytes:
-    """A distinct incompressible picture: no two share a pixel pattern."""
-    pixels = random.Random(seed).randbytes(IMAGE_SIDE * IMAGE_SIDE * 3)
-    buffer = io.BytesIO()
-    Image.frombytes("RGB", (IMAGE_SIDE, IMAGE_SIDE), pixels).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
-
-
 def words(seed: str, n: int) -> str:
     rng = random.Random(seed)
     vocabulary = _VOCABULARY.split()
@@ -187,14 +170,16 @@ class Catalogue:
         self._origin = origin
         self._salt = salt
         self.products = [
-            origin.add(f"/{salt}/product-{n}.png", noise_png(f"{salt}-{n}")) for n in range(PRODUCTS)
+            origin.add(f"/{salt}/product-{n}.png", noise_png(f"{salt}-{n}", IMAGE_SIDE))
+            for n in range(PRODUCTS)
         ]
         self._unique = 0
 
     def unique(self) -> str:
         self._unique += 1
         return self._origin.add(
-            f"/{self._salt}/unique-{self._unique}.png", noise_png(f"{self._salt}-unique-{self._unique}")
+            f"/{self._salt}/unique-{self._unique}.png",
+            noise_png(f"{self._salt}-unique-{self._unique}", IMAGE_SIDE),
         )
 
 
