@@ -202,6 +202,18 @@ def _qwen_demo_tokenizer(seed: int) -> tuple[Any, dict[str, int]]:
     return tokenizer, token_ids
 
 
+def _qwen_generation_config(token_ids: dict[str, int]) -> Any:
+    """Greedy decoding that stops at the end of a turn or of the text, as Qwen's checkpoints do."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
+        pad_token_id=token_ids["<|endoftext|>"],
+        do_sample=False,
+    )
+
+
 def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None) -> Any:
     from transformers import Qwen2VLConfig
 
@@ -255,7 +267,7 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = Path(path)
@@ -268,12 +280,7 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -
     config = _demo_config(token_ids, HEAVY_VISION if heavy_vision else DEFAULT_VISION)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=token_ids["<|endoftext|>"],
-        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
-        pad_token_id=token_ids["<|endoftext|>"],
-        do_sample=False,
-    )
+    model.generation_config = _qwen_generation_config(token_ids)
     model.save_pretrained(path)
 
     image_processor = Qwen2VLImageProcessorPil(
@@ -562,7 +569,7 @@ def build_demo_qwen3_vl(path: Path, *, seed: int = 0) -> None:
     tower, interleaved M-RoPE) with the demo tokenizer and Qwen3-VL's image and video settings."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = Path(path)
@@ -573,12 +580,7 @@ def build_demo_qwen3_vl(path: Path, *, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(_qwen3_vl_config(token_ids)).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=token_ids["<|endoftext|>"],
-        eos_token_id=[token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
-        pad_token_id=token_ids["<|endoftext|>"],
-        do_sample=False,
-    )
+    model.generation_config = _qwen_generation_config(token_ids)
     model.save_pretrained(path)
 
     # transformers has no Qwen3-VL image processor class: the published checkpoints configure the
