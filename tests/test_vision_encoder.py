@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -215,6 +217,81 @@ def test_features_that_do_not_fit_the_image_fall_back_to_local_encoding(
 
     assert result.text == aggregated.text
     assert (result.encoder_calls, result.embeddings_received, result.embedding_fallbacks) == (1, 0, 1)
+
+
+def test_while_features_travel_the_engine_encodes_the_image_it_keeps_and_answers_the_same(
+    qwen_encoder: VisionEncoder, demo_engine, shared_parts
+) -> None:
+    # given a request of two images: the first's features come from an encode worker, the
+    # second stays with this worker (the split), and the answer the aggregated path gives
+    model, _ = shared_parts
+    sent = image_input(21, 140, 112)
+    kept = ImageInput(identity=image_input(22, 112, 84).identity, data=png(112, 84, 22), width=112, height=84)
+    prompt = qwen_chat("Compare them.", images=2)
+    aggregated = demo_engine().generate(
+        GenerationRequest(request_id="a", prompt=prompt, images=[sent, kept], max_tokens=10)
+    )
+    features = qwen_encoder.encode(pil(sent)).embedding
+    expected = ImageInput(identity=sent.identity, width=140, height=112, features_expected=True)
+    tower_calls: list[int] = []
+    hook = model.model.visual.register_forward_hook(lambda *_: tower_calls.append(1))
+
+    def await_features() -> None:
+        # the encode worker is slow: its features come only once the kept image is encoded
+        deadline = time.monotonic() + 30
+        while not tower_calls:
+            assert time.monotonic() < deadline, "the engine did not encode the kept image meanwhile"
+            time.sleep(0.01)
+        expected.embedding = features
+
+    # when the request waits for the first image's features
+    try:
+        result = demo_engine().generate(
+            GenerationRequest(request_id="b", prompt=prompt, images=[expected, kept], max_tokens=10),
+            await_features=await_features,
+        )
+    finally:
+        hook.remove()
+
+    # then the kept image was encoded during the wait, once, and the answer is the aggregated one
+    assert result.text == aggregated.text
+    assert tower_calls == [1]
+    assert (result.encoder_calls, result.embeddings_received, result.embedding_fallbacks) == (1, 1, 0)
+
+
+def test_expected_features_that_never_come_are_encoded_here_after_the_wait(demo_engine) -> None:
+    # given an image whose features an encode worker was to send, and the aggregated answer
+    image = image_input(23, 140, 112)
+    prompt = qwen_chat("Which color dominates?")
+    aggregated = demo_engine().generate(
+        GenerationRequest(request_id="a", prompt=prompt, images=[image], max_tokens=8)
+    )
+    loaded_while_waiting: list[bool] = []
+    waiting = threading.Event()
+
+    def load(source: ImageInput, scope_key: str | None) -> Image.Image:
+        loaded_while_waiting.append(waiting.is_set())
+        return load_image_directly(source, scope_key)
+
+    def await_features() -> None:  # the encoder died: nothing arrives
+        waiting.set()
+        time.sleep(0.2)
+        waiting.clear()
+
+    expected = ImageInput(
+        identity=image.identity, data=image.data, width=140, height=112, features_expected=True
+    )
+
+    # when the wait ends without them
+    result = demo_engine(load_image=load).generate(
+        GenerationRequest(request_id="b", prompt=prompt, images=[expected], max_tokens=8),
+        await_features=await_features,
+    )
+
+    # then the image was loaded and encoded after the wait, not during it, with the same answer
+    assert result.text == aggregated.text
+    assert loaded_while_waiting == [False]
+    assert result.encoder_calls == 1
 
 
 def test_an_llm_role_engine_drops_its_tower_and_loads_it_back_on_the_first_fallback(

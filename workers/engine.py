@@ -162,6 +162,10 @@ def load_image_directly(image: ImageInput, scope_key: str | None = None) -> Imag
 
 # Engine threads are daemons (a process may exit with requests in flight), but one still
 # finishing a step when the interpreter shuts down would be killed inside torch: wait a little.
+# An engine thread holding only requests that await features sleeps until woken (a request
+# arrives, features arrive, a cancel); this bounds a missed wake-up, it is not a polling rate.
+_STAGED_POLL_S = 0.5
+
 _engine_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
@@ -174,9 +178,12 @@ def _let_engine_steps_finish() -> None:
 class RequestHandle:
     """A submitted request: its events (first / token / done / error) and a way to cancel it."""
 
-    def __init__(self, sequence: SequenceState, events: queue.SimpleQueue) -> None:
+    def __init__(
+        self, sequence: SequenceState, events: queue.SimpleQueue, wake: threading.Event | None = None
+    ) -> None:
         self._sequence = sequence
         self.events = events
+        self._wake = wake
 
     @property
     def request_id(self) -> str:
@@ -185,6 +192,19 @@ class RequestHandle:
     def cancel(self) -> None:
         """The request leaves the batch at the next step; its blocks go back to the pool."""
         self._sequence.cancelled = True
+        self._wake_engine()
+
+    def features_arrived(self) -> None:
+        """E/PD: whatever was coming from encode workers has come (or never will). The request
+        may now be scheduled; an expected image without its features is encoded here."""
+        state: _RequestState = self._sequence.payload
+        if state.features_gate is not None:
+            state.features_gate.set()
+        self._wake_engine()
+
+    def _wake_engine(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
 
 @dataclass(eq=False)
@@ -208,6 +228,11 @@ class _RequestState:
     embedding_misses: int = 0
     embeddings_received: int = 0
     embedding_fallbacks: int = 0
+    # E/PD: set once the encode workers' features arrived (or never will); until then the request
+    # is held out of the scheduler while the engine encodes its other images ahead.
+    features_gate: threading.Event | None = None
+    covered_at_submit: int = 0  # prompt tokens the cached prefix covered at submission
+    encoded_ahead: bool = False  # its locally encoded images are done (or were tried)
 
 
 class Engine:
@@ -267,6 +292,9 @@ class Engine:
         self.on_vision_loaded: Callable[[Any], None] | None = None  # gets the tower (hooks)
         self._lock = threading.Lock()
         self._inbox: deque[SequenceState] = deque()
+        # E/PD: requests awaiting an encode worker's features, in arrival order (`_admit_staged`).
+        self._staged: list[SequenceState] = []
+        self._wake = threading.Event()  # something for an idle engine thread that holds staged ones
         self._thread: threading.Thread | None = None
         self.forward_passes = 0
         self.generated_tokens = 0
@@ -328,14 +356,24 @@ class Engine:
         on_first_token: Callable[[], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         on_piece: Callable[[str, list[dict[str, Any]] | None], None] | None = None,
+        await_features: Callable[[], None] | None = None,
     ) -> GenerationResult:
         """Serves one request in the shared batch and waits for it; thread-safe. Callbacks run in
         the calling thread. `should_stop` is asked while waiting; True cancels the request.
         `on_piece` gets each piece of text as `on_token` does, with the log probabilities of the
-        tokens the piece completes (None when the request did not ask for them)."""
+        tokens the piece completes (None when the request did not ask for them).
+
+        E/PD: `await_features` runs here once the request is queued and sets the `embedding` of
+        the images marked `features_expected` that arrive. Meanwhile the engine thread encodes
+        the request's other uncovered images, so the two encodings overlap instead of adding up."""
         handle = self.submit(request)
         finished = False
         try:
+            if await_features is not None:
+                try:
+                    await_features()
+                finally:
+                    handle.features_arrived()
             while True:
                 try:
                     kind, value = handle.events.get(timeout=0.05)
@@ -407,7 +445,10 @@ class Engine:
             sampler=RequestSampler(params),
             events=events,
             submitted_at=submitted_at,
+            covered_at_submit=usable * self.block_size,
         )
+        if any(image.features_expected for image in request.images):
+            state.features_gate = threading.Event()
         state.stream = TextStream(
             self.tokenizer, list(request.stop), functools.partial(self._send_piece, state)
         )
@@ -424,18 +465,19 @@ class Engine:
         )
         with self._lock:
             self._inbox.append(sequence)
+            self._wake.set()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
                 _engine_threads.add(self._thread)
                 self._thread.start()
-        return RequestHandle(sequence, events)
+        return RequestHandle(sequence, events, self._wake)
 
     def load_report(self) -> EngineLoad:
         scheduler = self.scheduler
         return EngineLoad(
             running=len(scheduler.running),
             running_peak=self.running_peak,
-            waiting=len(scheduler.waiting) + len(self._inbox),
+            waiting=len(scheduler.waiting) + len(self._inbox) + len(self._staged),
             kv_blocks_used=self.kv_pool.held_blocks,
             kv_blocks_free=self.kv_pool.free_blocks,
             kv_blocks_cached=len(self.kv_pool),
@@ -528,6 +570,8 @@ class Engine:
                 continue
             if image.source.embedding is not None and image.source.embedding.shape[0] == image.length:
                 continue  # E/PD: an encode worker's features stand in for the pixels
+            if image.source.features_expected:
+                continue  # E/PD: its features are on their way; loaded later only if they fail
             if image.image is None and image.pixel_values is None and image.end > reused:
                 image.image = self._load_declared(image.source, scope_key)
 
@@ -555,18 +599,66 @@ class Engine:
     # --- the engine thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            self._wake.clear()  # before looking: a wake-up from now on is not missed
             with self._lock:
                 while self._inbox:
-                    self.scheduler.add(self._inbox.popleft())
-                if not self.scheduler.has_work():
+                    sequence = self._inbox.popleft()
+                    if sequence.payload.features_gate is not None:
+                        self._staged.append(sequence)
+                    else:
+                        self.scheduler.add(sequence)
+                self._admit_staged()
+                if not self.scheduler.has_work() and not self._staged:
                     self._thread = None
                     return
-            try:
-                self._step()
-            except Exception as exc:  # a bug or a device failure: no caller may wait forever
-                logger.exception("engine step failed; failing the requests it held")
-                for sequence in [*self.scheduler.running, *self.scheduler.waiting]:
-                    self._fail(sequence, exc)
+            busy = self.scheduler.has_work()
+            if busy:
+                try:
+                    self._step()
+                except Exception as exc:  # a bug or a device failure: no caller may wait forever
+                    logger.exception("engine step failed; failing the requests it held")
+                    for sequence in [*self.scheduler.running, *self.scheduler.waiting]:
+                        self._fail(sequence, exc)
+            if not self._encode_ahead() and not busy:
+                self._wake.wait(_STAGED_POLL_S)  # only requests awaiting features: nothing to run
+
+    def _admit_staged(self) -> None:
+        """E/PD: requests whose features arrived (or that were cancelled) join the scheduler, in
+        the order they came."""
+        admitted = [s for s in self._staged if s.cancelled or s.payload.features_gate.is_set()]
+        for sequence in admitted:
+            self._staged.remove(sequence)
+            self.scheduler.add(sequence)
+
+    def _encode_ahead(self) -> bool:
+        """E/PD: encodes one image of a request awaiting an encode worker's features, of those
+        this worker keeps, while the features travel. Returns whether it encoded anything.
+
+        One image per loop turn, between steps: the running requests' decode steps keep going.
+        Best effort: an image that fails here fails again, and is reported, when its chunk runs."""
+        for sequence in self._staged:
+            state: _RequestState = sequence.payload
+            if state.encoded_ahead or sequence.cancelled:
+                continue
+            for index, image in enumerate(state.placed):
+                if index in state.embeddings or image.end <= state.covered_at_submit:
+                    continue
+                if image.source.features_expected or not self._loaded(image):
+                    continue
+                try:
+                    self._image_embedding(state, index)
+                except Exception:
+                    logger.debug("encoding ahead failed for %s", sequence.request_id, exc_info=True)
+                    break
+                return True
+            state.encoded_ahead = True
+        return False
+
+    @staticmethod
+    def _loaded(image: PromptImage) -> bool:
+        if image.kind == "video":
+            return image.frames is not None
+        return image.image is not None or image.pixel_values is not None
 
     def _step(self) -> None:
         for sequence in self.scheduler.drop_cancelled():

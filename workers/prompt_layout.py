@@ -41,6 +41,9 @@ class ImageInput:
     # checked against their checksum. Used instead of the vision tower when their row count fits
     # the image's placeholder tokens; otherwise the engine encodes the image itself (a fallback).
     embedding: torch.Tensor | None = None
+    # E/PD: an encode worker computes this image's features. The engine neither loads nor encodes
+    # it while they are awaited (`RequestHandle.features_arrived`); if they never come, it does.
+    features_expected: bool = False
 
 
 @dataclass

@@ -188,15 +188,25 @@ class WorkerRuntime:
                 processed=_processed_inputs(task.processed),
                 videos=_video_inputs(VideoInput, task.videos, self.media),
             )
-            receipt = None
+            receipts: list[Any] = []
+            await_features = None
             if task.encoder and task.encoded_images and self.features is not None:
-                # Outside the model: other requests run while this one waits for its features.
-                receipt = self.features.receive(task, request.images)
+                expected = [request.images[i] for i in task.encoded_images if 0 <= i < len(request.images)]
+                for image in expected:
+                    image.features_expected = True
+
+                def await_features() -> None:
+                    # Outside the model: other requests run, and the engine encodes the images
+                    # this worker keeps, while this thread waits for the encode worker's.
+                    receipts.append(self.features.receive(task, request.images))
+
             result = self.engine.generate(
                 request,
                 on_piece=on_piece,
                 should_stop=_throttled(writer.cancelled, _CANCEL_CHECK_INTERVAL_S),
+                await_features=await_features,
             )
+            receipt = receipts[0] if receipts else None
             if self._drop_abandoned(task, writer):
                 return
         except Exception as exc:
