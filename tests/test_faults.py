@@ -1,9 +1,10 @@
 """Faults injected into the real platform (worker and server processes, Redis): what the client
 gets, that nothing hangs past its deadline, and that load counters come back to zero.
 
-Two platforms serve the four tests: one with two workers and two frontends (a worker killed,
-then a frontend killed: each test leaves the part it did not kill serving), and one on a Redis of
-its own (frozen, then killed and restarted: each test ends with the platform serving again).
+Two platforms serve the tests: one with two workers and two frontends (a worker killed, then a
+frontend killed: each test leaves the part it did not kill serving), and one on a Redis of its own
+(killed and restarted mid-load, restarted while idle, frozen: each test ends with the platform
+serving again).
 """
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
                 "worker_vanished",
                 "no_live_worker",
             )
-    # and once the worker beats again, requests succeed on the pooled connections: none fails stale
+    # and once the worker beats again, requests are served again (that none then fails on a stale
+    # pooled connection is the next test's: this loop would absorb such failures)
     deadline = time.monotonic() + 15
     while not platform.redis.exists(platform.heartbeat_key("sturdy")):
         assert time.monotonic() < deadline
@@ -274,6 +276,74 @@ def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
         time.sleep(0.5)
     after = [chat(platform, f"After the restart {i}") for i in range(4)]
     assert [response.status_code for response in after] == [200] * 4, [r.text for r in after]
+    assert active_requests(platform) == {}
+
+
+def generations_run(platform, worker: str) -> int:
+    """Requests `worker` ran to the end since Redis last started empty: its KV cache counts one hit
+    or one miss per finished generation (flushed to Redis about once a second)."""
+    totals = platform.redis.hgetall(f"{platform.namespace}stats:{worker}:kv")
+    return int(totals.get(b"hits", 0)) + int(totals.get(b"misses", 0))
+
+
+def ask_all(platform, count: int, text: str) -> list[httpx.Response | Exception]:
+    """`count` requests at once, each on a connection of its own (the frontend's pools grow)."""
+    answers: list[httpx.Response | Exception] = [RuntimeError("no answer")] * count
+
+    def ask(i: int) -> None:
+        try:
+            answers[i] = chat(platform, f"{text} {i}", max_tokens=2)
+        except httpx.HTTPError as exc:
+            answers[i] = exc
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    return answers
+
+
+def test_redis_restarted_while_idle_every_request_after_it_is_answered_and_runs_once(
+    private_redis, redis_platform
+):
+    # given a frontend whose asyncio pool holds many connections: concurrent requests opened them
+    platform = redis_platform
+    counted = generations_run(platform, "sturdy")
+    warm = ask_all(platform, 12, "Warm up question")
+    assert [getattr(answer, "status_code", answer) for answer in warm] == [200] * 12
+    deadline = time.monotonic() + 10
+    while generations_run(platform, "sturdy") < counted + 12:  # the worker's counts reached Redis
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+    # when Redis is killed and started again, empty, while the platform is idle: every pooled
+    # connection of the frontend now points at a socket the server closed
+    private_redis.kill()
+    private_redis.start()
+    deadline = time.monotonic() + 15
+    while not platform.redis.exists(platform.heartbeat_key("sturdy")):
+        assert time.monotonic() < deadline, platform.log_tail("worker-sturdy")
+        time.sleep(0.1)
+    assert generations_run(platform, "sturdy") == 0  # the counters start again from zero too
+
+    # then the first requests sent afterwards, at once, are each answered 200 (none meets a stale
+    # connection and fails after its task was queued) ...
+    answers = ask_all(platform, 12, "After the restart")
+    statuses = [getattr(answer, "status_code", repr(answer)) for answer in answers]
+    answered = statuses.count(200)
+    deadline = time.monotonic() + 10
+    while generations_run(platform, "sturdy") < answered and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)  # the worker's counters are flushed about once a second: late runs show here
+    ran = generations_run(platform, "sturdy")
+    failed = [answer.text[:300] for answer in answers if getattr(answer, "status_code", 0) != 200]
+    redis_errors = [line for line in platform.log("server").splitlines() if "Redis failed" in line]
+    assert statuses == [200] * 12, (
+        f"{answered} of 12 answered 200, the worker ran {ran}: {failed}; the server: {redis_errors[-3:]}"
+    )
+    # ... and the worker ran exactly the requests that were answered: no work for a lost answer
+    assert ran == answered == 12
     assert active_requests(platform) == {}
 
 
