@@ -148,10 +148,13 @@ EPD_ENCODE_WAIT_SECS = env_float("EPD_ENCODE_WAIT_SECS", 30.0, positive=True)
 # E/PD split (routing.encoders.split_images): an image stays on the LLM worker (aggregated path)
 # when the encoder's backlog would make it wait longer than the LLM worker would take to encode it,
 # its own backlog included, at EPD_LOCAL_ENCODE_WEIGHT times the encoder's measured milliseconds
-# per image (above 1: local encoding stalls the LLM worker's whole batch). EPD_SPLIT=0: every
-# uncovered image goes to the encoder. EPD_ENCODE_MS_DEFAULT stands in until an encoder measured one.
+# per image (above 1: the LLM worker also prefills every request, and its encoding stalls its
+# batch, text included). 1.5 measured best of 1.25/1.5/2 in bench/encoder_disagg.py for both
+# streams, once the LLM worker encodes its share while the encoder's features travel; at 2 the
+# encoder was the bottleneck under concurrent image requests. EPD_SPLIT=0: every uncovered image
+# goes to the encoder. EPD_ENCODE_MS_DEFAULT stands in until an encoder measured one.
 EPD_SPLIT = env_bool("EPD_SPLIT", True)
-EPD_LOCAL_ENCODE_WEIGHT = env_float("EPD_LOCAL_ENCODE_WEIGHT", 2.0, positive=True)
+EPD_LOCAL_ENCODE_WEIGHT = env_float("EPD_LOCAL_ENCODE_WEIGHT", 1.5, positive=True)
 EPD_ENCODE_MS_DEFAULT = env_float("EPD_ENCODE_MS_DEFAULT", 200.0, positive=True)
 # How long the API waits for a worker's first token, then between tokens, before a 504.
 REQUEST_FIRST_TOKEN_TIMEOUT_SECS = env_float("REQUEST_FIRST_TOKEN_TIMEOUT_SECS", 120.0, positive=True)

@@ -268,7 +268,7 @@ def test_a_backlogged_encoder_leaves_the_image_on_the_llm_worker_with_the_same_a
         assert route["encode"]["mode"] == "epd" and route["encode"]["kept_local"] == [0], route["encode"]
         assert route["encode"]["images"] == [] and split["to_encoder"] == []
         assert split["encoder_backlog_ms"] == pytest.approx(5 * split["encode_ms"])
-        assert split["local_weight"] == 2.0 and split["enabled"] is True
+        assert split["local_weight"] == 1.5 and split["enabled"] is True
         before_llm, before_enc = counters(platform, "llm"), counters(platform, "enc")
 
         answer = ask(platform, request)
