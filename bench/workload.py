@@ -18,8 +18,10 @@ The shapes (why each: routing that is right for one can be wrong for another):
 (b) sessions unrelated to images: a user asks about a different Zipf-chosen product each turn
     under one session id. Affinity that overrides the cost sends a session's turns to where
     its *previous* image is, away from where this one is cached.
-(c) multi-turn conversations: each turn appends to the previous prompt (assistant answers
-    included), the product's image sits in the first turn; the prefix grows turn by turn.
+(c) multi-turn conversations: a user opens a conversation with two photos of their own (never
+    seen before) and asks 2-5 questions in a row; each turn appends to the previous prompt with the
+    assistant's answer (ANSWER_WORDS, a stand-in of a real answer's length), so the prefix that
+    matters is the conversation's history, held by whichever worker served its last turn.
 (d) a long shared system prompt with unique images: every request's prefix up to the image is
     the same everywhere, its image never seen before: the router must balance load, not chase
     a prefix every worker holds.
@@ -73,6 +75,8 @@ IMAGE_SIDE = 448  # the demo model's max_pixels: 256 image tokens
 PRODUCTS = 12
 DESCRIPTION_WORDS = 150
 SYSTEM_WORDS = 300  # shape (d)'s shared system prompt
+PHOTOS_PER_CONVERSATION = 2  # shape (c): the photos a conversation opens with
+ANSWER_WORDS = 40  # shape (c)'s assistant answers in the history (max_tokens keeps real ones short)
 ZIPF_EXPONENT = 1.0
 CONCURRENCY = 4
 MAX_TOKENS = 4
@@ -137,6 +141,14 @@ class RunResult:
     def ttft_p50(self) -> float:
         return quantile([o.ttft_s for o in self.outcomes], 0.5)
 
+    def split_ttft_p50(self) -> tuple[int, float, float]:
+        """Requests with at least half their prompt cached, and the TTFT p50 of those and of the
+        rest (NaN for an empty group): which side of the divide a run's p50 falls on."""
+        warm = [o.ttft_s for o in self.outcomes if o.cached_tokens * 2 >= o.prompt_tokens]
+        cold = [o.ttft_s for o in self.outcomes if o.cached_tokens * 2 < o.prompt_tokens]
+        nan = float("nan")
+        return len(warm), quantile(warm, 0.5) if warm else nan, quantile(cold, 0.5) if cold else nan
+
     @property
     def imbalance(self) -> float:
         counts = Counter(o.worker for o in self.outcomes)
@@ -155,10 +167,10 @@ def description(product: int) -> str:
     return f"Catalogue entry {product}: {words(f'description-{product}', DESCRIPTION_WORDS)}."
 
 
-def user_turn(image_url: str | None, text: str) -> dict:
-    content: list[dict] = []
-    if image_url is not None:
-        content.append({"type": "image_url", "image_url": {"url": image_url}})
+def user_turn(image_urls: str | Sequence[str] | None, text: str) -> dict:
+    if isinstance(image_urls, str):
+        image_urls = [image_urls]
+    content: list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls or ()]
     content.append({"type": "text", "text": text})
     return {"role": "user", "content": content}
 
@@ -201,7 +213,7 @@ def plan(shape: str, requests: int, seed: int, catalogue: Catalogue) -> list[lis
     }
     while planned < requests:
         n = len(sessions)
-        length = min(rng.choice((1, 2, 3, 4)), requests - planned)
+        length = min(rng.choice((2, 3, 4, 5) if shape == "c" else (1, 2, 3, 4)), requests - planned)
         turns: list[Turn] = []
         if shape == "a":
             product = pick()
@@ -218,20 +230,15 @@ def plan(shape: str, requests: int, seed: int, catalogue: Catalogue) -> list[lis
                     Turn(n, (user_turn(catalogue.products[product], text),), f"b{product}-{question}")
                 )
         elif shape == "c":
-            product = pick()
+            photos = [catalogue.unique() for _ in range(PHOTOS_PER_CONVERSATION)]
             history: list[dict] = []
             for k, question in enumerate(rng.sample(range(len(_QUESTIONS)), length)):
-                if k == 0:
-                    message = user_turn(
-                        catalogue.products[product], f"{description(product)}\n\n{_QUESTIONS[question]}"
-                    )
-                else:
-                    message = user_turn(None, _QUESTIONS[question])
-                history = [*history, message]
+                history = [*history, user_turn(photos if k == 0 else [], _QUESTIONS[question])]
                 turns.append(Turn(n, tuple(history), f"c{n}-{k}"))
                 # The answer becomes part of the next turn's prompt (a fixed one: the model's text
                 # would make the prompts differ between modes).
-                history = [*history, {"role": "assistant", "content": f"Answer {k} about product {product}."}]
+                answer = f"About your photo: {words(f'answer-{seed}-{n}-{k}', ANSWER_WORDS)}."
+                history = [*history, {"role": "assistant", "content": answer}]
         elif shape == "d":
             for _ in range(length):
                 question = rng.randrange(len(_QUESTIONS))
@@ -466,10 +473,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for mode in order:
                         result = bench.run(shape, mode, seed, sessions)
                         results.setdefault((shape, mode), []).append(result)
+                        warm, warm_p50, cold_p50 = result.split_ttft_p50()
                         print(
                             f"[{shape} {mode:<11} seed {seed}] hit {result.hit_rate:.3f} ttft p50 "
-                            f"{result.ttft_p50 * 1000:.0f} ms imbalance {result.imbalance:.2f} "
-                            f"failed {len(result.failures)}",
+                            f"{result.ttft_p50 * 1000:.0f} ms (warm {warm}/{len(result.outcomes)} "
+                            f"{warm_p50 * 1000:.0f} ms, cold {cold_p50 * 1000:.0f} ms) "
+                            f"imbalance {result.imbalance:.2f} failed {len(result.failures)}",
                             flush=True,
                         )
                         for failure in result.failures[:2]:
