@@ -5,7 +5,7 @@ Usage: `.venv/bin/python bench/workload.py [--requests N] [--seeds N] [--shapes 
 (Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
 deleted afterwards; the model at MODEL_PATH, default var/models/demo, built into a temporary
 directory if absent). Bounded: 4 shapes x 3 modes x 3 seeds x REQUESTS requests (36 runs of 30),
-about 4 minutes on a quiet 2-core machine and under 7 on a busy one. It prints a table per
+about 4.5 minutes on a quiet 2-core machine and under 8 on a busy one. It prints a table per
 shape and, as its last line:
     shapes=4 worst_hit_kv_over_rr=<x.xx> worst_ttft_p50_kv_over_rr=<x.xx>
     best_ttft_p50_kv_over_rr=<x.xx> overlap_given_up=<x.xxx>   (on one line)
