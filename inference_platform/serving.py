@@ -52,6 +52,7 @@ from routing.media import (
 )
 from routing.media_store import MediaRef, MediaStoreError
 from routing.model_view import ModelDirectoryError, ModelView, model_view
+from routing.processor_view import tensors_by_reference
 from routing.redis_keys import sync_client
 from routing.registry import Heartbeat
 from routing.router import AllWorkersBusy, RoutingDecision
@@ -623,9 +624,11 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     dispatch = Dispatch(lease)
     task: GenerateTask | None = None
     try:
-        media, video_media = await store_media(prepared, dispatch)
+        media, video_media, processed = await store_media(prepared, dispatch)
         task = dataclasses.replace(
-            prepared.generate_task(request_id, scope_key, media, video_media), follow_id=request_id
+            prepared.generate_task(request_id, scope_key, media, video_media),
+            follow_id=request_id,
+            processed=processed,
         )
         # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
         # are encoded apart, and the task names them (the aggregated path when there is none).
@@ -690,21 +693,36 @@ def _migration(prepared: PreparedRequest, scope_key: str | None, task: GenerateT
 
 async def store_media(
     prepared: PreparedRequest, dispatch: Dispatch
-) -> tuple[dict[int, MediaRef], dict[int, MediaRef]]:
-    """Put the bytes the frontend holds (fetched images, data URLs) and each video's sampled frames
-    in the side store; returns the references by image index and by video index."""
+) -> tuple[dict[int, MediaRef], dict[int, MediaRef], dict[str, Any] | None]:
+    """Put the bytes the frontend holds (fetched images, data URLs), each video's sampled frames
+    and the processor path's tensors in the side store; returns the references by image index
+    and by video index, and the processed inputs with their tensors by reference."""
     held = [image for image in prepared.images if image.data is not None]
-    if not held and not prepared.videos:
-        return {}, {}
-    blobs = [image.data for image in held] + [video.frames for video in prepared.videos]
+    stored: list[MediaRef] = []
+    store = media_store()
+
+    def put_all(blobs: list[bytes]) -> list[MediaRef]:
+        refs = store.put_many(dispatch.request_id, blobs)
+        stored.extend(refs)  # before anything else can fail: released with the request
+        return refs
+
     try:
-        refs = await asyncio.to_thread(media_store().put_many, dispatch.request_id, blobs)
+        processed = prepared.processed
+        if processed is not None:
+            processed = await asyncio.to_thread(
+                tensors_by_reference, processed, lambda blobs: [r.to_payload() for r in put_all(blobs)]
+            )
+        if not held and not prepared.videos:
+            return {}, {}, processed
+        blobs = [image.data for image in held] + [video.frames for video in prepared.videos]
+        refs = await asyncio.to_thread(put_all, blobs)
     except MediaStoreError as exc:
         raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
-    dispatch.media = refs
+    finally:
+        dispatch.media = stored
     image_refs = {image.index: ref for image, ref in zip(held, refs, strict=False)}
     video_refs = {video.index: ref for video, ref in zip(prepared.videos, refs[len(held) :], strict=True)}
-    return image_refs, video_refs
+    return image_refs, video_refs, processed
 
 
 async def describe_route(

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -358,11 +359,51 @@ def _is_encoded_tensor(value: Any) -> bool:
         isinstance(value, Mapping)
         and "dtype" in value
         and "shape" in value
-        and ("b64" in value or "values" in value)
+        and ("b64" in value or "values" in value or "media_ref" in value)
     )
 
 
-def _decode_value(value: Any) -> Any:
+def _map_raw_tensors(value: Any, replace: Callable[[Mapping[str, Any]], Any]) -> Any:
+    """`value` with each tensor that carries raw bytes (`b64`) replaced by `replace(tensor)`."""
+    if _is_encoded_tensor(value):
+        return replace(value) if "b64" in value else value
+    if isinstance(value, Mapping):
+        return {k: _map_raw_tensors(v, replace) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_raw_tensors(v, replace) for v in value]
+    return value
+
+
+def tensors_by_reference(
+    processed: Mapping[str, Any], put_all: Callable[[list[bytes]], Sequence[Mapping[str, Any]]]
+) -> dict[str, Any]:
+    """`processed` with each tensor's raw bytes (pixel values: megabytes) stored by `put_all`,
+    which returns one reference payload per blob (routing.media_store's `media_ref`/`media_bytes`);
+    the tensor keeps its dtype and shape, so the message that carries it stays small."""
+    blobs: list[bytes] = []
+
+    def collect(tensor: Mapping[str, Any]) -> dict[str, Any]:
+        blobs.append(base64.b64decode(tensor["b64"]))
+        return {"dtype": tensor["dtype"], "shape": tensor["shape"], "blob": len(blobs) - 1}
+
+    skeleton = {k: _map_raw_tensors(v, collect) for k, v in processed.items() if k != "input_ids"}
+    if not blobs:
+        return dict(processed)
+    refs = put_all(blobs)
+
+    def attach(value: Any) -> Any:
+        if isinstance(value, Mapping) and "blob" in value and "shape" in value:
+            return {"dtype": value["dtype"], "shape": value["shape"], **refs[value["blob"]]}
+        if isinstance(value, Mapping):
+            return {k: attach(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [attach(v) for v in value]
+        return value
+
+    return {**attach(skeleton), "input_ids": processed["input_ids"]}
+
+
+def _decode_value(value: Any, load: Callable[[Mapping[str, Any]], bytes] | None) -> Any:
     import torch
 
     if _is_encoded_tensor(value):
@@ -371,21 +412,32 @@ def _decode_value(value: Any) -> Any:
             raise ValueError(f"unknown tensor dtype {value['dtype']!r}")
         if "values" in value:
             return torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
-        raw = bytearray(base64.b64decode(value["b64"]))
+        if "media_ref" in value:
+            if load is None:
+                raise ValueError("a tensor stored by reference, and no media store to read it from")
+            raw = bytearray(load(value))
+        else:
+            raw = bytearray(base64.b64decode(value["b64"]))
+        expected = math.prod(int(n) for n in value["shape"]) * torch.empty((), dtype=dtype).element_size()
+        if len(raw) != expected:
+            raise ValueError(f"a {value['dtype']} tensor of shape {value['shape']} holds {len(raw)} bytes")
         if not raw:
             return torch.empty(value["shape"], dtype=dtype)
         return torch.frombuffer(raw, dtype=dtype).reshape(value["shape"])
     if isinstance(value, Mapping):
-        return {k: _decode_value(v) for k, v in value.items()}
+        return {k: _decode_value(v, load) for k, v in value.items()}
     if isinstance(value, list):
-        return [_decode_value(v) for v in value]
+        return [_decode_value(v, load) for v in value]
     return value
 
 
-def decode_processed(processed: Mapping[str, Any]) -> dict[str, Any]:
-    """The worker's side of encode_processed: the processor's outputs again, as torch tensors."""
+def decode_processed(
+    processed: Mapping[str, Any], load: Callable[[Mapping[str, Any]], bytes] | None = None
+) -> dict[str, Any]:
+    """The worker's side of encode_processed: the processor's outputs again, as torch tensors.
+    `load` reads a tensor stored by reference (`tensors_by_reference`) from its payload."""
     import torch
 
-    decoded = {key: _decode_value(value) for key, value in processed.items() if key != "input_ids"}
+    decoded = {key: _decode_value(value, load) for key, value in processed.items() if key != "input_ids"}
     decoded["input_ids"] = torch.tensor([processed["input_ids"]], dtype=torch.long)
     return decoded

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,7 +185,7 @@ class WorkerRuntime:
                 top_logprobs=task.top_logprobs,
                 # With scoping on, a request without a scope shares no cache with anyone.
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
-                processed=_processed_inputs(task.processed),
+                processed=_processed_inputs(task.processed, self.media),
                 videos=_video_inputs(VideoInput, task.videos, self.media),
             )
             receipts: list[Any] = []
@@ -435,15 +435,21 @@ def _cache_salt(raw: Any) -> int | None:
     return salt
 
 
-def _processed_inputs(processed: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The frontend processor's inputs as tensors (the processor path), or None (preprocess here)."""
+def _processed_inputs(processed: dict[str, Any] | None, media: MediaStore | None) -> dict[str, Any] | None:
+    """The frontend processor's inputs as tensors (the processor path), or None (preprocess here).
+    Their tensors come from the media side store (MediaMissing if gone, answered as such)."""
     if processed is None:
         return None
     from routing.processor_view import decode_processed
     from workers.engine import PromptError
 
+    def load(payload: Mapping[str, Any]) -> bytes:
+        if media is None:
+            raise ValueError("this worker has no media side store")
+        return media.get(MediaRef.from_payload(payload))
+
     try:
-        return decode_processed(processed)
+        return decode_processed(processed, load)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         # A payload that does not decode is this request's fault, not the worker's.
         raise PromptError(f"the processed inputs do not decode: {exc}") from exc

@@ -1,0 +1,94 @@
+"""The processor path (DYN_CHAT_PROCESSOR=transformers) hands the worker the frontend processor's
+tensors, pixel values included: megabytes per image. Like image bytes, they travel through the
+media side store by reference, never inside the Celery message (issue 11, media by reference)."""
+
+from __future__ import annotations
+
+import json
+import types
+import uuid
+
+import httpx
+import pytest
+import torch
+from asgiref.sync import async_to_sync
+
+from inference_platform.api.chat_request import parse_chat_request
+from inference_platform.dispatch import media_store, release_media
+from inference_platform.serving import prepare, store_media
+from routing.media_store import MediaRef
+from routing.processor_view import decode_processed
+from tests.test_token_view import png_data_url, served_demo_model, two_image_request  # noqa: F401
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_processed_tensors_go_to_the_side_store_and_come_back_exactly(settings) -> None:
+    # given a request prepared on the processor path, with two images
+    settings.DYN_CHAT_PROCESSOR = "transformers"
+    body = two_image_request("demo", png_data_url(640, 480), png_data_url(123, 457, (10, 200, 10)))
+    prepared = prepare(parse_chat_request(body, max_tokens_limit=64))
+    assert prepared.processed is not None
+    inline = json.dumps(prepared.processed)
+    dispatch = types.SimpleNamespace(request_id=f"by-ref-{uuid.uuid4().hex[:8]}", media=[])
+
+    # when the frontend stores the request's media
+    _, _, processed = async_to_sync(store_media)(prepared, dispatch)
+    try:
+        # then the task carries references: no raw tensor bytes, a message a fraction of the size
+        carried = json.dumps(processed)
+        assert "b64" not in carried and processed["pixel_values"]["media_ref"]
+        assert len(carried) * 20 < len(inline), (len(carried), len(inline))
+        assert len(dispatch.media) >= 1
+        # and the worker reads back exactly the tensors the processor made
+        store = media_store()
+        again = decode_processed(processed, lambda payload: store.get(MediaRef.from_payload(payload)))
+        expected = decode_processed(prepared.processed)
+        assert set(again) == set(expected)
+        for key, tensor in expected.items():
+            assert torch.equal(again[key], tensor), key
+    finally:
+        async_to_sync(release_media)(dispatch)
+
+    # and once the request is done its tensors are gone: a reference never outlives it
+    with pytest.raises(Exception, match="no longer stored"):
+        media_store().get(MediaRef.from_payload(processed["pixel_values"]))
+
+
+def test_a_tensor_whose_bytes_do_not_match_its_shape_is_refused() -> None:
+    processed = {
+        "input_ids": [1, 2],
+        "pixel_values": {"dtype": "float32", "shape": [2, 3], "media_ref": "k", "media_bytes": 20},
+    }
+    with pytest.raises(ValueError, match="holds 20 bytes"):
+        decode_processed(processed, lambda payload: b"\0" * 20)
+
+
+def test_the_processor_path_answers_as_the_registry_path_on_real_processes(shared_platform) -> None:
+    # given the shared platform, and a second frontend of it on the processor path
+    platform = shared_platform
+    previous = platform.env.get("DYN_CHAT_PROCESSOR")
+    platform.env["DYN_CHAT_PROCESSOR"] = "transformers"
+    try:
+        processor_url = platform.start_server()
+    finally:
+        if previous is None:
+            platform.env.pop("DYN_CHAT_PROCESSOR")
+        else:
+            platform.env["DYN_CHAT_PROCESSOR"] = previous
+    body = {
+        **two_image_request("demo", png_data_url(300, 200), png_data_url(200, 300, (10, 200, 10))),
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+
+    # when the same request goes through each path
+    answers = [
+        httpx.post(f"{url}/v1/chat/completions", json=body, headers=platform.headers, timeout=90)
+        for url in (platform.base_url, processor_url)
+    ]
+
+    # then both are answered, with the same greedy text
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    texts = [a.json()["choices"][0]["message"]["content"] for a in answers]
+    assert texts[0] == texts[1]
