@@ -12,7 +12,8 @@ piling onto the one that looked idle to both.
 `RequestLease` (routing.lease), the one owner of the request's load from then on.
 
 The cost is `selection.score_workers`'s, computed again in Lua from the same numbers; the
-scores returned for display and logs are Python's, from the numbers the script read.
+scores returned for display and logs are Python's, from the numbers the script read, computed
+only if something reads them.
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ from routing.index import (
     KvIndex,
     LuaScript,
     checked_workers,
-    execute_pipeline,
     pack_hashes,
 )
 from routing.lease import RequestLease
 from routing.load import SWEEP_LUA_FUNCTIONS, LoadTracker
 from routing.registry import ROUND_ROBIN_KEY
-from routing.selection import RoutingPolicy, Score, score_workers
+from routing.selection import DeferredScores, RoutingPolicy, Score
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 MODES = ("kv", "round_robin", "random")
@@ -57,17 +57,19 @@ _DECISION_LUA = (
 -- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
 -- 21 per-worker facts, packed: "<index> <approximate 0/1> <kv capacity blocks> <reported
 -- running + waiting or -1> <reported kv blocks in use or -1>;" for the workers that have any
--- (one string: far cheaper to send than five arguments per worker), then the worker names.
+-- (one string: far cheaper to send than five arguments per worker), then the worker names
+-- (distinct).
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local slack, lead = tonumber(ARGV[10]), tonumber(ARGV[11])
 local max_requests, max_kv = tonumber(ARGV[12]), tonumber(ARGV[13])
 local mode, u = ARGV[14], tonumber(ARGV[15])
-local names, approximate, capacity, rep_requests, rep_kv = {}, {}, {}, {}, {}
+-- Per-worker facts stay nil for the workers that have none (the common case): defaults at use.
+local names, position, approximate, capacity, rep_requests, rep_kv = {}, {}, {}, {}, {}, {}
 for i = 22, #ARGV do
-  local j = i - 21
-  names[j], approximate[j], capacity[j], rep_requests[j], rep_kv[j] = ARGV[i], false, 0, -1, -1
+  names[i - 21] = ARGV[i]
+  position[ARGV[i]] = i - 21
 end
 for j, a, cap, req, kv in string.gmatch(ARGV[21], '(%d+) (%d) (%-?%d+) (%-?%d+) (%-?%d+);') do
   j = tonumber(j)
@@ -77,38 +79,46 @@ end
 
 load_sweep(ns)
 local overlaps = {overlaps}(ns, packed, names)
-local function totals(family)
+-- A running sum per worker, in the workers' order (0: idle). The hash is read whole and its
+-- fields placed by name: HMGET would scan the small listpack once per asked worker.
+local function column(family)
+  local out = {}
+  for j = 1, #names do out[j] = 0 end
   local flat = redis.call('HGETALL', ns .. family)
-  local t = {}
-  for i = 1, #flat, 2 do t[flat[i]] = tonumber(flat[i + 1]) end
-  return t
+  for i = 1, #flat, 2 do
+    local j = position[flat[i]]
+    if j then out[j] = tonumber(flat[i + 1]) end
+  end
+  return out
 end
-local prefill_t, blocks_t, requests_t = totals('load:prefill'), totals('load:blocks'), totals('load:requests')
+local prefill, decode = column('load:prefill'), column('load:blocks')
+-- Only the requests threshold reads the request counts: a third of the load reads, skipped
+-- when it is off.
+local requests = max_requests > 0 and column('load:requests') or nil
 local n_blocks = math.ceil(isl / bs)
 
 -- Busy: the router's reservations and the engine's last report count the same requests, so
 -- they merge by max, never by sum (a report lags reservations in flight; reservations miss
 -- what Redis forgot or what expired).
-local prefill, decode, busy, candidates = {}, {}, {}, {}
+local busy, candidates = {}, {}
 local best_overlap = 0
-for j, name in ipairs(names) do
-  prefill[j] = prefill_t[name] or 0
-  decode[j] = blocks_t[name] or 0
-  local requests = math.max(requests_t[name] or 0, rep_requests[j])
-  local kv_used = math.max(decode[j], rep_kv[j])
-  busy[j] = (max_requests > 0 and requests >= max_requests)
-    or (max_kv > 0 and capacity[j] > 0 and kv_used >= max_kv * capacity[j])
-  if not busy[j] then
+for j = 1, #names do
+  local is_busy = (max_requests > 0 and math.max(requests[j], rep_requests[j] or -1) >= max_requests)
+    or (max_kv > 0 and (capacity[j] or 0) > 0
+      and math.max(decode[j], rep_kv[j] or -1) >= max_kv * capacity[j])
+  if is_busy then
+    busy[#busy + 1] = j
+  else
     candidates[#candidates + 1] = j
     if overlaps[j] > best_overlap then best_overlap = overlaps[j] end
   end
 end
 local sticky = false
 if ARGV[3] ~= '' then sticky = redis.call('GET', ARGV[3]) end
+-- The chosen worker's position in the list (false: all busy), and what Python needs to build
+-- the scores if it is asked for them; busy workers by position (usually none).
 local function reply(chosen, reason)
-  local b = {}
-  for j = 1, #names do b[j] = busy[j] and 1 or 0 end
-  return {chosen, reason, best_overlap, overlaps, prefill, decode, b, sticky}
+  return {chosen, reason, best_overlap, overlaps, prefill, decode, busy}
 end
 if #candidates == 0 then return reply(false, 'busy') end
 
@@ -185,7 +195,7 @@ if request_id ~= '' then
   if ttl > 0 and #packed > 0 then kv_predict(ns, worker, packed, now, ttl) end
   if ARGV[3] ~= '' then redis.call('SET', ARGV[3], worker, 'PX', tonumber(ARGV[19])) end
 end
-return reply(names[chosen], reason)
+return reply(chosen, reason)
 """
 )
 
@@ -216,7 +226,7 @@ class RoutingDecision:
     worker: str
     overlap: int  # leading blocks the chosen worker holds
     total_blocks: int  # ceil(isl / block_size)
-    scores: list[Score]
+    scores: Sequence[Score]  # DeferredScores from the router: computed when read
     reason: str  # "cost" | "affinity" | "only-candidate" | "round_robin" | "random"
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     approximate: bool = False  # the worker publishes no events
@@ -407,32 +417,27 @@ class KvRouter:
                 facts.append(f"{j} {flag} {int(report.capacity_blocks)} {requests} {kv_used};")
         args.append("".join(facts))
         args += checked_workers(eligible)
-        pipe = self._client.pipeline(transaction=False)
-        self._decision.queue(pipe, *args)
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
-        ((chosen, reason, best_overlap, overlaps, prefill, decode, busy_flags, _sticky),) = execute_pipeline(
-            pipe, [self._decision]
-        )
-        reason = reason.decode() if isinstance(reason, bytes) else reason
-        busy = tuple(name for name, flag in zip(eligible, busy_flags, strict=True) if flag)
-        if not chosen:
+        chosen_at, reason, best_overlap, overlaps, prefill, decode, busy_at = self._decision(*args)
+        busy = tuple(eligible[j - 1] for j in busy_at)
+        if not chosen_at:
             raise AllWorkersBusy(eligible)
-        chosen = chosen.decode() if isinstance(chosen, bytes) else chosen
-        candidates = [i for i, name in enumerate(eligible) if name not in busy]
-        scores = score_workers(
-            [eligible[i] for i in candidates],
-            [int(overlaps[i]) for i in candidates],
-            [int(prefill[i]) for i in candidates],
-            [int(decode[i]) for i in candidates],
-            isl,
-            block_size,
-            policy,
-        )
-        chosen_score = next(s for s in scores if s.worker == chosen)
+        chosen = eligible[chosen_at - 1]
+        reason = reason.decode() if isinstance(reason, bytes) else reason
+        if busy:
+            busy_positions = set(busy_at)
+            kept = [i for i in range(len(eligible)) if i + 1 not in busy_positions]
+            candidates = [eligible[i] for i in kept]
+            columns = [[column[i] for i in kept] for column in (overlaps, prefill, decode)]
+        else:
+            candidates, columns = eligible, [overlaps, prefill, decode]
+        # The script computed the same costs to choose; Python's Scores, for display and logs,
+        # are built from the numbers it read only when something reads them.
+        scores = DeferredScores(candidates, *columns, isl, block_size, policy)
         decision = RoutingDecision(
             worker=chosen,
-            overlap=chosen_score.overlap,
+            overlap=overlaps[chosen_at - 1],
             total_blocks=total_blocks,
             scores=scores,
             reason=reason,

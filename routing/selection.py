@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,65 @@ def score_workers(
             _new_score(worker, overlap, prefill_blocks, decode_blocks, scale * prefill_blocks + decode_blocks)
         )
     return scores
+
+
+class DeferredScores(Sequence[Score]):
+    """`score_workers` of a decision's candidates, computed the first time they are read.
+
+    Only `/v1/route` and the debug log read every worker's score; a request being dispatched
+    needs the chosen worker alone, and 64 Scores cost about a tenth of a whole decision.
+    """
+
+    __slots__ = ("_columns", "_scores")
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        overlaps: Sequence[int],
+        active_prefill_tokens: Sequence[int],
+        active_decode_blocks: Sequence[int],
+        isl: int,
+        block_size: int,
+        policy: RoutingPolicy,
+    ) -> None:
+        self._columns = (
+            workers,
+            overlaps,
+            active_prefill_tokens,
+            active_decode_blocks,
+            isl,
+            block_size,
+            policy,
+        )
+        self._scores: list[Score] | None = None
+
+    def _computed(self) -> list[Score]:
+        if self._scores is None:
+            self._scores = score_workers(*self._columns)
+        return self._scores
+
+    @overload
+    def __getitem__(self, index: int) -> Score: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Score]: ...
+    def __getitem__(self, index: int | slice) -> Score | list[Score]:
+        return self._computed()[index]
+
+    def __len__(self) -> int:
+        return len(self._columns[0])
+
+    def __iter__(self) -> Iterator[Score]:
+        return iter(self._computed())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DeferredScores | list | tuple):
+            return self._computed() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list, so unhashable like one
+
+    def __repr__(self) -> str:
+        return repr(self._computed())
 
 
 def select_worker(scores: Sequence[Score], policy: RoutingPolicy, rng: random.Random) -> Score:
