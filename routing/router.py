@@ -57,8 +57,9 @@ _DECISION_LUA = (
 -- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
 -- 21 per-worker facts, packed: "<index> <approximate 0/1> <kv capacity blocks> <reported
 -- running + waiting or -1> <reported kv blocks in use or -1>;" for the workers that have any
--- (one string: far cheaper to send than five arguments per worker), then the worker names
--- (distinct).
+-- (one string: far cheaper to send than five arguments per worker), 22 the worker names,
+-- distinct, joined by newlines (which no name holds): one argument instead of one per worker
+-- saves the client more time than splitting it here costs the script.
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -67,9 +68,9 @@ local max_requests, max_kv = tonumber(ARGV[12]), tonumber(ARGV[13])
 local mode, u = ARGV[14], tonumber(ARGV[15])
 -- Per-worker facts stay nil for the workers that have none (the common case): defaults at use.
 local names, position, approximate, capacity, rep_requests, rep_kv = {}, {}, {}, {}, {}, {}
-for i = 22, #ARGV do
-  names[i - 21] = ARGV[i]
-  position[ARGV[i]] = i - 21
+for name in string.gmatch(ARGV[22], '[^\\n]+') do
+  names[#names + 1] = name
+  position[name] = #names
 end
 for j, a, cap, req, kv in string.gmatch(ARGV[21], '(%d+) (%d) (%-?%d+) (%-?%d+) (%-?%d+);') do
   j = tonumber(j)
@@ -416,7 +417,7 @@ class KvRouter:
                 flag = 1 if name in approximate else 0
                 facts.append(f"{j} {flag} {int(report.capacity_blocks)} {requests} {kv_used};")
         args.append("".join(facts))
-        args += checked_workers(eligible)
+        args.append("\n".join(checked_workers(eligible)))
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
         chosen_at, reason, best_overlap, overlaps, prefill, decode, busy_at = self._decision(*args)
