@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import struct
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -116,10 +117,22 @@ for j = 1, #names do
 end
 local sticky = false
 if ARGV[3] ~= '' then sticky = redis.call('GET', ARGV[3]) end
+-- A column of integers as one string of big-endian i64s: one bulk reply instead of an array
+-- of numbers saves Redis's per-element conversion and the client's parsing (~30 us for three
+-- columns of 64). unpack() is bounded by Lua's C stack, hence the chunks.
+local function packed_integers(values)
+  local parts = {}
+  for i = 1, #values, 1000 do
+    local last = math.min(i + 999, #values)
+    parts[#parts + 1] = struct.pack('>' .. string.rep('i8', last - i + 1), unpack(values, i, last))
+  end
+  return table.concat(parts)
+end
 -- The chosen worker's position in the list (false: all busy), and what Python needs to build
 -- the scores if it is asked for them; busy workers by position (usually none).
 local function reply(chosen, reason)
-  return {chosen, reason, best_overlap, overlaps, prefill, decode, busy}
+  return {chosen, reason, best_overlap, packed_integers(overlaps), packed_integers(prefill),
+    packed_integers(decode), busy}
 end
 if #candidates == 0 then return reply(false, 'busy') end
 
@@ -420,7 +433,8 @@ class KvRouter:
         args.append("\n".join(checked_workers(eligible)))
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
-        chosen_at, reason, best_overlap, overlaps, prefill, decode, busy_at = self._decision(*args)
+        chosen_at, reason, best_overlap, *packed_columns, busy_at = self._decision(*args)
+        overlaps, prefill, decode = (_integers(column) for column in packed_columns)
         busy = tuple(eligible[j - 1] for j in busy_at)
         if not chosen_at:
             raise AllWorkersBusy(eligible)
@@ -480,3 +494,8 @@ class KvRouter:
 
 
 _NO_REPORT = WorkerReport()
+
+
+def _integers(packed: bytes) -> tuple[int, ...]:
+    """A column the decision script packed as big-endian i64s."""
+    return struct.unpack(f">{len(packed) // 8}q", packed)
