@@ -173,9 +173,11 @@ local function kv_overlap_probe(ns, packed, workers)
   end
 end
 
+-- Numeric loops rather than ipairs on the per-worker passes: ipairs is a function call per
+-- element in Redis's Lua 5.1, and these run on every routing decision.
 local function kv_overlap_list(workers, overlap)
   local out = {}
-  for i, worker in ipairs(workers) do out[i] = overlap[worker] or 0 end
+  for i = 1, #workers do out[i] = overlap[workers[i]] or 0 end
   return out
 end
 
@@ -209,7 +211,8 @@ local function kv_overlaps_bisect(ns, packed, workers)
   local overlap = {}
   local unassigned = 0
   local wanted = {}
-  for _, worker in ipairs(workers) do
+  for i = 1, #workers do
+    local worker = workers[i]
     if not wanted[worker] then unassigned = unassigned + 1 end
     wanted[worker] = true
   end
@@ -238,7 +241,9 @@ local function kv_overlaps_bisect(ns, packed, workers)
       end
       table.sort(changes, function(a, b) return a > b end)
       for _, b in ipairs(changes) do
-        for _, worker in ipairs(redis.call('HKEYS', block_key(b))) do
+        local holders = redis.call('HKEYS', block_key(b))
+        for i = 1, #holders do
+          local worker = holders[i]
           if wanted[worker] and not overlap[worker] then
             overlap[worker] = b
             unassigned = unassigned - 1
