@@ -18,6 +18,7 @@ only if something reads them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import struct
@@ -39,7 +40,7 @@ from routing.index import (
 from routing.lease import RequestLease
 from routing.load import SWEEP_LUA_FUNCTIONS, LoadTracker
 from routing.registry import ROUND_ROBIN_KEY
-from routing.selection import DeferredScores, RoutingPolicy, Score
+from routing.selection import DeferredScores, RoutingPolicy, Score, score_workers
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 MODES = ("kv", "round_robin", "random")
@@ -456,7 +457,9 @@ class KvRouter:
             candidates, columns = eligible, [overlaps, prefill, decode]
         # The script computed the same costs to choose; Python's Scores, for display and logs,
         # are built from the numbers it read only when something reads them.
-        scores = DeferredScores(candidates, *columns, isl, block_size, policy)
+        scores = DeferredScores(
+            functools.partial(score_workers, candidates, *columns, isl, block_size, policy), len(candidates)
+        )
         decision = RoutingDecision(
             worker=chosen,
             overlap=overlaps[chosen_at - 1],

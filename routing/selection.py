@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -136,32 +136,17 @@ class DeferredScores(Sequence[Score]):
     needs the chosen worker alone, and 64 Scores cost about a tenth of a whole decision.
     """
 
-    __slots__ = ("_columns", "_scores")
+    __slots__ = ("_compute", "_length", "_scores")
 
-    def __init__(
-        self,
-        workers: Sequence[str],
-        overlaps: Sequence[int],
-        active_prefill_tokens: Sequence[int],
-        active_decode_blocks: Sequence[int],
-        isl: int,
-        block_size: int,
-        policy: RoutingPolicy,
-    ) -> None:
-        self._columns = (
-            workers,
-            overlaps,
-            active_prefill_tokens,
-            active_decode_blocks,
-            isl,
-            block_size,
-            policy,
-        )
+    def __init__(self, compute: Callable[[], list[Score]], length: int) -> None:
+        """`compute`: the scores (`functools.partial(score_workers, ...)`), `length` of them."""
+        self._compute = compute
+        self._length = length
         self._scores: list[Score] | None = None
 
     def _computed(self) -> list[Score]:
         if self._scores is None:
-            self._scores = score_workers(*self._columns)
+            self._scores = self._compute()
         return self._scores
 
     @overload
@@ -172,7 +157,7 @@ class DeferredScores(Sequence[Score]):
         return self._computed()[index]
 
     def __len__(self) -> int:
-        return len(self._columns[0])
+        return self._length
 
     def __iter__(self) -> Iterator[Score]:
         return iter(self._computed())
