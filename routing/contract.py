@@ -86,10 +86,14 @@ def _from_mapping(cls: type, data: Mapping[str, Any]) -> Any:
         raise ContractError(f"{cls.__name__}: {exc}") from exc
 
 
-def _check_version(payload: Mapping[str, Any], task: str, worker: str) -> None:
+def _checked_payload(payload: Any, task: str, worker: str) -> dict[str, Any]:
+    """A task's payload as a dict of its own, once it is an object of a version this side speaks."""
+    if not isinstance(payload, Mapping):
+        raise ContractError(f"a {task} payload is an object, not {type(payload).__name__}")
     version = payload.get(VERSION_FIELD)
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedContract(version, task=task, worker=worker)
+    return dict(payload)
 
 
 @dataclass(frozen=True)
@@ -194,10 +198,7 @@ class GenerateTask:
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> GenerateTask:
         """The task from its JSON payload; `UnsupportedContract` for another version."""
-        if not isinstance(payload, Mapping):
-            raise ContractError(f"a {cls.name} payload is an object, not {type(payload).__name__}")
-        _check_version(payload, cls.name, worker)
-        data = dict(payload)
+        data = _checked_payload(payload, cls.name, worker)
         try:
             data["images"] = tuple(_from_mapping(ImageRef, image) for image in data.get("images") or ())
             data["videos"] = tuple(_video_ref(video) for video in data.get("videos") or ())
@@ -262,10 +263,7 @@ class EncodeTask:
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> EncodeTask:
-        if not isinstance(payload, Mapping):
-            raise ContractError(f"a {cls.name} payload is an object, not {type(payload).__name__}")
-        _check_version(payload, cls.name, worker)
-        data = dict(payload)
+        data = _checked_payload(payload, cls.name, worker)
         try:
             data["images"] = tuple(_from_mapping(ImageRef, image) for image in data.get("images") or ())
             data["indices"] = tuple(int(i) for i in data.get("indices") or ())
@@ -302,8 +300,7 @@ class FlushCachesTask:
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any], *, worker: str = "") -> FlushCachesTask:
-        _check_version(payload, cls.name, worker)
-        return _from_mapping(cls, payload)
+        return _from_mapping(cls, _checked_payload(payload, cls.name, worker))
 
 
 # --- stream events ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from routing.contract import (
     TOKEN,
     ContractError,
     DoneEvent,
+    EncodeTask,
     ErrorEvent,
     FlushCachesTask,
     GenerateTask,
@@ -75,6 +76,12 @@ def test_a_payload_missing_a_required_field_or_with_a_wrong_type_is_a_contract_e
     payload["max_tokens"] = "many"
     with pytest.raises(ContractError, match="wrong type"):
         GenerateTask.from_payload(payload)
+
+
+@pytest.mark.parametrize("task", [GenerateTask, EncodeTask, FlushCachesTask])
+def test_a_payload_that_is_not_an_object_is_a_contract_error_for_every_task(task):
+    with pytest.raises(ContractError, match="is an object, not list"):
+        task.from_payload(["not", "a", "task"])
 
 
 def test_a_flush_task_round_trips():
