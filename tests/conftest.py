@@ -61,6 +61,15 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
+@pytest.fixture
+def served_demo_model(settings, demo_model_dir) -> str:
+    """The frontend serves the demo checkpoint (in this process); returns its model name. API test
+    modules use it for every test (`pytest.mark.usefixtures`); some add settings of their own."""
+    settings.MODEL_PATH = demo_model_dir
+    settings.MODEL_NAME = ""
+    return demo_model_dir.name
+
+
 @pytest.fixture(scope="session")
 def qwen3_demo_dir(tmp_path_factory: pytest.TempPathFactory):
     """The Qwen3-VL demo checkpoint (`build_demo_model --family qwen3_vl`), built once per session."""

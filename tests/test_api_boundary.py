@@ -14,14 +14,7 @@ from django.test import AsyncClient
 
 from tests.api_client import KeyedAsyncClient
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def served_demo_model(settings, demo_model_dir):
-    settings.MODEL_PATH = demo_model_dir
-    settings.MODEL_NAME = ""
-    return demo_model_dir.name
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("served_demo_model")]
 
 
 @pytest.fixture

@@ -26,11 +26,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture(autouse=True)
-def served_demo_model(settings, demo_model_dir):
-    settings.MODEL_PATH = demo_model_dir
-    settings.MODEL_NAME = ""
+def served_demo_model(served_demo_model, settings):
     settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS = 2.0
-    return demo_model_dir.name
+    return served_demo_model
 
 
 @pytest.fixture

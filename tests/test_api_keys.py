@@ -15,14 +15,7 @@ from django.utils import timezone
 from tenants.keys import KeyRefused, authenticate, create_api_key, hash_key
 from tenants.models import ApiKey, Tenant
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def served_demo_model(settings, demo_model_dir):
-    settings.MODEL_PATH = demo_model_dir
-    settings.MODEL_NAME = ""
-    return demo_model_dir.name
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("served_demo_model")]
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -15,14 +15,7 @@ from routing.models import Worker
 from routing.redis_keys import sync_client
 from routing.registry import Heartbeat, WorkerRegistry
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def served_demo_model(settings, demo_model_dir):
-    settings.MODEL_PATH = demo_model_dir
-    settings.MODEL_NAME = ""
-    return demo_model_dir.name
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("served_demo_model")]
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from inference_platform.dispatch import media_store, release_media
 from inference_platform.serving import prepare, store_media
 from routing.media_store import MediaRef
 from routing.processor_view import decode_processed
-from tests.test_token_view import png_data_url, served_demo_model, two_image_request  # noqa: F401
+from tests.test_token_view import png_data_url, two_image_request
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("served_demo_model")]
 
 
 def test_the_processed_tensors_go_to_the_side_store_and_come_back_exactly(settings) -> None:

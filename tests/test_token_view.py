@@ -51,11 +51,9 @@ def two_image_request(model: str, first: str, second: str) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def served_demo_model(settings, demo_model_dir):
-    settings.MODEL_PATH = demo_model_dir
-    settings.MODEL_NAME = ""
+def served_demo_model(served_demo_model, settings):
     settings.DYN_MM_FRONTEND_DECODING = False
-    return demo_model_dir.name
+    return served_demo_model
 
 
 def test_token_view_equals_the_worker_processors_input_ids_for_text_and_two_images(demo_model_dir):
