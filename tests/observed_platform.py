@@ -109,16 +109,7 @@ class ObservedPlatform:
 
     def manage(self, *args: str) -> str:
         """A management command run as an operator would, against this platform."""
-        done = subprocess.run(
-            [sys.executable, "manage.py", *args],
-            cwd=REPO,
-            env=self.processes.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+        return self.processes.manage(*args)
 
 
 def stream_usage(events: str) -> dict:

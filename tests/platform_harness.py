@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -114,17 +115,18 @@ class PlatformProcesses:
         )
         return json.loads(created.stdout.strip().splitlines()[-1])
 
-    def manage(self, *args: str) -> str:
-        """`manage.py` with the platform's settings; its standard output."""
+    def manage(self, *args: str, env: Mapping[str, str] | None = None) -> str:
+        """`manage.py` as an operator runs it against this platform (with the platform's settings,
+        or `env`); its standard output. A failure shows the command's standard error."""
         done = subprocess.run(
             [sys.executable, "manage.py", *args],
             cwd=REPO,
-            env=self.env,
-            check=True,
+            env=self.env if env is None else env,
             timeout=120,
             capture_output=True,
             text=True,
         )
+        assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stderr}"
         return done.stdout
 
     def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:

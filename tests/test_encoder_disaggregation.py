@@ -10,8 +10,6 @@ import io
 import json
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ from PIL import Image
 from routing.encoders import EncoderPool
 from tests.conftest import TEST_REDIS_URL
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO, PlatformProcesses
+from tests.platform_harness import PlatformProcesses
 
 pytestmark = pytest.mark.integration
 
@@ -81,14 +79,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> 
 @pytest.fixture(scope="module")
 def admin(platform: PlatformProcesses) -> httpx.Client:
     """A staff session in the platform's own admin."""
-    created = subprocess.run(
-        [sys.executable, "manage.py", "ensure_admin"],
-        cwd=REPO,
-        env=platform.env,
-        capture_output=True,
-        text=True,
-    )
-    password = re.search(r"password '([^']+)'", created.stdout).group(1)
+    created = platform.manage("ensure_admin")
+    password = re.search(r"password '([^']+)'", created).group(1)
     client = httpx.Client(base_url=platform.base_url, timeout=30)
     client.get("/admin/login/")
     login = client.post(
@@ -114,19 +106,6 @@ def admin_action(admin: httpx.Client, action: str, worker: str) -> None:
         headers={"Referer": f"{admin.base_url}/admin/routing/worker/"},
     )
     assert done.status_code in (200, 302), done.text[:500]
-
-
-def manage(platform: PlatformProcesses, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO,
-        env=platform.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def counters(platform: PlatformProcesses, worker: str) -> dict[str, int]:
@@ -217,7 +196,7 @@ def test_flush_caches_empties_the_encode_workers_embedding_cache_and_its_affinit
     # given the encoder holds the first tests' image
     request = body("Name the colours you can see in it.", data_url(1))
 
-    flushed = manage(platform, "flush_caches", "--worker", "enc", "--cache", "embeddings", "--json")
+    flushed = platform.manage("flush_caches", "--worker", "enc", "--cache", "embeddings", "--json")
 
     assert json.loads(flushed.splitlines()[-1])["workers"]["enc"]["embeddings"] == 1
     route = httpx.post(
@@ -254,7 +233,7 @@ def test_a_backlogged_encoder_leaves_the_image_on_the_llm_worker_with_the_same_a
     # given the encoder re-enabled (previous test) with a simulated backlog: five images reserved
     # on it as a frontend does, and the LLM worker's cached prefix of the first question forgotten
     time.sleep(1.2)  # the admin's "enable"
-    manage(platform, "flush_caches", "--worker", "llm", "--json")
+    platform.manage("flush_caches", "--worker", "llm", "--json")
     pool = EncoderPool(platform.redis, platform.namespace, pending_ttl_s=30)
     backlog = [f"simulated-backlog:{n}" for n in range(5)]
     pool.reserve("enc", backlog)
@@ -320,7 +299,7 @@ def test_with_no_live_encode_worker_requests_take_the_aggregated_path_with_the_s
     # given the encoder is gone (killed above), and the first test's question asked again after
     # the LLM worker forgot its cached prefix
     platform.redis.delete(f"{platform.namespace}hb:enc")
-    manage(platform, "flush_caches", "--worker", "llm", "--json")
+    platform.manage("flush_caches", "--worker", "llm", "--json")
     request = body("What is in this picture?", data_url(1))
     route = httpx.post(
         f"{platform.base_url}/v1/route", json=request, headers=platform.headers, timeout=30

@@ -21,16 +21,7 @@ pytestmark = pytest.mark.integration
 def flush(platform, *args: str) -> dict:
     """The command as an operator runs it: in a shell that knows nothing of the workers' caches."""
     env = {k: v for k, v in platform.env.items() if not k.startswith("DYN_MM_SHARED_IMAGE_CACHE")}
-    done = subprocess.run(
-        [sys.executable, "manage.py", "flush_caches", "--json", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(platform.manage("flush_caches", "--json", *args, env=env).strip().splitlines()[-1])
 
 
 def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_changes_nothing(
@@ -123,16 +114,8 @@ def platform_redis_url() -> str:
 
 def test_flush_caches_says_plainly_when_there_is_nothing_to_flush(platform_processes):
     platform = platform_processes()
-    done = subprocess.run(
-        [sys.executable, "manage.py", "flush_caches", "--dry-run"],
-        cwd=REPO,
-        env=platform.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "no live worker: nothing to flush (the caches live in the workers)"
+    printed = platform.manage("flush_caches", "--dry-run")
+    assert printed.strip() == "no live worker: nothing to flush (the caches live in the workers)"
 
 
 @pytest.mark.django_db
