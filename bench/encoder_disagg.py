@@ -30,7 +30,6 @@ The workload, and why it is shaped so:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -49,7 +48,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from bench.samples import noise_png, quantile  # noqa: E402
+from bench.samples import noise_png, quantile, stream_chat  # noqa: E402
 from routing.encoders import EncoderPool, summarize  # noqa: E402
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
@@ -149,25 +148,8 @@ def chat_body(text: str, image_urls: Sequence[str]) -> dict:
 
 def send(client: httpx.Client, base_url: str, body: dict) -> tuple[float, float]:
     """One streamed request: (time to the first generated text, time to the end)."""
-    sent = time.perf_counter()
-    first: float | None = None
-    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(
-                f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
-            )
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                if first is None and (choice["delta"].get("content") or choice.get("finish_reason")):
-                    first = time.perf_counter()
-    if first is None:
-        raise RuntimeError("the stream ended without a token")
-    return first - sent, time.perf_counter() - sent
+    answer = stream_chat(client, base_url, body)
+    return answer.ttft_s, answer.ended_at - answer.sent_at
 
 
 def run_streams(

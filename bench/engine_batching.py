@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from bench.samples import demo_model_dir  # noqa: E402
 from routing.media import url_identity  # noqa: E402
-from workers.demo_model import build_demo_model  # noqa: E402
 from workers.engine import Engine, GenerationRequest, GenerationResult, ImageInput  # noqa: E402
 
 CONCURRENCY = (1, 4, 8, 16)
@@ -85,15 +85,6 @@ class Level:
     @property
     def ttft_p50_ms(self) -> float:
         return statistics.median(r.ttft_ms for r in self.results)
-
-
-def model_dir() -> Path:
-    path = Path(os.environ.get("MODEL_PATH") or REPO / "var" / "models" / "demo")
-    path = path if path.is_absolute() else REPO / path
-    if not (path / "config.json").exists():
-        print(f"building the demo model into {path}")
-        build_demo_model(path)
-    return path
 
 
 def small_image(seed: int) -> ImageInput:
@@ -220,7 +211,7 @@ def report(name: str, levels: list[Level]) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    engine = Engine.load(model_dir())
+    engine = Engine.load(demo_model_dir())
     print(
         f"model {engine.model_name} ({engine.model_type}), torch threads {torch.get_num_threads()}, "
         f"max batch tokens {engine.scheduler.max_batch_tokens}, max running {engine.scheduler.max_running}"

@@ -20,8 +20,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from bench.samples import demo_model_dir  # noqa: E402
 from routing.media import url_identity  # noqa: E402
-from workers.demo_model import build_demo_model  # noqa: E402
 from workers.engine import Engine, GenerationRequest, GenerationResult, ImageInput  # noqa: E402
 
 RUNS = int(os.environ.get("BENCH_RUNS", "5"))
@@ -36,15 +36,6 @@ def sentence(n: int) -> str:
     return (
         f"Line {n}: {_SUBJECTS[n % 5]} stands {_PLACES[(n // 5) % 5]} and looks {('calm', 'sharp')[n % 2]}."
     )
-
-
-def model_dir() -> Path:
-    path = Path(os.environ.get("MODEL_PATH") or REPO / "var" / "models" / "demo")
-    path = path if path.is_absolute() else REPO / path
-    if not (path / "config.json").exists():
-        print(f"building the demo model into {path}")
-        build_demo_model(path)
-    return path
 
 
 def photo() -> ImageInput:
@@ -76,7 +67,7 @@ def run(engine: Engine, question_seed: int, image: ImageInput) -> GenerationResu
 
 
 def main() -> None:
-    engine = Engine.load(model_dir())
+    engine = Engine.load(demo_model_dir())
     image = photo()
     print(
         f"model {engine.model_name} ({engine.model_type}), "

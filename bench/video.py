@@ -25,7 +25,6 @@ What it does, and why:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
+from bench.samples import stream_chat  # noqa: E402
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 from tests.video_files import make_clip  # noqa: E402
@@ -79,29 +79,12 @@ def stream_ttft(base_url: str, headers: dict[str, str], url: str, question: str)
             }
         ],
     }
-    started = time.perf_counter()
-    first: float | None = None
-    usage: dict = {}
-    with httpx.stream(
-        "POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=300
-    ) as response:
-        if response.status_code != 200:
-            raise SystemExit(f"request failed: {response.status_code} {response.read().decode()}")
-        worker = response.headers.get("X-Routed-Worker", "?")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise SystemExit(f"stream failed: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                if first is None and (choice["delta"].get("content") or choice.get("finish_reason")):
-                    first = time.perf_counter()
-    if first is None:
-        raise SystemExit("the stream ended without a token")
-    return (first - started) * 1000, usage, worker
+    try:
+        with httpx.Client(timeout=300) as client:
+            answer = stream_chat(client, base_url, body, headers)
+    except RuntimeError as exc:
+        raise SystemExit(f"request failed: {exc}") from None
+    return answer.ttft_s * 1000, dict(answer.usage), answer.worker or "?"
 
 
 def cached(usage: dict) -> int | None:

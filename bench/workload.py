@@ -38,7 +38,6 @@ model load 36 times. The same seed gives the same requests in every mode.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import random
@@ -62,7 +61,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import redis  # noqa: E402
 
-from bench.samples import noise_png, quantile  # noqa: E402
+from bench.samples import noise_png, quantile, stream_chat  # noqa: E402
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 
@@ -265,34 +264,17 @@ def send(client: httpx.Client, base_url: str, turn: Turn, session_salt: str) -> 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    sent_at = time.perf_counter()
-    first_token: float | None = None
-    usage: dict | None = None
     headers = {"x-session-id": f"bench-{session_salt}-{turn.session}"}
-    with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                if first_token is None and (choice["delta"].get("content") or choice.get("finish_reason")):
-                    first_token = time.perf_counter()
-        worker = response.headers["X-Routed-Worker"]
-    if usage is None or first_token is None:
-        raise RuntimeError("the stream ended without a token or usage")
+    answer = stream_chat(client, base_url, body, headers)
+    if not answer.usage or answer.worker is None:
+        raise RuntimeError("the answer did not say its usage or its worker")
     return Outcome(
         turn=turn,
-        sent_at=sent_at,
-        worker=worker,
-        prompt_tokens=int(usage["prompt_tokens"]),
-        cached_tokens=int(usage["prompt_tokens_details"]["cached_tokens"]),
-        ttft_s=first_token - sent_at,
+        sent_at=answer.sent_at,
+        worker=answer.worker,
+        prompt_tokens=int(answer.usage["prompt_tokens"]),
+        cached_tokens=int(answer.usage["prompt_tokens_details"]["cached_tokens"]),
+        ttft_s=answer.ttft_s,
     )
 
 
