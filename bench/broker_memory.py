@@ -17,7 +17,6 @@ import base64
 import io
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,13 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from the repo root
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.platform_harness import PrivateRedis  # noqa: E402
 
 
 def _images(count: int, kilobytes: int) -> list[bytes]:
@@ -97,16 +90,10 @@ def main() -> None:
     parser.add_argument("--image-kb", type=int, default=1500)
     args = parser.parse_args()
 
-    port = _free_port()
     with tempfile.TemporaryDirectory() as directory:
-        server = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-            cwd=directory,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        server = PrivateRedis(directory)  # empty, no persistence: its memory is the bench's alone
         try:
-            url = f"redis://127.0.0.1:{port}/0"
+            url = server.url
             os.environ.update(
                 DJANGO_SETTINGS_MODULE="inference_platform.settings",
                 REDIS_URL=url,
@@ -120,15 +107,6 @@ def main() -> None:
             import redis
 
             client = redis.Redis.from_url(url)
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
 
             images = _images(args.requests, args.image_kb)
             total = sum(len(image) for image in images)
@@ -141,8 +119,7 @@ def main() -> None:
             print(f"broker queue: {inline_queue / max(ref_queue, 1):.0f}x smaller with the side store")
             print(f"Redis memory: {inline_memory / max(ref_memory, 1):.2f}x less with the side store")
         finally:
-            server.kill()
-            server.wait()
+            server.stop()
 
 
 if __name__ == "__main__":

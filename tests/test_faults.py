@@ -19,7 +19,8 @@ import uuid
 
 import httpx
 import pytest
-import redis
+
+from tests.platform_harness import PrivateRedis
 
 pytestmark = pytest.mark.integration
 
@@ -161,50 +162,6 @@ def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_
 
 
 # --- Redis killed, restarted, frozen -------------------------------------------------------------
-class PrivateRedis:
-    """A redis-server of the test's own on a free port, which the test may kill, restart or freeze."""
-
-    def __init__(self, directory) -> None:
-        from tests.platform_harness import free_port
-
-        self.port = free_port()
-        self.directory = directory
-        self.process: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no"],
-            cwd=self.directory,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        client.close()
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
-            self.kill()
-
-
 @pytest.fixture(scope="module")
 def private_redis(tmp_path_factory):
     server = PrivateRedis(tmp_path_factory.mktemp("redis"))
