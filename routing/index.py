@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from routing.redis_direct import direct_commands
+
 if TYPE_CHECKING:
     from routing.kv_events import KvEvent
 
@@ -347,26 +349,32 @@ class LuaScript:
     """A script run by SHA, loaded on first use and again if Redis forgot it (restart, flush).
 
     redis-py's own Script checks SCRIPT EXISTS before every pipeline, an extra round trip the
-    router's one-round-trip decision cannot afford; here a pipeline just sends EVALSHA.
+    router's one-round-trip decision cannot afford; here a pipeline just sends EVALSHA. A call
+    goes on the client's direct line (routing.redis_direct): the scripts are the router's hot
+    path, and redis-py's per-command overhead is as long as the round trip.
     """
 
     def __init__(self, client: redis.Redis, source: str) -> None:
-        self._client = client
+        self._direct = direct_commands(client)
         self.source = source
-        self.sha = client.script_load(source)
+        self.sha = self._load()  # on the direct line: its connection is open before the first call
+
+    def _load(self) -> str:
+        sha = self._direct.execute("SCRIPT", "LOAD", self.source)
+        return sha.decode() if isinstance(sha, bytes) else sha
 
     def __call__(self, *args: Any) -> Any:
         try:
-            return self._client.evalsha(self.sha, 0, *args)
+            return self._direct.execute("EVALSHA", self.sha, 0, *args)
         except redis.exceptions.NoScriptError:
-            self.sha = self._client.script_load(self.source)
-            return self._client.evalsha(self.sha, 0, *args)
+            self.sha = self._load()
+            return self._direct.execute("EVALSHA", self.sha, 0, *args)
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
         pipe.evalsha(self.sha, 0, *args)
 
     def reload(self) -> None:
-        self.sha = self._client.script_load(self.source)
+        self.sha = self._load()
 
 
 def execute_pipeline(pipe: redis.client.Pipeline, scripts: Iterable[LuaScript]) -> list[Any]:
