@@ -185,7 +185,7 @@ end
 
 -- Exact walk, block by block in prompt order, asking only the workers that matched every
 -- block so far and stopping when none is left. Cost: the sum over blocks of workers alive.
-local function kv_overlaps_linear(ns, packed, workers)
+local function kv_overlaps_linear(ns, packed, workers, position)
   local holders = kv_overlap_probe(ns, packed, workers)
   local overlap = {}
   local alive = workers
@@ -208,16 +208,17 @@ end
 -- sequence hashes chain, so a block is never cached without the prefix it extends.
 -- Approximate records are searched per worker (they are a prefix too: a route refreshes the
 -- whole chain it records), and a worker's overlap is the larger of the two.
-local function kv_overlaps_bisect(ns, packed, workers)
-  local n = #packed / 8
-  local overlap = {}
-  local unassigned = 0
-  local wanted = {}
-  for i = 1, #workers do
-    local worker = workers[i]
-    if not wanted[worker] then unassigned = unassigned + 1 end
-    wanted[worker] = true
+local function kv_overlaps_bisect(ns, packed, workers, position)
+  local n, m = #packed / 8, #workers
+  -- Overlaps by the workers' positions (0: none yet); `position` maps a name to its place, made
+  -- here unless the caller has one (the decision script does). Names are distinct.
+  if not position then
+    position = {}
+    for i = 1, m do position[workers[i]] = i end
   end
+  local out = {}
+  for i = 1, m do out[i] = 0 end
+  local unassigned = m
   local function block_key(b) return ns .. 'kv:blk:' .. string.sub(packed, b * 8 - 7, b * 8) end
   local function count(b) return redis.call('HLEN', block_key(b)) end
   if n > 0 and unassigned > 0 then
@@ -245,9 +246,9 @@ local function kv_overlaps_bisect(ns, packed, workers)
       for _, b in ipairs(changes) do
         local holders = redis.call('HKEYS', block_key(b))
         for i = 1, #holders do
-          local worker = holders[i]
-          if wanted[worker] and not overlap[worker] then
-            overlap[worker] = b
+          local j = position[holders[i]]
+          if j and out[j] == 0 then
+            out[j] = b
             unassigned = unassigned - 1
           end
         end
@@ -255,18 +256,18 @@ local function kv_overlaps_bisect(ns, packed, workers)
       end
     end
   end
-  if n > 0 and #workers > 0 and redis.call('EXISTS', ns .. 'kv:approximate') == 1 then
+  if n > 0 and m > 0 and redis.call('EXISTS', ns .. 'kv:approximate') == 1 then
     local flags = redis.call('SMISMEMBER', ns .. 'kv:approximate', unpack(workers))
     local now = nil
-    for j, worker in ipairs(workers) do
+    for j = 1, m do
       if flags[j] == 1 then
         now = now or server_time_ms()
-        local key = ns .. 'kv:approx:' .. worker
+        local key = ns .. 'kv:approx:' .. workers[j]
         local function held(b)
           local expiry = redis.call('ZSCORE', key, string.sub(packed, b * 8 - 7, b * 8))
           return expiry and tonumber(expiry) > now
         end
-        local best = overlap[worker] or 0
+        local best = out[j]
         if best < n and held(best + 1) then
           -- Largest k with block k held: the last block first, then bisection.
           local lo, hi = best + 1, n
@@ -275,12 +276,12 @@ local function kv_overlaps_bisect(ns, packed, workers)
             local mid = math.floor((lo + hi + 1) / 2)
             if held(mid) then lo = mid else hi = mid - 1 end
           end
-          overlap[worker] = lo
+          out[j] = lo
         end
       end
     end
   end
-  return kv_overlap_list(workers, overlap)
+  return out
 end
 """
 

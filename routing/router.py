@@ -85,7 +85,7 @@ for j, a, cap, req, kv in string.gmatch(ARGV[21], '(%d+) (%d) (%-?%d+) (%-?%d+) 
 end
 
 load_sweep(ns)
-local overlaps = {overlaps}(ns, packed, names)
+local overlaps = {overlaps}(ns, packed, names, position)
 -- Running sums per worker into `out` (0: idle). The hash is read whole and its fields placed
 -- by name: HMGET would scan the small listpack once per asked worker.
 local function read_sums(family, out)
