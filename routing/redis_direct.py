@@ -75,16 +75,28 @@ class DirectCommands:
             self._idle.pop().disconnect()
 
 
-_by_client: weakref.WeakKeyDictionary[redis.Redis, DirectCommands] = weakref.WeakKeyDictionary()
+class ViaClient:
+    """For a client without a plain connection pool (a cluster, a sentinel): its own commands."""
+
+    def __init__(self, client: Any) -> None:
+        self.execute = client.execute_command
+
+    def close(self) -> None:
+        pass
+
+
+_by_client: weakref.WeakKeyDictionary[Any, DirectCommands | ViaClient] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def direct_commands(client: redis.Redis) -> DirectCommands:
+def direct_commands(client: Any) -> DirectCommands | ViaClient:
     """The client's direct line, made on first use and shared by every script on that client."""
     direct = _by_client.get(client)
     if direct is None:
         with _lock:
             direct = _by_client.get(client)
             if direct is None:
-                direct = _by_client[client] = DirectCommands(client)
+                pool = getattr(client, "connection_pool", None)
+                plain = type(pool) is redis.ConnectionPool or type(pool) is redis.BlockingConnectionPool
+                direct = _by_client[client] = DirectCommands(client) if plain else ViaClient(client)
     return direct

@@ -115,3 +115,18 @@ def test_a_forked_child_never_uses_the_parents_connections(redis_client, key_nam
     # The parent's connection still works: the child neither wrote to it nor shut it down.
     assert direct.execute("GET", key) == b"parent"
     assert direct._idle[0] is parent_connection
+
+
+def test_a_client_without_a_plain_pool_keeps_its_own_command_path(redis_url) -> None:
+    """A sentinel's or cluster's pool picks its node per connection: the direct line would bypass
+    that choice, so such a client's scripts go through the client (a pool subclass stands in for
+    theirs)."""
+
+    class NodePickingPool(redis.ConnectionPool):
+        pass
+
+    client = redis.Redis(connection_pool=NodePickingPool.from_url(redis_url))
+    direct = direct_commands(client)
+    assert not isinstance(direct, DirectCommands)
+    assert direct.execute("PING") is True  # the client's reply callbacks still apply
+    client.close()
