@@ -76,7 +76,7 @@ class DirectCommands:
 
 
 class ViaClient:
-    """For a client without a plain connection pool (a cluster, a sentinel): its own commands."""
+    """For a client without a plain connection pool (blocking, sentinel, cluster): its own path."""
 
     def __init__(self, client: Any) -> None:
         self.execute = client.execute_command
@@ -96,7 +96,8 @@ def direct_commands(client: Any) -> DirectCommands | ViaClient:
         with _lock:
             direct = _by_client.get(client)
             if direct is None:
-                pool = getattr(client, "connection_pool", None)
-                plain = type(pool) is redis.ConnectionPool or type(pool) is redis.BlockingConnectionPool
+                # Only a plain pool: a blocking pool's cap on connections, a sentinel's choice of
+                # node, are the pool's own, and a connection of our own would bypass them.
+                plain = type(getattr(client, "connection_pool", None)) is redis.ConnectionPool
                 direct = _by_client[client] = DirectCommands(client) if plain else ViaClient(client)
     return direct
