@@ -96,6 +96,20 @@ class Command(BaseCommand):
                     f"({', '.join(sorted(VISION_PARTS))}); {model_path} is {model_type!r}: use --role both"
                 )
 
+        client = sync_client(settings.REDIS_URL)
+        namespace = settings.REDIS_KEY_PREFIX
+        instance = new_instance_id()
+        registry = WorkerRegistry(client, namespace)
+        # The same-name start rule: refuse to run beside a live process of this name; take over
+        # from a dead one at once (below, when this process registers). Checked before torch and
+        # the model load, so a refused start says so in a second or two, not after ten.
+        try:
+            predecessor = registry.claim(
+                name, instance, watch_s=settings.WORKER_HEARTBEAT_INTERVAL_SECS * 1.5
+            )
+        except NameInUse as exc:
+            raise CommandError(str(exc)) from exc
+
         from workers.disaggregation import TowerCounter
         from workers.runtime import build_image_loader, install_runtime
         from workers.vision_encoder import vision_tower
@@ -105,18 +119,6 @@ class Command(BaseCommand):
 
             torch.set_num_threads(options["threads"])
 
-        client = sync_client(settings.REDIS_URL)
-        namespace = settings.REDIS_KEY_PREFIX
-        instance = new_instance_id()
-        registry = WorkerRegistry(client, namespace)
-        # The same-name start rule: refuse to run beside a live process of this name; take over
-        # from a dead one at once (below, when this process registers).
-        try:
-            predecessor = registry.claim(
-                name, instance, watch_s=settings.WORKER_HEARTBEAT_INTERVAL_SECS * 1.5
-            )
-        except NameInUse as exc:
-            raise CommandError(str(exc)) from exc
         stats = CacheStats(client, namespace, name)
         metrics = telemetry.attach(client, namespace, name)
         image_loader = build_image_loader(name, stats, model_path)
