@@ -17,6 +17,7 @@ Anything else raises UnsupportedProcessorLayout, and the caller routes on the te
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import os
@@ -363,14 +364,14 @@ def _is_encoded_tensor(value: Any) -> bool:
     )
 
 
-def _map_raw_tensors(value: Any, replace: Callable[[Mapping[str, Any]], Any]) -> Any:
-    """`value` with each tensor that carries raw bytes (`b64`) replaced by `replace(tensor)`."""
+def _map_tensors(value: Any, replace: Callable[[Mapping[str, Any]], Any]) -> Any:
+    """`value` with each encoded tensor replaced by `replace(tensor)`, through dicts and lists."""
     if _is_encoded_tensor(value):
-        return replace(value) if "b64" in value else value
+        return replace(value)
     if isinstance(value, Mapping):
-        return {k: _map_raw_tensors(v, replace) for k, v in value.items()}
+        return {k: _map_tensors(v, replace) for k, v in value.items()}
     if isinstance(value, list):
-        return [_map_raw_tensors(v, replace) for v in value]
+        return [_map_tensors(v, replace) for v in value]
     return value
 
 
@@ -381,54 +382,43 @@ def tensors_by_reference(
     which returns one reference payload per blob (routing.media_store's `media_ref`/`media_bytes`);
     the tensor keeps its dtype and shape, so the message that carries it stays small."""
     blobs: list[bytes] = []
+    carried: list[dict[str, Any]] = []  # the tensors that will carry a reference, by blob
 
-    def collect(tensor: Mapping[str, Any]) -> dict[str, Any]:
+    def collect(tensor: Mapping[str, Any]) -> Mapping[str, Any]:
+        if "b64" not in tensor:
+            return tensor  # `values`: small and exact, it stays in the message
         blobs.append(base64.b64decode(tensor["b64"]))
-        return {"dtype": tensor["dtype"], "shape": tensor["shape"], "blob": len(blobs) - 1}
+        carried.append({"dtype": tensor["dtype"], "shape": tensor["shape"]})
+        return carried[-1]
 
-    skeleton = {k: _map_raw_tensors(v, collect) for k, v in processed.items() if k != "input_ids"}
+    result = {k: _map_tensors(v, collect) for k, v in processed.items() if k != "input_ids"}
     if not blobs:
         return dict(processed)
-    refs = put_all(blobs)
-
-    def attach(value: Any) -> Any:
-        if isinstance(value, Mapping) and "blob" in value and "shape" in value:
-            return {"dtype": value["dtype"], "shape": value["shape"], **refs[value["blob"]]}
-        if isinstance(value, Mapping):
-            return {k: attach(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [attach(v) for v in value]
-        return value
-
-    return {**attach(skeleton), "input_ids": processed["input_ids"]}
+    for tensor, ref in zip(carried, put_all(blobs), strict=True):
+        tensor.update(ref)
+    return {**result, "input_ids": processed["input_ids"]}
 
 
-def _decode_value(value: Any, load: Callable[[Mapping[str, Any]], bytes] | None) -> Any:
+def _decode_tensor(value: Mapping[str, Any], load: Callable[[Mapping[str, Any]], bytes] | None) -> Any:
     import torch
 
-    if _is_encoded_tensor(value):
-        dtype = getattr(torch, str(value["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown tensor dtype {value['dtype']!r}")
-        if "values" in value:
-            return torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
-        if "media_ref" in value:
-            if load is None:
-                raise ValueError("a tensor stored by reference, and no media store to read it from")
-            raw = bytearray(load(value))
-        else:
-            raw = bytearray(base64.b64decode(value["b64"]))
-        expected = math.prod(int(n) for n in value["shape"]) * torch.empty((), dtype=dtype).element_size()
-        if len(raw) != expected:
-            raise ValueError(f"a {value['dtype']} tensor of shape {value['shape']} holds {len(raw)} bytes")
-        if not raw:
-            return torch.empty(value["shape"], dtype=dtype)
-        return torch.frombuffer(raw, dtype=dtype).reshape(value["shape"])
-    if isinstance(value, Mapping):
-        return {k: _decode_value(v, load) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode_value(v, load) for v in value]
-    return value
+    dtype = getattr(torch, str(value["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {value['dtype']!r}")
+    if "values" in value:
+        return torch.tensor(value["values"], dtype=dtype).reshape(value["shape"])
+    if "media_ref" in value:
+        if load is None:
+            raise ValueError("a tensor stored by reference, and no media store to read it from")
+        raw = bytearray(load(value))
+    else:
+        raw = bytearray(base64.b64decode(value["b64"]))
+    expected = math.prod(int(n) for n in value["shape"]) * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != expected:
+        raise ValueError(f"a {value['dtype']} tensor of shape {value['shape']} holds {len(raw)} bytes")
+    if not raw:
+        return torch.empty(value["shape"], dtype=dtype)
+    return torch.frombuffer(raw, dtype=dtype).reshape(value["shape"])
 
 
 def decode_processed(
@@ -438,6 +428,7 @@ def decode_processed(
     `load` reads a tensor stored by reference (`tensors_by_reference`) from its payload."""
     import torch
 
-    decoded = {key: _decode_value(value, load) for key, value in processed.items() if key != "input_ids"}
+    decode = functools.partial(_decode_tensor, load=load)
+    decoded = {key: _map_tensors(value, decode) for key, value in processed.items() if key != "input_ids"}
     decoded["input_ids"] = torch.tensor([processed["input_ids"]], dtype=torch.long)
     return decoded
