@@ -81,9 +81,6 @@ class ViaClient:
     def __init__(self, client: Any) -> None:
         self.execute = client.execute_command
 
-    def close(self) -> None:
-        pass
-
 
 _by_client: weakref.WeakKeyDictionary[Any, DirectCommands | ViaClient] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
