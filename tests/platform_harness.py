@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -197,8 +198,15 @@ class PlatformProcesses:
                         f"worker {name} did not register:\n{self.log_tail(f'worker-{name}')}"
                     )
                 time.sleep(0.1)
-        # Registered means the model is loaded; give Celery a moment to start consuming.
-        time.sleep(1.0)
+        # Registered means the model is loaded; then Celery starts consuming, which it logs at
+        # INFO ("<name>@<host> ready."). Wait for that line, or a second where the log level
+        # hides it (each spawn starts its log afresh, so a line is this process's own).
+        settled = time.monotonic() + 1.0
+        while time.monotonic() < settled and not all(self._consuming(name) for name in names):
+            time.sleep(0.05)
+
+    def _consuming(self, name: str) -> bool:
+        return re.search(rf"\b{re.escape(name)}@\S+ ready\.", self.log(f"worker-{name}")) is not None
 
     def start_server(self, timeout: float = 60.0) -> str:
         """Start one more frontend process; returns its base URL (the first is also `base_url`)."""
