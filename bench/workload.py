@@ -148,6 +148,21 @@ class RunResult:
         nan = float("nan")
         return len(warm), quantile(warm, 0.5) if warm else nan, quantile(cold, 0.5) if cold else nan
 
+    def split_by_queue(self) -> tuple[int, float, float]:
+        """Requests that reached a worker while another request there had not had its first token
+        yet (a prompt still prefilling, which a new one waits behind on a single-threaded engine),
+        and the TTFT p50 of those and of the rest: on a saturated machine, what sets a run's p50
+        once the caches no longer differ (shape (d))."""
+        behind, rest = [], []
+        for o in self.outcomes:
+            queued = any(
+                q is not o and q.worker == o.worker and q.sent_at < o.sent_at < q.sent_at + q.ttft_s
+                for q in self.outcomes
+            )
+            (behind if queued else rest).append(o.ttft_s)
+        nan = float("nan")
+        return len(behind), quantile(behind, 0.5) if behind else nan, quantile(rest, 0.5) if rest else nan
+
     @property
     def imbalance(self) -> float:
         counts = Counter(o.worker for o in self.outcomes)
@@ -418,6 +433,12 @@ def model_dir(scratch: Path) -> Path:
     return path
 
 
+def _median_ms(seconds: Sequence[float]) -> str:
+    """Median in ms of the runs that had such requests (a run without any has NaN)."""
+    present = [s for s in seconds if s == s]
+    return f"{statistics.median(present) * 1000:.0f}" if present else "-"
+
+
 def spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
@@ -487,6 +508,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if mode == "kv":
                 best += shape_best
                 given_up += shape_given_up
+        queueing = []
+        for mode in MODES:
+            runs = results.get((shape, mode))
+            if runs:
+                counts, behind, rest = zip(*(r.split_by_queue() for r in runs), strict=True)
+                queueing.append(
+                    f"{mode} {statistics.median(counts):.0f}/{args.requests}"
+                    f" ({_median_ms(behind)} vs {_median_ms(rest)} ms)"
+                )
+        print(
+            "arrived behind a prompt still prefilling on its worker (p50 of those vs the rest): "
+            + ", ".join(queueing)
+        )
         kv, rr = results.get((shape, "kv"), []), results.get((shape, "round_robin"), [])
         by_reason: Counter[str] = Counter()
         lost: Counter[str] = Counter()
