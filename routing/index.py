@@ -185,6 +185,8 @@ end
 
 -- Exact walk, block by block in prompt order, asking only the workers that matched every
 -- block so far and stopping when none is left. Cost: the sum over blocks of workers alive.
+-- `position` goes unused: it is in the signature because the decision script calls whichever
+-- variant the index uses with the same arguments, and the bisect one reads it.
 local function kv_overlaps_linear(ns, packed, workers, position)
   local holders = kv_overlap_probe(ns, packed, workers)
   local overlap = {}
