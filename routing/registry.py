@@ -47,6 +47,7 @@ class Heartbeat:
     running_peak: int = 0  # the most requests ever in one batch (since the process started)
     forward_passes: int = 0  # model steps since start
     generated_tokens: int = 0  # tokens generated since start
+    prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not measured yet)
     beat_at: float = 0.0  # when this beat was sent (a successor watches it move)
 
     def to_json(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -85,6 +86,23 @@ def test_greedy_outputs_in_one_batch_equal_generate_alone(demo_engine) -> None:
     assert report.running_peak >= 3
     assert report.forward_passes < report.generated_tokens
     assert report.kv_blocks_used == 0 and report.running == report.waiting == 0
+
+
+def test_the_engine_reports_the_prefill_rate_it_measures(demo_engine) -> None:
+    # given: a fresh engine, which has measured nothing yet
+    engine = demo_engine()
+    assert engine.load_report().prefill_tokens_per_s == 0
+
+    # when: it prefills a prompt with an image
+    started = time.perf_counter()
+    result = engine.generate(
+        request(chat(LONG_TEXT + " What is it?", images=1), [image_input(40)], max_tokens=1)
+    )
+    elapsed = time.perf_counter() - started
+
+    # then: its rate is at least the prompt over the whole call (the steps are part of the call)
+    rate = engine.load_report().prefill_tokens_per_s
+    assert result.prompt_tokens / elapsed <= rate < 1e7
 
 
 def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(demo_engine) -> None:

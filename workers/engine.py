@@ -63,6 +63,11 @@ PublishEvents = Callable[[Sequence[KvEvent]], None]
 # prompt chunk delays the running decodes by about that much.
 DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_MAX_RUNNING = 16
+# The prefill rate the router drains reservations at is an exponential average over steps that
+# computed at least this many prompt tokens: a step of a few decode tokens and a short warm tail
+# says more about per-step overhead than about how fast a prompt goes through.
+_RATE_MIN_PROMPT_TOKENS = 32
+_RATE_SMOOTHING = 0.25  # weight of the newest step
 
 __all__ = [
     "LLAVA_MODEL_TYPES",
@@ -141,6 +146,10 @@ class EngineLoad:
     forward_passes: int  # model steps since start
     generated_tokens: int  # tokens chosen since start
     preemptions: int  # requests sent back to waiting because the pool ran dry, since start
+    # Prompt tokens computed per second of step time (images encoded, decodes riding along),
+    # averaged over recent steps that prefilled; 0 until one has. The router drains the prefill
+    # it reserved on this worker at this rate (routing.router, "Prefill drain").
+    prefill_tokens_per_s: float = 0.0
 
 
 ImageLoader = Callable[[ImageInput, str | None], Image.Image]
@@ -300,6 +309,7 @@ class Engine:
         self.generated_tokens = 0
         self.preemptions = 0
         self.running_peak = 0
+        self.prefill_tokens_per_s = 0.0
         # The index may still list blocks of this worker's previous life: say it holds nothing.
         kv_pool.clear()
 
@@ -484,6 +494,7 @@ class Engine:
             forward_passes=self.forward_passes,
             generated_tokens=self.generated_tokens,
             preemptions=self.preemptions,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
 
     def unload_vision(self, model_dir: Path) -> None:
@@ -661,6 +672,7 @@ class Engine:
         return image.image is not None or image.pixel_values is not None
 
     def _step(self) -> None:
+        started = time.perf_counter()
         for sequence in self.scheduler.drop_cancelled():
             self._finish(sequence, "stop", release=False)
         plan = self.scheduler.schedule()
@@ -682,12 +694,24 @@ class Engine:
             return
         logits = self.runner.run(inputs)
         self.forward_passes += 1
+        prompt_tokens = sum(
+            min(chunk.start + chunk.count, chunk.sequence.prompt_len) - chunk.start
+            for chunk in chunks
+            if chunk.start < chunk.sequence.prompt_len
+        )
         for chunk in chunks:
             self.scheduler.computed(chunk)
+        if prompt_tokens >= _RATE_MIN_PROMPT_TOKENS:
+            self._note_prefill_rate(prompt_tokens, time.perf_counter() - started)
         sampling = [chunk.sequence for chunk in chunks if chunk.samples]
         tokens = choose_tokens([sequence.payload.sampler for sequence in sampling], logits)
         for sequence, token in zip(sampling, tokens, strict=True):
             self._accept(sequence, token)
+
+    def _note_prefill_rate(self, prompt_tokens: int, seconds: float) -> None:
+        rate = prompt_tokens / max(seconds, 1e-6)
+        previous = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if previous <= 0 else previous + _RATE_SMOOTHING * (rate - previous)
 
     def _chunk_input(self, chunk: ScheduledChunk) -> ChunkInput:
         from workers.model_runner import ChunkInput

@@ -422,4 +422,5 @@ def _with_engine_load(heartbeat: Heartbeat, runtime) -> Heartbeat:
         running_peak=load.running_peak,
         forward_passes=load.forward_passes,
         generated_tokens=load.generated_tokens,
+        prefill_tokens_per_s=round(load.prefill_tokens_per_s, 1),
     )
