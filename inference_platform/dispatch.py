@@ -320,6 +320,7 @@ def worker_report(beat: Heartbeat) -> WorkerReport:
         capacity_blocks=beat.kv_capacity_blocks,
         running_and_waiting=beat.running + beat.waiting,
         kv_used_blocks=beat.kv_blocks_used,
+        prefill_tokens_per_s=beat.prefill_tokens_per_s,
     )
 
 

@@ -49,6 +49,7 @@ def _policy(values: dict[str, Any], source: str) -> LivePolicy:
             affinity_max_overlap_lead=settings.ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS,
             busy_max_requests=settings.ROUTER_BUSY_MAX_REQUESTS,
             busy_kv_fraction=settings.ROUTER_BUSY_KV_FRACTION,
+            prefill_drain=settings.ROUTER_PREFILL_DRAIN,
         ),
         session_affinity=values["session_affinity"],
         frontend_decoding=values["frontend_decoding"],

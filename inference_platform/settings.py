@@ -194,6 +194,9 @@ ROUTER_PREDICTED_TTL_SECS = env_float("ROUTER_PREDICTED_TTL_SECS", 3.0, minimum=
 # Session affinity as a bounded preference (see routing.selection.RoutingPolicy).
 ROUTER_AFFINITY_COST_SLACK = env_float("ROUTER_AFFINITY_COST_SLACK", 0.25, minimum=0.0)
 ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS = env_int("ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS", 2, minimum=0)
+# Reserved prefill drains at each worker's measured prefill rate (its heartbeat carries it), so
+# a prompt half done weighs half; off: a prompt counts in full until its first token (Dynamo's).
+ROUTER_PREFILL_DRAIN = env_bool("ROUTER_PREFILL_DRAIN", True)
 # Busy thresholds: a worker at or past one takes no new request; when all are, 503 + Retry-After.
 ROUTER_BUSY_MAX_REQUESTS = env_int("ROUTER_BUSY_MAX_REQUESTS", 32, minimum=0)  # running + waiting; 0: off
 ROUTER_BUSY_KV_FRACTION = env_float("ROUTER_BUSY_KV_FRACTION", 0.0, minimum=0.0)  # of capacity; 0: off

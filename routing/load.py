@@ -11,6 +11,9 @@ Layout:
 - `load:prefill`, `load:blocks`, `load:requests`: running sums, hashes keyed by worker, so a
   snapshot reads three small hashes whatever the number of requests in flight. A worker's
   fields go when it has no request left.
+- `load:drain`: hash, worker -> when its reserved prefill should be done (Redis time, ms), written
+  by the router's decision script (routing.router, "Prefill drain"); `adjust` removes a worker's
+  field when its reserved prefill reaches 0.
 - `load:expiry`: sorted set, `<worker>\\n<request id>` scored by expiry (Redis server time, ms),
   swept by a Lua script right before every snapshot (the router's decision script runs it).
 """
@@ -49,12 +52,15 @@ end
 
 local function adjust(ns, worker, prefill, blocks, requests)
   -- Skipping zeros also keeps Lua's "-0" away from HINCRBY, which refuses it.
-  if prefill ~= 0 then redis.call('HINCRBY', ns .. 'load:prefill', worker, prefill) end
+  if prefill ~= 0 and redis.call('HINCRBY', ns .. 'load:prefill', worker, prefill) <= 0 then
+    redis.call('HDEL', ns .. 'load:drain', worker)  -- nothing reserved is left to drain
+  end
   if blocks ~= 0 then redis.call('HINCRBY', ns .. 'load:blocks', worker, blocks) end
   if redis.call('HINCRBY', ns .. 'load:requests', worker, requests) <= 0 then
     redis.call('HDEL', ns .. 'load:prefill', worker)
     redis.call('HDEL', ns .. 'load:blocks', worker)
     redis.call('HDEL', ns .. 'load:requests', worker)
+    redis.call('HDEL', ns .. 'load:drain', worker)
   end
 end
 

@@ -476,3 +476,117 @@ def test_a_reservation_lives_only_while_its_frontend_renews_it(router: KvRouter)
     assert router.load.snapshot(["gpu0"])["gpu0"].active_requests == 1
     assert kept.release("done") and router.load.snapshot(["gpu0"])["gpu0"].active_requests == 0
     assert not kept.renew(0.5)
+
+
+def _reserved_prefill_tokens(decision: Any, worker: str, isl: int) -> float:
+    """The prefill a decision counted on `worker` ahead of the request (its overlap being 0)."""
+    score = next(s for s in decision.scores if s.worker == worker)
+    return score.prefill_blocks * BS - isl
+
+
+def test_reserved_prefill_drains_at_the_rate_each_worker_measures(router: KvRouter) -> None:
+    # given: two workers whose engines prefill 1,000 tokens/s, and a 480-token prompt reserved
+    # on one of them (about half a second of work)
+    reports = {w: WorkerReport(prefill_tokens_per_s=1000.0) for w in ("gpu0", "gpu1")}
+    first = router.decide(
+        "a", block_hashes(_tokens(20, 480), BS), 480, BS, ["gpu0"], RoutingPolicy(), reports=reports
+    )
+    probe = block_hashes(_tokens(21, 160), BS)
+
+    # when: the router looks again at once, then after 0.25 s
+    at_once = router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy(), reports=reports)
+    time.sleep(0.25)
+    later = router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy(), reports=reports)
+    undrained = router.route(
+        probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy(prefill_drain=False), reports=reports
+    )
+
+    # then: what is left shrinks with the time the worker has had, never below 0 nor above what
+    # is reserved; without drain (or without a rate) it counts in full until the first token
+    assert _reserved_prefill_tokens(at_once, "gpu0", 160) > 440
+    left = _reserved_prefill_tokens(later, "gpu0", 160)
+    assert 0 < left <= 480 - 200, left
+    assert _reserved_prefill_tokens(undrained, "gpu0", 160) == 480
+    no_rate = router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy())
+    assert _reserved_prefill_tokens(no_rate, "gpu0", 160) == 480
+    first.release("done")
+
+
+def test_of_two_workers_each_prefilling_a_prompt_the_one_nearer_done_gets_the_next(
+    router: KvRouter,
+) -> None:
+    # given: equal prompts reserved on gpu0, then 0.2 s later on gpu1, both at 1,000 tokens/s
+    reports = {w: WorkerReport(prefill_tokens_per_s=1000.0) for w in ("gpu0", "gpu1")}
+    leases = [
+        router.decide(
+            "a", block_hashes(_tokens(30, 480), BS), 480, BS, ["gpu0"], RoutingPolicy(), reports=reports
+        )
+    ]
+    time.sleep(0.2)
+    leases.append(
+        router.decide(
+            "b", block_hashes(_tokens(31, 480), BS), 480, BS, ["gpu1"], RoutingPolicy(), reports=reports
+        )
+    )
+
+    # when: a third prompt is decided over both, with drain and without
+    probe = block_hashes(_tokens(32, 320), BS)
+    drained = Counter(
+        router.route(
+            probe, 320, BS, ["gpu0", "gpu1"], RoutingPolicy(), reports=reports, rng=random.Random(seed)
+        ).worker
+        for seed in range(20)
+    )
+    counts = Counter(
+        router.route(
+            probe,
+            320,
+            BS,
+            ["gpu0", "gpu1"],
+            RoutingPolicy(prefill_drain=False),
+            reports=reports,
+            rng=random.Random(seed),
+        ).worker
+        for seed in range(20)
+    )
+
+    # then: with drain, gpu0 (its prompt two tenths of a second further on) wins every time;
+    # without, the two reservations weigh the same and the choice is a coin toss
+    assert drained == {"gpu0": 20}
+    assert set(counts) == {"gpu0", "gpu1"}
+    for lease in leases:
+        lease.release("done")
+
+
+def test_a_queued_prompt_drains_only_after_the_one_ahead_of_it(
+    router: KvRouter, redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given: two 480-token prompts reserved on gpu0 back to back, at 1,000 tokens/s
+    reports = {"gpu0": WorkerReport(prefill_tokens_per_s=1000.0), "gpu1": WorkerReport()}
+    leases = [
+        router.decide(
+            rid, block_hashes(_tokens(40 + n, 480), BS), 480, BS, ["gpu0"], RoutingPolicy(), reports=reports
+        )
+        for n, rid in enumerate(("a", "b"))
+    ]
+    probe = block_hashes(_tokens(42, 160), BS)
+
+    # when: 0.25 s pass, then the first prompt's first token comes, then the second's
+    time.sleep(0.25)
+    queued = _reserved_prefill_tokens(
+        router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy(), reports=reports), "gpu0", 160
+    )
+    leases[0].first_token()
+    after_first = _reserved_prefill_tokens(
+        router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy(), reports=reports), "gpu0", 160
+    )
+    leases[1].first_token()
+    drain_key = f"{key_namespace}load:drain"
+
+    # then: the second prompt waits behind the first (about 960 - 250 tokens left of both); what
+    # is left never exceeds what is still reserved; with nothing reserved the estimate is gone
+    assert 960 - 250 - 200 < queued <= 960 - 250, queued
+    assert 0 < after_first <= 480
+    assert not redis_client.hexists(drain_key, "gpu0")
+    for lease in leases:
+        lease.release("done")
