@@ -25,7 +25,7 @@ from routing.kv_events import KvEvent, KvEventPublisher
 from routing.layouts import layout_for_config
 from routing.load import LoadTracker
 from routing.registry import Heartbeat, WorkerRegistry
-from routing.router import KvRouter
+from routing.router import KvRouter, WorkerReport
 from routing.selection import RoutingPolicy
 from routing.token_view import ImageFacts, build_token_view
 
@@ -105,6 +105,14 @@ def run(client: redis.Redis, namespace: str, rng: random.Random) -> str:
     load = LoadTracker(client, namespace)
     router = KvRouter(client, namespace, index=index, load=load)
     policy = RoutingPolicy()
+    # What the frontend passes with every decision: each worker's heartbeat report (its engine's
+    # load and measured prefill rate, so the script drains reservations as it does in serving).
+    reports = {
+        name: WorkerReport(
+            capacity_blocks=4_096, running_and_waiting=4, kv_used_blocks=600, prefill_tokens_per_s=2_000.0
+        )
+        for name in workers
+    }
 
     # --- the cached prompts and who holds them -------------------------------------------------
     t0 = time.perf_counter()
@@ -166,7 +174,9 @@ def run(client: redis.Redis, namespace: str, rng: random.Random) -> str:
         )
         hashes = view.block_hashes
         t_hashed = time.perf_counter_ns()
-        decision = router.route(hashes, view.prompt_tokens, BLOCK_SIZE, main_workers, policy, rng=rng)
+        decision = router.route(
+            hashes, view.prompt_tokens, BLOCK_SIZE, main_workers, policy, reports=reports, rng=rng
+        )
         decision_us.append((time.perf_counter_ns() - t) / 1_000)
         hashing_us.append((t_hashed - t) / 1_000)
         overlaps.append(decision.overlap / decision.total_blocks)
@@ -196,7 +206,7 @@ def run(client: redis.Redis, namespace: str, rng: random.Random) -> str:
         t = time.perf_counter_ns()
         hashes = block_hashes(long_tokens, BLOCK_SIZE, long_media)
         t_hash = time.perf_counter_ns()
-        decision = router.route(hashes, LONG_TOKENS, BLOCK_SIZE, workers, policy, rng=rng)
+        decision = router.route(hashes, LONG_TOKENS, BLOCK_SIZE, workers, policy, reports=reports, rng=rng)
         t_end = time.perf_counter_ns()
         long_hash_ms.append((t_hash - t) / 1e6)
         long_route_ms.append((t_end - t_hash) / 1e6)
