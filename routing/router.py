@@ -62,10 +62,10 @@ _DECISION_LUA = (
 -- 10 affinity cost slack, 11 affinity max overlap lead (blocks), 12 busy max requests (0 off),
 -- 13 busy kv fraction (0 off), 14 mode, 15 uniform random in [0, 1), 16 load entry ttl ms,
 -- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
--- 21 per-worker facts, packed: "<index> <approximate 0/1> <kv capacity blocks> <reported
--- running + waiting or -1> <reported kv blocks in use or -1> <prefill tokens/s, 0: no drain>;"
--- for the workers that have any
--- (one string: far cheaper to send than five arguments per worker), 22 the worker names,
+-- 21 per-worker facts for the workers that have any, six big-endian i32s each: index,
+-- approximate (0/1), kv capacity blocks, reported running + waiting (-1: none), reported kv
+-- blocks in use (-1: none), prefill tokens/s (0: no drain). One binary string: far cheaper to
+-- send than six arguments per worker, and to build and read than text. 22 the worker names,
 -- distinct, joined by newlines (which no name holds): one argument instead of one per worker
 -- saves the client more time than splitting it here costs the script.
 local ns, packed = ARGV[1], ARGV[2]
@@ -85,11 +85,11 @@ for name in string.gmatch(ARGV[22], '[^\\n]+') do
 end
 local approximate, capacity, rep_requests, rep_kv, rate = {}, {}, {}, {}, {}
 local draining = false
-for j, a, cap, req, kv, r in string.gmatch(ARGV[21], '(%d+) (%d) (%-?%d+) (%-?%d+) (%-?%d+) (%d+);') do
-  j = tonumber(j)
-  approximate[j], capacity[j] = a == '1', tonumber(cap)
-  rep_requests[j], rep_kv[j] = tonumber(req), tonumber(kv)
-  r = tonumber(r)
+local facts = ARGV[21]
+for at = 1, #facts, 24 do
+  local j, a, cap, req, kv, r = struct.unpack('>i4i4i4i4i4i4', facts, at)
+  approximate[j], capacity[j] = a == 1, cap
+  rep_requests[j], rep_kv[j] = req, kv
   if r > 0 then rate[j], draining = r, true end
 end
 
@@ -464,10 +464,10 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
-        facts: list[str] = []
+        facts: list[int] = []
         if reports or approximate:
-            # About 0.6 us per worker: with 64 workers this string is a tenth of a decision.
-            append, get, drain = facts.append, reports.get, policy.prefill_drain
+            # Six integers per worker, packed once below: about 0.3 us per worker.
+            extend, get, drain = facts.extend, reports.get, policy.prefill_drain
             for j, name in enumerate(eligible, start=1):
                 report = get(name)
                 if report is None:
@@ -479,18 +479,17 @@ class KvRouter:
                     report.kv_used_blocks,
                     report.prefill_tokens_per_s,
                 )
-                append(
-                    "%d %d %d %d %d %d;"  # noqa: UP031 (%d formats these ints a fifth quicker)
-                    % (
+                extend(
+                    (
                         j,
                         name in approximate,
                         report.capacity_blocks,
                         -1 if requests is None else requests,
                         -1 if kv_used is None else kv_used,
-                        rate if drain and rate > 0 else 0,  # %d: whole tokens per second
+                        int(rate) if drain and rate > 0 else 0,  # whole tokens per second
                     )
                 )
-        args.append("".join(facts))
+        args.append(struct.pack(f">{len(facts)}i", *facts))
         args.append("\n".join(checked_workers(eligible)))
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
