@@ -21,8 +21,11 @@ class RoutingPolicy:
     # request already decoding adds one token to each step, yet weighs all of its blocks in the
     # decode term. At 1 a worker with two short decodes looked costlier than a cold one, and a
     # cached prefix was given up for a full prefill elsewhere (bench/workload.py shape (b)).
-    # 4: a decode block weighs a quarter of a prefill block; KV pressure has its own threshold.
-    prefill_load_scale: float = 4.0
+    # 4: a decode block weighed a quarter of a prefill block. 8 since reserved prefill drains
+    # (prefill_drain): what is left of a prompt is now measured, and a decode block weighed at a
+    # quarter still sent requests behind a prompt rather than beside decodes (bench/workload.py,
+    # docs/ARCHITECTURE.md "Choosing a worker"). KV pressure has its own threshold.
+    prefill_load_scale: float = 8.0
     temperature: float = 0.0  # 0: always the cheapest; > 0: softmax sampling over costs
     # Session affinity is a preference bounded like consistent hashing with bounded loads: the
     # session's last worker wins while its cost is at most (1 + slack) x the best candidate's,

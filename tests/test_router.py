@@ -196,7 +196,7 @@ def test_each_decision_logs_its_candidates_and_the_routing_line(
     assert len(lines) == len(WORKERS) + 1
     for worker, line in zip(WORKERS, lines, strict=False):
         assert re.fullmatch(
-            rf"\[ROUTING\] Formula for worker_{worker}: cost=[\d.]+ = 4\.000 \* prefill_blocks [\d.]+"
+            rf"\[ROUTING\] Formula for worker_{worker}: cost=[\d.]+ = 8\.000 \* prefill_blocks [\d.]+"
             r" \+ decode_blocks [\d.]+ \(overlap \d/7\)",
             line,
         ), line
