@@ -7,7 +7,9 @@ the shared index; a local image server stands in for the image's origin.
 from __future__ import annotations
 
 import io
+import json
 import re
+import time
 
 import httpx
 import pytest
@@ -93,6 +95,14 @@ def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_pr
         f"{base_url}/v1/chat/completions", json=image_request(other), headers=platform.headers, timeout=60
     )
     assert overlap_of(third)[0] < second_overlap
+
+    # The worker that prefilled the picture reports its measured prefill rate in its heartbeat
+    # (the router drains the prefill it reserves there at that rate).
+    deadline, rate = time.monotonic() + 10, 0.0
+    while rate <= 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        rate = json.loads(platform.redis.get(platform.heartbeat_key(worker)))["prefill_tokens_per_s"]
+    assert rate > 0
 
 
 def test_two_frontend_processes_make_identical_choices(platform_processes, origin):
