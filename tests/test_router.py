@@ -18,7 +18,7 @@ from routing.hashing import MediaPlacement, block_hashes
 from routing.index import KvIndex
 from routing.kv_events import KvEvent, KvEventPublisher
 from routing.load import LoadTracker
-from routing.router import AllWorkersBusy, KvRouter, NoEligibleWorker, WorkerReport
+from routing.router import AllWorkersBusy, KvRouter, NoEligibleWorker, RoutingDecision, WorkerReport
 from routing.selection import RoutingPolicy
 
 BS = 16
@@ -478,7 +478,7 @@ def test_a_reservation_lives_only_while_its_frontend_renews_it(router: KvRouter)
     assert not kept.renew(0.5)
 
 
-def _reserved_prefill_tokens(decision: Any, worker: str, isl: int) -> float:
+def _reserved_prefill_tokens(decision: RoutingDecision, worker: str, isl: int) -> float:
     """The prefill a decision counted on `worker` ahead of the request (its overlap being 0)."""
     score = next(s for s in decision.scores if s.worker == worker)
     return score.prefill_blocks * BS - isl
