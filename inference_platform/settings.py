@@ -136,6 +136,14 @@ WORKER_HEARTBEAT_INTERVAL_SECS = env_float("WORKER_HEARTBEAT_INTERVAL_SECS", 2.0
 # ENGINE_MAX_BATCH_TOKENS tokens (decodes plus prompt chunks) of at most ENGINE_MAX_RUNNING requests.
 ENGINE_MAX_RUNNING = env_int("ENGINE_MAX_RUNNING", 16, minimum=1)
 ENGINE_MAX_BATCH_TOKENS = env_int("ENGINE_MAX_BATCH_TOKENS", 512, minimum=1)
+# Which prompts a step computes first (workers.scheduler): shortest_first puts a cache hit's short
+# tail before a cold prompt's images and chunks; fcfs is arrival order (the baseline).
+ENGINE_SCHEDULE_POLICY = (env_str("ENGINE_SCHEDULE_POLICY") or "shortest_first").lower()
+if ENGINE_SCHEDULE_POLICY not in ("shortest_first", "fcfs"):
+    raise ValueError(f"ENGINE_SCHEDULE_POLICY={ENGINE_SCHEDULE_POLICY!r} must be shortest_first or fcfs")
+# shortest_first: a prompt with at most this many tokens left may share a step with another
+# prompt; a longer one gets a step of its own. Sized for a CPU; a GPU wants a few hundred.
+ENGINE_PREFILL_JOIN_TOKENS = env_int("ENGINE_PREFILL_JOIN_TOKENS", 64, minimum=0)
 # Celery threads per worker: enough for a full batch plus a small waiting queue in the engine.
 ENGINE_WAITING_SLOTS = env_int("ENGINE_WAITING_SLOTS", 4, minimum=0)
 WORKER_CONCURRENCY = env_int("WORKER_CONCURRENCY", ENGINE_MAX_RUNNING + ENGINE_WAITING_SLOTS, minimum=1)

@@ -98,7 +98,7 @@ def demo_engine(shared_parts):
 
     model, processor = shared_parts
 
-    def build(*, capacity: int = 512, events=None, load_image=load_image_directly):
+    def build(*, capacity: int = 512, events=None, load_image=load_image_directly, **options):
         return Engine(
             model=model,
             processor=processor,
@@ -107,6 +107,7 @@ def demo_engine(shared_parts):
             kv_pool=KvPool(capacity_blocks=capacity, block_size=16, worker="w", publish_events=events),
             embedding_cache=EmbeddingCache(64 << 20),
             load_image=load_image,
+            **options,
         )
 
     return build

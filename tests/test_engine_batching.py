@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,19 @@ def serve_together(engine: Engine, requests: Sequence[GenerationRequest]) -> lis
             if kind == "error":
                 raise value
     return results
+
+
+def wait_for(handle) -> tuple[GenerationResult, float]:
+    """The request's result and the instant (perf_counter) of its first token."""
+    first = float("nan")
+    while True:
+        kind, value = handle.events.get(timeout=120)
+        if kind == "first":
+            first = value
+        elif kind == "done":
+            return value, first
+        elif kind == "error":
+            raise value
 
 
 def generate_alone(engine: Engine, prompt: str, images: Sequence[ImageInput], max_tokens: int) -> str:
@@ -103,6 +117,53 @@ def test_the_engine_reports_the_prefill_rate_it_measures(demo_engine) -> None:
     # then: its rate is at least the prompt over the whole call (the steps are part of the call)
     rate = engine.load_report().prefill_tokens_per_s
     assert result.prompt_tokens / elapsed <= rate < 1e7
+
+
+@pytest.mark.parametrize("policy", ["shortest_first", "fcfs"])
+def test_a_cache_hit_gets_its_first_token_before_a_cold_picture_that_came_first(
+    demo_engine, policy, monkeypatch
+) -> None:
+    # given: an engine whose cache holds a picture's prompt, held inside a step (its model call
+    # waits for the test) so that both requests below are queued when it looks next
+    engine = demo_engine(schedule_policy=policy)
+    cached = chat(LONG_TEXT + " What is it?", images=1)
+    engine.generate(request(cached, [image_input(50, 224, 224)], max_tokens=1))
+    in_step, release = threading.Event(), threading.Event()
+    run = engine.runner.run
+
+    def held(inputs):
+        if not in_step.is_set():
+            in_step.set()
+            release.wait(30)
+        return run(inputs)
+
+    monkeypatch.setattr(engine.runner, "run", held)
+    ballast = engine.submit(request(chat("Hello there."), max_tokens=3))
+    assert in_step.wait(30)
+
+    # when: a new picture's prompt comes, then a question about the cached one (a few tokens left)
+    cold = engine.submit(
+        request(chat(LONG_TEXT + " What is it?", images=1), [image_input(51, 224, 224)], max_tokens=1)
+    )
+    hit = engine.submit(
+        request(cached.replace("What is it?", "Which colour?"), [image_input(50, 224, 224)], max_tokens=1)
+    )
+    release.set()
+    (cold_result, cold_first_token), (hit_result, hit_first_token), _ = (
+        wait_for(handle) for handle in (cold, hit, ballast)
+    )
+
+    # then: shortest_first answers the hit while the cold picture waits (its encoder runs between
+    # steps, its prompt gets a step of its own); fcfs makes the hit ride the cold prompt's step
+    assert (
+        hit_result.prompt_tokens - hit_result.cached_tokens
+        < 32
+        < cold_result.prompt_tokens - cold_result.cached_tokens
+    )
+    if policy == "shortest_first":
+        assert hit_first_token < cold_first_token
+    else:
+        assert hit_first_token >= cold_first_token
 
 
 def test_a_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(demo_engine) -> None:

@@ -3,6 +3,8 @@ the running cap, how a dry pool preempts the youngest request, and how cached pr
 
 from __future__ import annotations
 
+import pytest
+
 from routing.hashing import block_hashes, local_block_hashes
 from workers.kv_cache import KvPool
 from workers.scheduler import Scheduler, SequenceState
@@ -111,3 +113,72 @@ def test_a_wholly_cached_prompt_reuses_every_block_and_recomputes_only_its_last_
     assert again.copy_from is not None  # the cached last block, copied into its own before the step
     assert again.copy_from not in again.block_ids
     assert pool.block_hashes() == set(again.sequence_hashes)
+
+
+# --- which prompt goes first ----------------------------------------------------------------------
+def shortest_first(budget: int, join_tokens: int = 4, capacity: int = 64) -> Scheduler:
+    pool = KvPool(capacity_blocks=capacity, block_size=BLOCK, worker="w")
+    return Scheduler(pool, max_batch_tokens=budget, max_running=8, join_tokens=join_tokens)
+
+
+def test_a_short_prompt_goes_before_a_longer_one_that_came_first_and_does_not_wait_for_it() -> None:
+    scheduler = shortest_first(budget=64)
+    scheduler.add(sequence("long", list(range(100, 140))))  # 40 tokens
+    scheduler.add(sequence("short", [1, 2, 3]))
+
+    # the short one alone: sharing the step, its first token would wait for all 40 of the other's
+    assert step(scheduler) == {"short": 3}
+    assert step(scheduler) == {"short": 1, "long": 40}
+
+
+def test_fcfs_keeps_arrival_order_and_packs_the_step() -> None:
+    pool = KvPool(capacity_blocks=64, block_size=BLOCK, worker="w")
+    scheduler = Scheduler(pool, max_batch_tokens=64, max_running=8, policy="fcfs")
+    scheduler.add(sequence("long", list(range(100, 140))))
+    scheduler.add(sequence("short", [1, 2, 3]))
+
+    assert step(scheduler) == {"long": 40, "short": 3}
+
+
+def test_a_prompt_is_as_short_as_what_the_cache_does_not_hold_of_it() -> None:
+    # given: a 40-token prompt whose first 36 tokens are cached, and a cold 12-token prompt before it
+    scheduler = shortest_first(budget=64)
+    cached = list(range(200, 240))
+    scheduler.add(sequence("first", cached))
+    step(scheduler)
+    scheduler.finish(scheduler.running[0])
+    scheduler.add(sequence("cold", list(range(300, 312))))
+    scheduler.add(sequence("hit", [*cached[:36], 1, 2, 3, 4]))
+
+    # then: the hit (4 tokens left) goes first, the cold one next
+    assert step(scheduler) == {"hit": 4}
+    assert step(scheduler) == {"hit": 1, "cold": 12}
+
+
+def test_a_prompt_in_chunks_lets_a_short_arrival_through_between_two_chunks() -> None:
+    scheduler = shortest_first(budget=8)
+    scheduler.add(sequence("long", list(range(100, 130))))  # 30 tokens: four chunks
+    assert step(scheduler) == {"long": 8}
+
+    scheduler.add(sequence("short", [1, 2, 3]))
+    assert step(scheduler) == {"short": 3}
+    assert step(scheduler) == {"short": 1, "long": 7}
+
+
+def test_a_prompt_passed_over_moves_up_until_it_runs_however_many_shorter_ones_come() -> None:
+    scheduler = shortest_first(budget=16, join_tokens=0, capacity=256)
+    scheduler.add(sequence("long", list(range(100, 112))))  # 12 tokens
+    ran_at = None
+    for n in range(10):
+        scheduler.add(sequence(f"short{n}", [n + 1, n + 2]))  # a new 2-token prompt every step
+        if "long" in step(scheduler):
+            ran_at = n
+            break
+
+    assert ran_at == 1  # passed over once (12 - 16 < 2): then it goes first
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    pool = KvPool(capacity_blocks=8, block_size=BLOCK, worker="w")
+    with pytest.raises(ValueError, match="shortest_first, fcfs"):
+        Scheduler(pool, max_batch_tokens=8, max_running=2, policy="lifo")

@@ -47,7 +47,14 @@ from workers.prompt_layout import (
     VideoInput,
 )
 from workers.sampler import RequestSampler, SamplingParams, choose_tokens
-from workers.scheduler import ScheduledChunk, Scheduler, SequenceState, fits
+from workers.scheduler import (
+    DEFAULT_JOIN_TOKENS,
+    SHORTEST_FIRST,
+    ScheduledChunk,
+    Scheduler,
+    SequenceState,
+    fits,
+)
 from workers.video_inputs import VideoPreprocessor
 
 if TYPE_CHECKING:
@@ -185,7 +192,8 @@ def _let_engine_steps_finish() -> None:
 
 
 class RequestHandle:
-    """A submitted request: its events (first / token / done / error) and a way to cancel it."""
+    """A submitted request: its events (first, with its `perf_counter` instant / token / done /
+    error) and a way to cancel it."""
 
     def __init__(
         self, sequence: SequenceState, events: queue.SimpleQueue, wake: threading.Event | None = None
@@ -259,6 +267,8 @@ class Engine:
         load_image: ImageLoader,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_running: int = DEFAULT_MAX_RUNNING,
+        schedule_policy: str = SHORTEST_FIRST,
+        prefill_join_tokens: int = DEFAULT_JOIN_TOKENS,
         video: VideoPreprocessor | None = None,
     ) -> None:
         from workers.model_runner import ModelRunner
@@ -288,7 +298,13 @@ class Engine:
         self.runner = ModelRunner(
             model, self.layout, device=device, blocks=kv_pool.capacity_blocks, block_size=self.block_size
         )
-        self.scheduler = Scheduler(kv_pool, max_batch_tokens=max_batch_tokens, max_running=max_running)
+        self.scheduler = Scheduler(
+            kv_pool,
+            max_batch_tokens=max_batch_tokens,
+            max_running=max_running,
+            policy=schedule_policy,
+            join_tokens=prefill_join_tokens,
+        )
         self._eos_ids = self._end_of_sequence_ids()
         self.processor_fingerprint = self._fingerprint_image_processor()
         # Video embeddings depend on the video settings, not the image processor's.
@@ -310,6 +326,7 @@ class Engine:
         self.preemptions = 0
         self.running_peak = 0
         self.prefill_tokens_per_s = 0.0
+        self._encoder_seconds = 0.0  # spent encoding ahead since the last step that measured the rate
         # The index may still list blocks of this worker's previous life: say it holds nothing.
         kv_pool.clear()
 
@@ -328,6 +345,8 @@ class Engine:
         model_name: str | None = None,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_running: int = DEFAULT_MAX_RUNNING,
+        schedule_policy: str = SHORTEST_FIRST,
+        prefill_join_tokens: int = DEFAULT_JOIN_TOKENS,
     ) -> Engine:
         """Loads a local checkpoint (no hub access) and announces an empty cache (`cleared`)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -354,6 +373,8 @@ class Engine:
             load_image=load_image or load_image_directly,
             max_batch_tokens=max_batch_tokens,
             max_running=max_running,
+            schedule_policy=schedule_policy,
+            prefill_join_tokens=prefill_join_tokens,
             video=VideoPreprocessor.for_model_dir(model_dir),
         )
 
@@ -625,6 +646,8 @@ class Engine:
             busy = self.scheduler.has_work()
             if busy:
                 try:
+                    if self.scheduler.policy == SHORTEST_FIRST and self._encode_next_prompt():
+                        continue  # a request that came meanwhile may go before the one just encoded
                     self._step()
                 except Exception as exc:  # a bug or a device failure: no caller may wait forever
                     logger.exception("engine step failed; failing the requests it held")
@@ -665,6 +688,39 @@ class Engine:
             state.encoded_ahead = True
         return False
 
+    def _encode_next_prompt(self) -> bool:
+        """Encodes, between steps, one image of the next prompt to compute (the scheduler's first)
+        that its next chunk needs. Returns whether it encoded anything.
+
+        The step that then computes the chunk is its forward pass alone, and a shorter request
+        that arrives while the encoder runs goes first: in a step, it would have waited for the
+        encoder and the longer prompt's whole chunk. An image that fails fails its request here,
+        as it would in the step."""
+        order = self.scheduler.prefill_order()
+        if not order:
+            return False
+        sequence = order[0]
+        if sequence.cancelled:
+            return False
+        state: _RequestState = sequence.payload
+        start = len(sequence.tokens) - self.scheduler.prefill_left(sequence)
+        end = min(start + self.scheduler.max_batch_tokens, sequence.prompt_len)
+        for index, image in enumerate(state.placed):
+            if index in state.embeddings or image.end <= start or image.start >= end:
+                continue
+            if image.kind != "video" and (
+                image.source.features_expected or image.source.embedding is not None
+            ):
+                continue  # E/PD: the encode worker's features stand in for the encoder
+            started = time.perf_counter()
+            try:
+                self._image_embedding(state, index)
+            except Exception as exc:
+                self._fail(sequence, exc)
+            self._encoder_seconds += time.perf_counter() - started
+            return True
+        return False
+
     @staticmethod
     def _loaded(image: PromptImage) -> bool:
         if image.kind == "video":
@@ -702,7 +758,9 @@ class Engine:
         for chunk in chunks:
             self.scheduler.computed(chunk)
         if prompt_tokens >= _RATE_MIN_PROMPT_TOKENS:
-            self._note_prefill_rate(prompt_tokens, time.perf_counter() - started)
+            # Images encoded between steps count: the router drains a prompt at this rate.
+            self._note_prefill_rate(prompt_tokens, time.perf_counter() - started + self._encoder_seconds)
+            self._encoder_seconds = 0.0
         sampling = [chunk.sequence for chunk in chunks if chunk.samples]
         tokens = choose_tokens([sequence.payload.sampler for sequence in sampling], logits)
         for sequence, token in zip(sampling, tokens, strict=True):
@@ -794,7 +852,7 @@ class Engine:
         self.generated_tokens += 1
         if state.first_token_at is None:
             state.first_token_at = time.perf_counter()
-            state.events.put(("first", None))
+            state.events.put(("first", state.first_token_at))
         if token in self._eos_ids and not state.request.ignore_eos:
             state.stream.finish()
             self._finish(sequence, "stop")

@@ -1,10 +1,19 @@
 """Which tokens of which requests the next engine step computes (continuous batching).
 
-Each step takes every running request's pending tokens (one for a decode, a chunk for a prompt
-still being prefilled), oldest first, then admits waiting requests, all within a token budget
-and a cap on running requests. Blocks come from the paged pool; when it runs dry the youngest
-running request is preempted (its blocks freed, its tokens recomputed later), so a full pool
-slows requests down instead of failing them. Pure bookkeeping: no torch, testable without a model.
+Each step takes every running request's next token (its decode), then prompt chunks, within a
+token budget and a cap on running requests. Which prompts go first is the policy's choice:
+
+- `shortest_first` (the default): the prompt with the fewest tokens left to compute to its
+  first token goes first (a cache hit's short tail before a cold prompt's images), and a prompt
+  longer than `join_tokens` never rides a step that already computes another one. Each step that
+  passes a prompt over brings it forward by a step's budget, so none waits for ever. Like
+  SGLang's longest-prefix-match policy, it is what makes a prefix-cache hit fast under load.
+- `fcfs`: running prompts, then waiting ones, in arrival order, packed into the budget (the
+  engine before; what the scheduling benchmark measures against).
+
+Blocks come from the paged pool; when it runs dry the youngest running request is preempted (its
+blocks freed, its tokens recomputed later), so a full pool slows requests down instead of failing
+them. Pure bookkeeping: no torch, testable without a model.
 """
 
 from __future__ import annotations
@@ -17,6 +26,17 @@ from typing import Any
 from workers.kv_cache import KvPool
 
 _arrival = itertools.count()
+
+SHORTEST_FIRST = "shortest_first"
+FCFS = "fcfs"
+POLICIES = (SHORTEST_FIRST, FCFS)
+
+# shortest_first: a prompt with at most this many tokens left joins a step that already computes
+# another prompt; a longer one waits for a step of its own. About a step's fixed cost in tokens
+# for a small model on a CPU (a 3-token step takes ~5 ms, each further token ~0.1 ms): joining
+# saves the joiner that overhead and costs the step's other prompts its tokens' time. A GPU's
+# step costs the same for hundreds of tokens: set it higher there (ENGINE_PREFILL_JOIN_TOKENS).
+DEFAULT_JOIN_TOKENS = 64
 
 
 @dataclass(eq=False)
@@ -36,6 +56,7 @@ class SequenceState:
     committed: int = 0  # prompt blocks whose cache status is settled (reused or offered)
     cached_tokens: int | None = None  # reused from the prefix cache at first admission
     preemptions: int = 0
+    passed_over: int = 0  # steps that computed another prompt while this one waited
     cancelled: bool = False
     # A cached block to copy into the request's last prompt block before the step runs.
     copy_from: int | None = None
@@ -68,15 +89,33 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, *, max_batch_tokens: int, max_running: int) -> None:
-        if max_batch_tokens < 1 or max_running < 1:
-            raise ValueError("max_batch_tokens and max_running must be >= 1")
+    def __init__(
+        self,
+        pool: KvPool,
+        *,
+        max_batch_tokens: int,
+        max_running: int,
+        policy: str = SHORTEST_FIRST,
+        join_tokens: int = DEFAULT_JOIN_TOKENS,
+    ) -> None:
+        if max_batch_tokens < 1 or max_running < 1 or join_tokens < 0:
+            raise ValueError("max_batch_tokens and max_running must be >= 1, join_tokens >= 0")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         self.pool = pool
         self.block_size = pool.block_size
         self.max_batch_tokens = max_batch_tokens
+        self.policy = policy
+        self.join_tokens = join_tokens if policy == SHORTEST_FIRST else max_batch_tokens
         self.max_running = max_running
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # oldest admission first
+
+    @property
+    def wait_bound_tokens(self) -> int:
+        """The most queued prompt tokens a shorter prompt waits for: under shortest_first, the
+        step in flight (a budget's worth); 0 under fcfs, where it waits for all that came first."""
+        return self.max_batch_tokens if self.policy == SHORTEST_FIRST else 0
 
     def add(self, sequence: SequenceState) -> None:
         self.waiting.append(sequence)
@@ -88,35 +127,62 @@ class Scheduler:
         return -(-tokens // self.block_size)
 
     # --- one step ----------------------------------------------------------------------------------
+    def prefill_left(self, sequence: SequenceState) -> int:
+        """Tokens the sequence still has to compute before its next token: what it has pending if it
+        runs, else what the pool does not hold of it right now (a look, not a hold)."""
+        if sequence.block_ids or sequence in self.running:
+            return sequence.pending
+        cached = self.pool.cached_prefix_blocks(sequence.sequence_hashes) * self.block_size
+        return len(sequence.tokens) - min(cached, sequence.prompt_len - 1)
+
+    def prefill_order(self) -> list[SequenceState]:
+        """Prompts to compute, the next first: running ones part-way through and waiting ones (a
+        preempted one first, its turn came already), in the policy's order (see the module)."""
+        running = [s for s in self.running if s.pending > 1]
+        waiting = [s for s in self.waiting if not s.cancelled]
+        if self.policy == FCFS:
+            return running + waiting
+        return sorted(
+            running + waiting,
+            key=lambda s: (
+                -1 if s.preemptions and not s.block_ids else 0,
+                self.prefill_left(s) - s.passed_over * self.max_batch_tokens,
+                s.arrival,
+            ),
+        )
+
     def schedule(self) -> StepPlan:
+        """The next step: every running decode, then prompt chunks in `prefill_order`."""
         budget = self.max_batch_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[SequenceState] = []
         scheduled: set[int] = set()
-        prefilling = False  # whether this step already computes a prompt chunk
         for sequence in list(self.running):
             if budget == 0:
                 break
-            if sequence not in self.running:
-                continue  # preempted below to make room for an older one
-            count = min(sequence.pending, budget)
-            while not self._ensure_blocks(sequence, sequence.computed + count):
-                victim = self._youngest_unscheduled(scheduled)
-                if victim is None:
-                    victim = sequence  # nothing younger left: it waits itself
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is sequence:
-                    break
-            else:
-                chunks.append(ScheduledChunk(sequence, sequence.computed, count))
-                scheduled.add(id(sequence))
-                budget -= count
-                prefilling = prefilling or count > 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
-            sequence = self.waiting[0]
-            if sequence.cancelled:
-                self.waiting.popleft()
+            if sequence not in self.running or sequence.pending != 1:
+                continue  # preempted below to make room for an older one, or still a prompt
+            if self._run(sequence, 1, scheduled, preempted):
+                chunks.append(ScheduledChunk(sequence, sequence.computed, 1))
+                budget -= 1
+        prefilling = False  # whether this step already computes a prompt chunk
+        admitting = True  # whether waiting prompts may still join the running ones this step
+        order = self.prefill_order()
+        for sequence in order:
+            if budget == 0:
+                break
+            if id(sequence) in scheduled:
+                continue
+            if prefilling and self.prefill_left(sequence) > self.join_tokens:
+                continue  # it waits for a step of its own (see the module)
+            if sequence in self.running:
+                count = min(sequence.pending, budget)
+                if self._run(sequence, count, scheduled, preempted):
+                    chunks.append(ScheduledChunk(sequence, sequence.computed, count))
+                    budget -= count
+                    prefilling = True
+                continue
+            if not admitting or len(self.running) >= self.max_running or preempted:
                 continue
             if not sequence.block_ids:
                 self._reuse_prefix(sequence)
@@ -125,17 +191,41 @@ class Scheduler:
                 # It would fit a step of its own: split, it would take two prefill steps to its
                 # first token (and arrive with its neighbour again next time); it waits for one.
                 self._reset(sequence)
-                break
+                admitting = self.policy != FCFS  # fcfs: nobody overtakes it
+                continue
             if not self._ensure_blocks(sequence, sequence.computed + count):
-                # Room comes back as running requests finish; waiting ones never preempt them.
+                # Room comes back as running requests finish; waiting ones never preempt them,
+                # and none takes the room it waits for.
                 self._reset(sequence)
-                break
-            self.waiting.popleft()
+                admitting = False
+                continue
+            self.waiting.remove(sequence)
             self.running.append(sequence)
+            scheduled.add(id(sequence))
             chunks.append(ScheduledChunk(sequence, sequence.computed, count))
             budget -= count
-            prefilling = prefilling or count > 1
+            prefilling = True
+        if prefilling:
+            for sequence in order:
+                if id(sequence) not in scheduled:
+                    sequence.passed_over += 1
         return StepPlan(chunks, preempted)
+
+    def _run(
+        self, sequence: SequenceState, count: int, scheduled: set[int], preempted: list[SequenceState]
+    ) -> bool:
+        """Blocks for a running sequence's next `count` tokens, preempting the youngest running
+        sequence not yet in this step while the pool is dry; False if it was preempted itself."""
+        while not self._ensure_blocks(sequence, sequence.computed + count):
+            victim = self._youngest_unscheduled(scheduled)
+            if victim is None:
+                victim = sequence  # nothing younger left: it waits itself
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is sequence:
+                return False
+        scheduled.add(id(sequence))
+        return True
 
     def _reuse_prefix(self, sequence: SequenceState) -> None:
         bs = self.block_size

@@ -325,6 +325,8 @@ def _generating_runtime(name, role, model_path, device, client, encoders, featur
         worker_name=name,
         max_batch_tokens=settings.ENGINE_MAX_BATCH_TOKENS,
         max_running=settings.ENGINE_MAX_RUNNING,
+        schedule_policy=settings.ENGINE_SCHEDULE_POLICY,
+        prefill_join_tokens=settings.ENGINE_PREFILL_JOIN_TOKENS,
     )
     if role == ROLE_LLM:
         engine.unload_vision(model_path)
