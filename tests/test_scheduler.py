@@ -182,3 +182,12 @@ def test_an_unknown_policy_is_refused() -> None:
     pool = KvPool(capacity_blocks=8, block_size=BLOCK, worker="w")
     with pytest.raises(ValueError, match="shortest_first, fcfs"):
         Scheduler(pool, max_batch_tokens=8, max_running=2, policy="lifo")
+
+
+def test_fcfs_starts_a_long_prompt_in_what_is_left_of_a_step() -> None:
+    pool = KvPool(capacity_blocks=64, block_size=BLOCK, worker="w")
+    scheduler = Scheduler(pool, max_batch_tokens=16, max_running=8, policy="fcfs")
+    scheduler.add(sequence("short", [1, 2, 3]))
+    scheduler.add(sequence("long", list(range(100, 140))))  # longer than a step: it is split anyway
+
+    assert step(scheduler) == {"short": 3, "long": 13}

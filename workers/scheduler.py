@@ -106,16 +106,10 @@ class Scheduler:
         self.block_size = pool.block_size
         self.max_batch_tokens = max_batch_tokens
         self.policy = policy
-        self.join_tokens = join_tokens if policy == SHORTEST_FIRST else max_batch_tokens
+        self.join_tokens = join_tokens
         self.max_running = max_running
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []  # oldest admission first
-
-    @property
-    def wait_bound_tokens(self) -> int:
-        """The most queued prompt tokens a shorter prompt waits for: under shortest_first, the
-        step in flight (a budget's worth); 0 under fcfs, where it waits for all that came first."""
-        return self.max_batch_tokens if self.policy == SHORTEST_FIRST else 0
 
     def add(self, sequence: SequenceState) -> None:
         self.waiting.append(sequence)
@@ -166,6 +160,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(sequence, sequence.computed, 1))
                 budget -= 1
         prefilling = False  # whether this step already computes a prompt chunk
+        joining = self.policy == SHORTEST_FIRST  # whether long prompts keep out of such a step
         admitting = True  # whether waiting prompts may still join the running ones this step
         order = self.prefill_order()
         for sequence in order:
@@ -173,7 +168,7 @@ class Scheduler:
                 break
             if id(sequence) in scheduled:
                 continue
-            if prefilling and self.prefill_left(sequence) > self.join_tokens:
+            if joining and prefilling and self.prefill_left(sequence) > self.join_tokens:
                 continue  # it waits for a step of its own (see the module)
             if sequence in self.running:
                 count = min(sequence.pending, budget)
