@@ -7,10 +7,13 @@ the engine gets are exactly those a real request carries.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from PIL import Image
 
+from routing.media import url_identity
 from routing.video import VideoLimits, decode_video
 from tests.video_files import make_clip
 from workers.embedding_cache import EmbeddingCache
@@ -243,3 +246,42 @@ def test_videos_batched_together_and_prefilled_in_small_chunks_answer_as_alone(f
     # then each answer is what transformers' generate gives that request alone
     assert [result.text for result in results] == alone
     assert engine.running_peak == 2
+
+
+def test_a_video_beside_a_picture_whose_features_an_encode_worker_sends_is_encoded_ahead(family):
+    # given an E/PD request: a picture whose features were to come from an encode worker, and a
+    # video, which this worker encodes itself while it waits (encode workers take pictures only)
+    engine = family()
+    clip = Clip(engine.video)
+    picture = Image.new("RGB", (112, 84), (200, 40, 40))
+    buffer = __import__("io").BytesIO()
+    picture.save(buffer, "PNG")
+    expected = ImageInput(
+        identity=url_identity("https://img.test/red.png"),
+        data=buffer.getvalue(),
+        width=112,
+        height=84,
+        features_expected=True,
+    )
+    request = GenerationRequest(
+        request_id="epd-video",
+        prompt=chat(VIDEO + IMAGE + "What do they show?"),
+        images=[expected],
+        max_tokens=4,
+        videos=[clip.input],
+    )
+
+    # when it waits for the features, which never come
+    handle = engine.submit(request)
+    time.sleep(0.3)
+    handle.features_arrived()
+
+    # then the engine went on (the video encoded ahead, the picture here after the wait)
+    while True:
+        kind, value = handle.events.get(timeout=60)
+        if kind == "error":
+            raise value
+        if kind == "done":
+            break
+    assert value.completion_tokens == 4
+    assert value.encoder_calls == 2 and clip.reads == 1

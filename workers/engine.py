@@ -600,10 +600,8 @@ class Engine:
                     if not (cached_embeddings and key in self.embedding_cache):
                         image.frames = self._load_frames(image.source)  # type: ignore[arg-type]
                 continue
-            if image.source.embedding is not None and image.source.embedding.shape[0] == image.length:
-                continue  # E/PD: an encode worker's features stand in for the pixels
-            if image.source.features_expected:
-                continue  # E/PD: its features are on their way; loaded later only if they fail
+            if image.encoded_elsewhere:
+                continue  # E/PD: loaded later only if the encode worker's features fail
             if image.image is None and image.pixel_values is None and image.end > reused:
                 image.image = self._load_declared(image.source, scope_key)
 
@@ -677,7 +675,7 @@ class Engine:
             for index, image in enumerate(state.placed):
                 if index in state.embeddings or image.end <= state.covered_at_submit:
                     continue
-                if image.source.features_expected or not self._loaded(image):
+                if image.encoded_elsewhere or not self._loaded(image):
                     continue
                 try:
                     self._image_embedding(state, index)
@@ -708,10 +706,8 @@ class Engine:
         for index, image in enumerate(state.placed):
             if index in state.embeddings or image.end <= start or image.start >= end:
                 continue
-            if image.kind != "video" and (
-                image.source.features_expected or image.source.embedding is not None
-            ):
-                continue  # E/PD: the encode worker's features stand in for the encoder
+            if image.encoded_elsewhere:
+                continue  # the step takes the encode worker's features (or falls back)
             started = time.perf_counter()
             try:
                 self._image_embedding(state, index)

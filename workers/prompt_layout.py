@@ -88,6 +88,17 @@ class PromptImage:
     frames: bytes | None = None
     pad_positions: tuple[int, ...] | None = None
 
+    @property
+    def encoded_elsewhere(self) -> bool:
+        """E/PD: whether an encode worker's features take the place of this image's pixels and
+        encoder here: they are on their way, or came with a row for each placeholder. Never for a
+        video (encode workers take pictures only, and a VideoInput has neither field)."""
+        if self.kind == "video":
+            return False
+        source = self.source
+        received = source.embedding
+        return source.features_expected or (received is not None and received.shape[0] == self.length)
+
     def placeholder_rows(self, first: int, last: int) -> list[tuple[int, int, int]]:
         """(prompt position, first feature row, rows) of each run of this media's placeholders
         within prompt positions [first, last)."""
