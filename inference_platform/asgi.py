@@ -1,4 +1,7 @@
-"""ASGI entry point: Django's HTTP app under Channels' protocol router."""
+"""ASGI entry point: Django's HTTP app under Channels' protocol router.
+
+`/v1/*` goes to `ApiHandler` (the API's views behind the API's middleware only, see
+inference_platform/api/handler.py); everything else to Django's handler with the full stack."""
 
 from __future__ import annotations
 
@@ -10,9 +13,13 @@ from channels.routing import ProtocolTypeRouter
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 
-from inference_platform.api.boundary import RequestBodyLimit
+from inference_platform.api.boundary import RequestBodyLimit, is_api_path
 
 django_asgi_app = get_asgi_application()
+
+from inference_platform.api.handler import ApiHandler  # noqa: E402 - needs the apps loaded
+
+api_asgi_app = ApiHandler()
 
 from inference_platform.serving import check_served_model  # noqa: E402 - needs the apps loaded
 
@@ -34,4 +41,10 @@ if not settings.API_AUTH_REQUIRED:
         "every /v1/ endpoint, the operators' ones included. Only for a local demo."
     )
 
-application = ProtocolTypeRouter({"http": RequestBodyLimit(django_asgi_app, settings.API_MAX_BODY_BYTES)})
+
+async def http_app(scope, receive, send) -> None:
+    handler = api_asgi_app if is_api_path(scope.get("path", "")) else django_asgi_app
+    await handler(scope, receive, send)
+
+
+application = ProtocolTypeRouter({"http": RequestBodyLimit(http_app, settings.API_MAX_BODY_BYTES)})

@@ -37,8 +37,9 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    # The admin's CSS and JS, served by the ASGI app itself (no separate web server needed).
-    "whitenoise.middleware.WhiteNoiseMiddleware",
+    # The admin's CSS and JS, served by the ASGI app itself (no separate web server needed), by
+    # WhiteNoise made async-capable so that API requests stay on the event loop.
+    "inference_platform.static_files.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

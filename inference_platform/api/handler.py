@@ -1,0 +1,46 @@
+"""Django for `/v1/*`: the same URLs and views as the admin's, behind only the middleware an API
+call needs.
+
+Django's own middleware is written for synchronous code: under ASGI each one moves every request
+to a thread and back, twice (its `process_request`, then its `process_response`). The admin's
+stack (sessions, CSRF, authentication, messages, clickjacking, trailing slashes) is six of them,
+twelve hand-overs between threads on every chat completion for features an API call does not
+use: it carries a bearer key (checked by `api_key_required`), no cookie, no form, and its
+answers are JSON or an event stream, not pages to frame. What it does need of that stack are the
+security headers and the HTTPS redirect, which `ApiSecurityMiddleware` applies on the event loop
+(both are header reads and writes, no I/O).
+
+`asgi.py` sends `/v1/*` here and everything else (admin, dashboard, `/metrics`, static files) to
+Django's handler with the full `MIDDLEWARE`.
+"""
+
+from __future__ import annotations
+
+from django.core.handlers.asgi import ASGIHandler
+from django.core.handlers.exception import convert_exception_to_response
+from django.http import HttpRequest, HttpResponse
+from django.middleware.security import SecurityMiddleware
+
+
+class ApiSecurityMiddleware(SecurityMiddleware):
+    """Django's SecurityMiddleware (HTTPS redirect, HSTS, nosniff, referrer and opener policies)
+    without the thread hops: both of its hooks only read and write headers."""
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponse:
+        response = self.process_request(request)
+        if response is None:
+            response = await self.get_response(request)
+        return self.process_response(request, response)
+
+
+class ApiHandler(ASGIHandler):
+    """An ASGI handler whose middleware chain is `ApiSecurityMiddleware` alone."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        if not is_async:  # an ASGIHandler always loads its chain for async
+            raise ValueError("ApiHandler serves ASGI only")
+        self._view_middleware = []
+        self._template_response_middleware = []
+        self._exception_middleware = []
+        view = convert_exception_to_response(self._get_response_async)
+        self._middleware_chain = convert_exception_to_response(ApiSecurityMiddleware(view))
