@@ -237,6 +237,10 @@ async def send_to_worker(worker: str, task: GenerateTask) -> None:
             celery_app.send_task,
             task.name,
             args=[task.to_payload()],
+            # What Celery's logs and events show of the task: the request, not the payload (its
+            # prompt and token ids), which Celery would otherwise render at every send.
+            argsrepr=f"({task.request_id!r})",
+            kwargsrepr="{}",
             queue=worker_queue(worker),
             expires=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
         )
