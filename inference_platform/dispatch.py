@@ -239,7 +239,7 @@ async def send_to_worker(worker: str, task: GenerateTask) -> None:
             args=[task.to_payload()],
             # What Celery's logs and events show of the task: the request, not the payload (its
             # prompt and token ids), which Celery would otherwise render at every send.
-            argsrepr=f"({task.request_id!r})",
+            argsrepr=repr([task.request_id]),
             kwargsrepr="{}",
             queue=worker_queue(worker),
             expires=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,

@@ -360,3 +360,29 @@ async def test_image_bytes_travel_to_the_worker_by_reference_not_inside_the_task
     # and once the request ended, the frontend released them rather than waiting for the TTL
     assert store.total_bytes() == 0
     assert conn.get(seen["image"]["media_ref"]) is None
+
+
+async def test_the_queued_task_names_its_request_and_its_headers_carry_no_prompt(
+    client, served_demo_model, ghost_worker
+):
+    """The ghost worker (fault injection: it never answers) leaves its task in the queue to read."""
+    body = chat_body(served_demo_model)
+    body["messages"][0]["content"] = "The launch code is tangerine-kestrel-42."
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    queue = f"{django_settings.REDIS_KEY_PREFIX}worker.ghost"
+    seen: dict = {}
+
+    async def read_the_task() -> None:
+        while not (raw := conn.lindex(queue, 0)):
+            await asyncio.sleep(0.05)
+        message = json.loads(raw)
+        seen["headers"] = message["headers"]
+        seen["request_id"] = json.loads(base64.b64decode(message["body"]))[0][0]["request_id"]
+
+    reader = asyncio.create_task(read_the_task())
+    status, _, response = await post(client, body)
+    await reader
+    assert status == 504 and seen["request_id"] == response["X-Request-Id"]
+    # what Celery's logs, events and monitors show of the task is its request, not its prompt
+    assert seen["headers"]["argsrepr"] == repr([seen["request_id"]])
+    assert "tangerine" not in json.dumps(seen["headers"])
