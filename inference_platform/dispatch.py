@@ -67,6 +67,8 @@ class Dispatch:
         self.tried: list[str] = [lease.worker]  # workers that had the request, in order
         # Sends the request to another eligible worker (serving.py builds it); False if none is left.
         self.migrate = migrate
+        # Forgets the image sizes this request was routed with (a worker found one changed).
+        self.forget_image_sizes: Callable[[], None] | None = None
 
     @property
     def request_id(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -42,6 +43,7 @@ from routing.contract import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.lease import RequestLease
 from routing.media import (
+    ImageSizes,
     MediaError,
     MediaPolicy,
     ResolvedImage,
@@ -350,19 +352,46 @@ class PreparedRequest:
         )
 
 
-def prepare(chat: ChatRequest, cache_salt: int | None = None) -> PreparedRequest:
+@functools.lru_cache(maxsize=1)
+def _image_sizes(ttl_s: float, max_entries: int) -> ImageSizes:
+    return ImageSizes(ttl_s, max_entries)
+
+
+def image_sizes() -> ImageSizes | None:
+    """This process's kept image sizes (MEDIA_SIZE_CACHE_SECS); None when that is 0."""
+    if settings.MEDIA_SIZE_CACHE_SECS <= 0:
+        return None
+    return _image_sizes(settings.MEDIA_SIZE_CACHE_SECS, settings.MEDIA_SIZE_CACHE_ENTRIES)
+
+
+def image_size_scope(cache_salt: int | None, scope_key: str | None) -> tuple[int | None, str | None]:
+    """Whose kept image sizes a request may use: its caller's cache partition and, where image
+    caches are session-scoped (the origin may answer each session with other content), its
+    session's (a keyed hash, never the raw id)."""
+    return cache_salt, scope_key if settings.DYN_MM_IMAGE_CACHE_SESSION_SCOPED else None
+
+
+def prepare(
+    chat: ChatRequest,
+    cache_salt: int | None = None,
+    *,
+    sizes: ImageSizes | None = None,
+    scope_key: str | None = None,
+) -> PreparedRequest:
     """Render the prompt, resolve the images (identity, size), and build the routing token view.
 
     `cache_salt` is the caller's cache partition (tenants.keys.Caller.cache_salt): it folds
-    into the view's block hashes, and the worker folds the same salt into its own.
+    into the view's block hashes, and the worker folds the same salt into its own. With `sizes`,
+    an image whose size was read lately in the same scope (`image_size_scope`) is not asked of
+    its origin again.
     """
-    prepared = _prepare(chat)
+    prepared = _prepare(chat, sizes, image_size_scope(cache_salt, scope_key))
     if cache_salt is not None:
         prepared = dataclasses.replace(prepared, view=prepared.view.salted(cache_salt))
     return prepared
 
 
-def _prepare(chat: ChatRequest) -> PreparedRequest:
+def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> PreparedRequest:
     model = served_model()
     if chat.model != model.name:
         raise ApiError(
@@ -391,7 +420,13 @@ def _prepare(chat: ChatRequest) -> PreparedRequest:
     urls = [part.url for part in chat.images]
     try:
         # The processor needs the pixels, so that path fetches every image in full here.
-        images = resolve_images(urls, media_policy(), frontend_decoding=frontend_decoding or use_processor)
+        images = resolve_images(
+            urls,
+            media_policy(),
+            frontend_decoding=frontend_decoding or use_processor,
+            sizes=sizes,
+            scope=size_scope,
+        )
     except MediaError as exc:
         # An origin that fails or times out is still a problem with the request's image: a 4xx
         # naming it, never a 5xx that would blame the platform.
@@ -602,7 +637,9 @@ async def plan_request(
 
 
 async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, caller: Caller) -> Dispatch:
-    prepared = await asyncio.to_thread(prepare, chat, caller.cache_salt(chat.cache_salt))
+    salt = caller.cache_salt(chat.cache_salt)
+    sizes = image_sizes()
+    prepared = await asyncio.to_thread(prepare, chat, salt, sizes=sizes, scope_key=scope_key)
     model, view = prepared.model, prepared.view
     await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
 
@@ -622,6 +659,11 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     decision = lease.decision
     record_decision(decision)
     dispatch = Dispatch(lease)
+    if sizes is not None and prepared.images:
+        # A worker that finds a picture changed since its size was read: read it afresh next time.
+        read_by_url = [image.identity for image in prepared.images if image.data is None]
+        scope = image_size_scope(salt, scope_key)
+        dispatch.forget_image_sizes = functools.partial(sizes.forget, scope, read_by_url)
     task: GenerateTask | None = None
     try:
         media, video_media, processed = await store_media(prepared, dispatch)
@@ -735,7 +777,9 @@ async def describe_route(
     """
     # A malformed scope is refused here as in a real request; the scope partitions E/PD's affinity.
     scope_key = session_scope_hash(headers, caller)
-    prepared = await asyncio.to_thread(prepare, chat, caller.cache_salt(chat.cache_salt))
+    prepared = await asyncio.to_thread(
+        prepare, chat, caller.cache_salt(chat.cache_salt), sizes=image_sizes(), scope_key=scope_key
+    )
     description = prepared.describe()
     states = await worker_states(prepared.model.name, prepared.view.block_size)
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}

@@ -239,6 +239,12 @@ MEDIA_CONNECT_TIMEOUT_SECS = env_float("MEDIA_CONNECT_TIMEOUT_SECS", 5.0, positi
 MEDIA_READ_TIMEOUT_SECS = env_float("MEDIA_READ_TIMEOUT_SECS", 20.0, positive=True)
 # One deadline per image fetch: connect, headers and body together (a slow drip is cut off).
 MEDIA_FETCH_DEADLINE_SECS = env_float("MEDIA_FETCH_DEADLINE_SECS", 30.0, positive=True)
+# How long a frontend keeps an image's size read by URL, so a repeat question about a picture is
+# routed without a round trip to its origin (s; 0 asks the origin every time). The origin's
+# Cache-Control max-age shortens it; no-store, no-cache and private keep nothing. Per caller
+# partition and, with DYN_MM_IMAGE_CACHE_SESSION_SCOPED, per session (routing.media.ImageSizes).
+MEDIA_SIZE_CACHE_SECS = env_float("MEDIA_SIZE_CACHE_SECS", 60.0, minimum=0.0)
+MEDIA_SIZE_CACHE_ENTRIES = env_int("MEDIA_SIZE_CACHE_ENTRIES", 4096, minimum=1)
 # The media side store (routing/media_store.py): image bytes travel to workers through Redis by
 # reference, never inside the Celery message. Caps per request and in total; entries expire.
 MEDIA_STORE_TTL_SECS = env_float("MEDIA_STORE_TTL_SECS", 600.0, positive=True)

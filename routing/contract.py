@@ -52,6 +52,11 @@ TOKEN = "token"  # a piece of generated text (the first one ends prefill)
 DONE = "done"  # the whole result, with usage and timings
 ERROR = "error"  # the request failed on the worker: status, code, message
 
+# ErrorEvent.code of a picture whose size at its origin is no longer the one the request was
+# routed with: the frontend forgets the size it kept (routing.media.ImageSizes), and the client
+# may send the request again.
+IMAGE_CHANGED = "image_changed"
+
 
 class ContractError(ValueError):
     """A payload or event that does not follow the contract (missing or mistyped field)."""

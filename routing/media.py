@@ -12,11 +12,13 @@ import ipaddress
 import socket
 import ssl
 import struct
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from io import BytesIO
 from urllib.parse import quote, unquote_to_bytes, urljoin, urlsplit
 
@@ -382,6 +384,25 @@ def fetch_bytes(
     With `limit`, only its first `limit` bytes; with `expect_image`, a body whose first bytes are
     not an image's is refused (400) without reading further; with `enough`, reading stops as soon
     as it says the bytes so far suffice (a header that parses)."""
+    return fetch(url, policy, limit=limit, headers=headers, expect_image=expect_image, enough=enough).body
+
+
+@dataclass(frozen=True)
+class Fetched:
+    body: bytes
+    cache_control: str  # the answering response's Cache-Control header ("" without one)
+
+
+def fetch(
+    url: str,
+    policy: MediaPolicy,
+    *,
+    limit: int | None = None,
+    headers: Mapping[str, str] | None = None,
+    expect_image: bool = False,
+    enough: Callable[[bytes], bool] | None = None,
+) -> Fetched:
+    """`fetch_bytes`, with what the origin said about caching its answer."""
     deadline = _Deadline(policy.deadline)
     request_headers = {"User-Agent": "mm-kv-router/1", "Accept": "image/*"}
     if limit is not None:
@@ -408,7 +429,8 @@ def fetch_bytes(
                 continue
             if response.status not in (200, 206):
                 raise MediaError(502, "origin_error", f"image host {target.host} answered {response.status}")
-            return _read_body(response, target, policy, limit, deadline, sock, expect_image, enough)
+            body = _read_body(response, target, policy, limit, deadline, sock, expect_image, enough)
+            return Fetched(body, response.getheader("Cache-Control") or "")
         except TimeoutError:
             if deadline.left() <= 0:
                 raise deadline.expired(target.host) from None
@@ -501,25 +523,29 @@ def probe_image_size(url: str, policy: MediaPolicy) -> tuple[int, int]:
     size can follow a large EXIF block), one more read from the start stops as soon as the header
     parses. The body is never fetched twice, and both reads share the image's one deadline.
     """
+    return _probe(url, policy)[0]
+
+
+def _probe(url: str, policy: MediaPolicy) -> tuple[tuple[int, int], str]:
+    """`probe_image_size`, with the origin's Cache-Control for the size it read."""
     if is_data_url(url):
-        return read_image_size(decode_data_url(url, max_bytes=policy.max_bytes), max_pixels=policy.max_pixels)
+        data = decode_data_url(url, max_bytes=policy.max_bytes)
+        return read_image_size(data, max_pixels=policy.max_pixels), ""
     started = time.monotonic()
     limit = min(HEADER_READ_BYTES, policy.max_bytes)
-    prefix = fetch_bytes(url, policy, limit=limit, expect_image=True)
+    prefix = fetch(url, policy, limit=limit, expect_image=True)
     try:
-        return read_image_size(prefix, max_pixels=policy.max_pixels)
+        return read_image_size(prefix.body, max_pixels=policy.max_pixels), prefix.cache_control
     except MediaError as error:
-        if error.status != 400 or len(prefix) < limit:  # refused, or the whole file was seen
+        if error.status != 400 or len(prefix.body) < limit:  # refused, or the whole file was seen
             raise
     left = policy.deadline - (time.monotonic() - started)
     if left <= 0:
         raise MediaError(
             504, "origin_timeout", f"image size not read within the {policy.deadline:g} s deadline"
         )
-    body = fetch_bytes(
-        url, dataclasses.replace(policy, deadline=left), expect_image=True, enough=_size_is_known
-    )
-    return read_image_size(body, max_pixels=policy.max_pixels)
+    whole = fetch(url, dataclasses.replace(policy, deadline=left), expect_image=True, enough=_size_is_known)
+    return read_image_size(whole.body, max_pixels=policy.max_pixels), whole.cache_control
 
 
 def _size_is_known(prefix: bytes) -> bool:
@@ -543,6 +569,86 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
 
 
 # --- a request's images --------------------------------------------------------------------------
+def freshness(cache_control: str, longest_s: float) -> float:
+    """How long a size read from an answer with this Cache-Control may be used: `longest_s`, less
+    where the origin gives a shorter `s-maxage` or `max-age`; 0 for an answer it marks `no-store`,
+    `no-cache` or `private` (the picture may be another one at the next look, or another user's)."""
+    directives: dict[str, str] = {}
+    for part in cache_control.lower().split(","):
+        name, _, value = part.strip().partition("=")
+        if name:
+            directives.setdefault(name, value.strip().strip('"'))
+    if {"no-store", "no-cache", "private"} & directives.keys():
+        return 0.0
+    for name in ("s-maxage", "max-age"):  # the one for shared caches first, as a CDN reads them
+        if name in directives:
+            value = directives[name]
+            return min(longest_s, float(value)) if value.isdigit() else 0.0
+    return longest_s
+
+
+class ImageSizes:
+    """The sizes of images read by URL, kept while they are fresh, so that a repeat question about
+    a picture is routed without a round trip to its origin first (every request made one, cache
+    hits included, before the router could look).
+
+    Entries are per scope (the caller's cache partition and, with session-scoped image caches, the
+    session): a size read for one scope never saves another its round trip, so the time an answer
+    takes does not tell a caller what others asked about. An entry lives `ttl_s` at most, less
+    where the origin's Cache-Control says so (see `freshness`). A size that goes stale within it
+    is caught where it matters: a worker loads the picture for any part of it its KV cache lacks,
+    refuses one whose size is not the routed one (`IMAGE_CHANGED`), and the frontend then forgets
+    that request's sizes. Thread-safe; the least recently used entry goes past `max_entries`.
+    """
+
+    def __init__(
+        self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[tuple[Hashable, str], tuple[float, tuple[int, int]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, scope: Hashable, identity: str) -> tuple[int, int] | None:
+        key = (scope, identity)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            expires, size = entry
+            if self._clock() >= expires:
+                del self._entries[key]
+                return None
+            self._entries.move_to_end(key)
+            return size
+
+    def put(self, scope: Hashable, identity: str, size: tuple[int, int], cache_control: str = "") -> None:
+        ttl = freshness(cache_control, self.ttl_s)
+        if ttl <= 0:
+            return
+        key = (scope, identity)
+        with self._lock:
+            self._entries[key] = (self._clock() + ttl, size)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def forget(self, scope: Hashable, identities: Sequence[str]) -> None:
+        with self._lock:
+            for identity in identities:
+                self._entries.pop((scope, identity), None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
 _DEFAULT_EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="media")  # threads start on use
 
 
@@ -551,14 +657,24 @@ def _check_scheme(url: str) -> None:
         _parse_http_url(url)
 
 
-def _identify_by_url(index: int, url: str, policy: MediaPolicy) -> ResolvedImage:
+def _identify_by_url(
+    index: int, url: str, policy: MediaPolicy, sizes: ImageSizes | None = None, scope: Hashable = None
+) -> ResolvedImage:
     _check_scheme(url)
     identity = url_identity(url)
     if is_data_url(url):  # its bytes are at hand: they travel to the worker by reference, not as text
         data = decode_data_url(url, max_bytes=policy.max_bytes)
         width, height = read_image_size(data, max_pixels=policy.max_pixels)
         return ResolvedImage(index, url, identity, routing_hash(identity), width, height, data)
-    width, height = probe_image_size(url, policy)
+    known = sizes.get(scope, identity) if sizes is not None else None
+    if known is not None:
+        width, height = known
+        # The pixel limit may have been lowered since the size was read.
+        _check_pixels(width, height, policy.max_pixels)
+    else:
+        (width, height), cache_control = _probe(url, policy)
+        if sizes is not None:
+            sizes.put(scope, identity, (width, height), cache_control)
     return ResolvedImage(index, url, identity, routing_hash(identity), width, height, None)
 
 
@@ -584,11 +700,21 @@ def _resolve_one(
 
 
 def resolve_images(
-    urls: Sequence[str], policy: MediaPolicy, *, frontend_decoding: bool, executor: Executor | None = None
+    urls: Sequence[str],
+    policy: MediaPolicy,
+    *,
+    frontend_decoding: bool,
+    executor: Executor | None = None,
+    sizes: ImageSizes | None = None,
+    scope: Hashable = None,
 ) -> list[ResolvedImage]:
     """Identity and size of each image, fetched/decoded concurrently; the first failing image
-    (in request order) raises its MediaError with `image_index` set."""
-    resolve = _identify_by_pixels if frontend_decoding else _identify_by_url
+    (in request order) raises its MediaError with `image_index` set. With `sizes`, an image read
+    by URL within its freshness (in the same `scope`) is not asked of its origin again."""
+    # Frontend decoding reads every picture whole (its identity is its pixels): no size to keep.
+    resolve = (
+        _identify_by_pixels if frontend_decoding else partial(_identify_by_url, sizes=sizes, scope=scope)
+    )
     if len(urls) <= 1:  # no thread hop for the common single-image request
         return [_resolve_one(resolve, index, url, policy) for index, url in enumerate(urls)]
     pool = executor or _DEFAULT_EXECUTOR

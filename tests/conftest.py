@@ -162,6 +162,15 @@ def _fresh_live_policy():
     forget_cached_policy()
 
 
+@pytest.fixture(autouse=True)
+def _no_image_sizes_kept_from_another_test():
+    """A size one test read by URL is not another's to use (an origin may reuse a path)."""
+    from inference_platform.serving import _image_sizes
+
+    yield
+    _image_sizes.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def observed_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
     """The real platform the observability tests share (tests/observed_platform.py)."""

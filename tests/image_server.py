@@ -40,6 +40,7 @@ class _Route:
     variant_header: str | None = None  # the request header choosing among variants
     variants: dict[str, bytes] = field(default_factory=dict)
     drip_interval: float = 0.0  # seconds between single bytes of the body
+    headers: dict[str, str] = field(default_factory=dict)  # sent with the body (Cache-Control, ...)
 
 
 class _OriginHTTPServer(ThreadingHTTPServer):
@@ -110,6 +111,7 @@ class ImageServer:
         body_delay: float = 0.0,
         declared_length: int | None = None,
         honour_range: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> str:
         """Serve `body` at `path`, under any query string unless one added with it matches exactly."""
         return self._add(
@@ -122,6 +124,7 @@ class ImageServer:
                 body_delay=body_delay,
                 declared_length=declared_length,
                 honour_range=honour_range,
+                headers=dict(headers or {}),
             ),
         )
 
@@ -231,7 +234,7 @@ def _handler_for(server: ImageServer) -> type[BaseHTTPRequestHandler]:
                     self._answer(404, b"no such variant", "text/plain")
                     return
                 body = chosen
-            status, extra = route.status, {}
+            status, extra = route.status, dict(route.headers)
             wanted = _RANGE.match(headers.get("range", "")) if route.honour_range else None
             if wanted and status == 200 and body:
                 first = int(wanted.group(1))

@@ -25,6 +25,7 @@ from workers.engine import (
     Engine,
     GenerationRequest,
     GenerationResult,
+    ImageChangedError,
     ImageInput,
     IncrementalDetokenizer,
     PromptError,
@@ -518,5 +519,7 @@ def test_with_declared_sizes_an_image_inside_the_cached_prefix_is_never_loaded(m
 def test_an_image_whose_size_changed_since_routing_is_refused(make_engine) -> None:
     engine = make_engine()
     lying = dataclasses.replace(image_input(4, 224, 168), width=100, height=100)
-    with pytest.raises(PromptError, match="changed at its origin"):
+    with pytest.raises(ImageChangedError, match="changed at its origin") as refused:
         engine.generate(request(chat("What is this?", images=1), [lying]))
+    # the frontend's cue to read the picture's size afresh, and the client's to send it again
+    assert (refused.value.status, refused.value.code) == (409, "image_changed")

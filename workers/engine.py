@@ -40,6 +40,7 @@ from workers.processors import load_processor
 from workers.prompt_layout import (
     LLAVA_MODEL_TYPES,
     DeclaredSize,
+    ImageChangedError,
     ImageInput,
     PromptError,
     PromptImage,
@@ -82,6 +83,7 @@ __all__ = [
     "EngineLoad",
     "GenerationRequest",
     "GenerationResult",
+    "ImageChangedError",
     "ImageInput",
     "IncrementalDetokenizer",
     "PromptError",
@@ -620,7 +622,7 @@ class Engine:
         image = self._load_image(source, scope_key)
         # A loader may decode a large image reduced to the processor's size: its source size counts.
         if image.info.get("source_size", image.size) != (source.width, source.height):
-            raise PromptError(
+            raise ImageChangedError(
                 f"image {source.identity} is {image.width}x{image.height} now but was "
                 f"{source.width}x{source.height} when the request was routed: it changed at its origin"
             )

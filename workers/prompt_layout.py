@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
+from routing.contract import IMAGE_CHANGED
+
 if TYPE_CHECKING:
     import torch
 
@@ -26,6 +28,14 @@ class PromptError(ValueError):
 
     status = 400
     code = "invalid_prompt"
+
+
+class ImageChangedError(PromptError):
+    """A picture whose size at its origin is no longer the one its request was routed with: the
+    request was sound when sent, the picture changed since (409; sent again, it is read afresh)."""
+
+    status = 409
+    code = IMAGE_CHANGED
 
 
 @dataclass

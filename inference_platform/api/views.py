@@ -24,7 +24,7 @@ from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
 from inference_platform.request_metrics import RequestClock
 from inference_platform.serving import describe_route, finish_request, plan_request, served_model
-from routing.contract import DoneEvent, ErrorEvent, TokenEvent
+from routing.contract import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
 from routing.model_view import ModelView
 from tenants.keys import Caller
 
@@ -86,6 +86,8 @@ def _usage(done: DoneEvent) -> dict[str, Any]:
 
 
 def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
+    if error.code == IMAGE_CHANGED and dispatch.forget_image_sizes is not None:
+        dispatch.forget_image_sizes()
     status = int(error.status)
     message = error.message or "The worker failed."
     if status >= 500:
