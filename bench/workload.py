@@ -2,7 +2,7 @@
 and random, over three seeds, with medians and their spread.
 
 Usage: `.venv/bin/python bench/workload.py [--requests N] [--seeds N] [--shapes a,b,c,d]
-[--products N] [--kv-blocks N]`
+[--products N] [--kv-blocks N] [--origin-latency-ms MS]`
 (Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
 deleted afterwards; the model at MODEL_PATH, default var/models/demo, built into a temporary
 directory if absent). Bounded: 4 shapes x 3 modes x 3 seeds x REQUESTS requests (36 runs of 30),
@@ -39,7 +39,15 @@ model load 36 times. The same seed gives the same requests in every mode.
 250` is the traffic of the report that opened issue 10 (60 pictures, 250-block caches). With 12
 products both workers hold the few hot ones under round robin too, so its TTFT p50 in shape (a)
 is sometimes a warm request and sometimes a cold one, seed to seed; the pooled p50 and mean
-printed beside each kv/rr ratio move less."""
+printed beside each kv/rr ratio move less. Each shape also prints how many requests each mode
+served warm (half the prompt cached or more) beside the most any router could: every request
+but the first to show its prefix (its product, conversation or system prompt). A router at that
+bound leaves nothing to win on hits; its TTFT p50 can then beat round robin's only by as much as
+round robin's median request is colder than its own.
+
+`--origin-latency-ms` delays every answer of the image origin (a remote one is tens of ms away):
+a request pays it wherever the platform asks the origin, the frontend's size read (which
+MEDIA_SIZE_CACHE_SECS keeps for repeats) and a worker's fetch of a picture it does not hold."""
 
 from __future__ import annotations
 
@@ -112,6 +120,9 @@ class Turn:
     session: int
     messages: tuple  # JSON-ready messages (tuples of dicts, frozen for hashing by identity)
     key: str  # what makes two turns the same prompt
+    # What must have been seen before for this turn to be warm (at least half its prompt cached):
+    # its product in (a) and (b), its conversation in (c), the system prompt in (d).
+    prefix: str = ""
 
 
 @dataclass
@@ -240,21 +251,31 @@ def plan(shape: str, requests: int, seed: int, catalogue: Catalogue) -> list[lis
             for question in rng.sample(range(len(_QUESTIONS)), length):
                 text = f"{description(product)}\n\nQuestion: {_QUESTIONS[question]}"
                 turns.append(
-                    Turn(n, (user_turn(catalogue.products[product], text),), f"a{product}-{question}")
+                    Turn(
+                        n,
+                        (user_turn(catalogue.products[product], text),),
+                        f"a{product}-{question}",
+                        f"p{product}",
+                    )
                 )
         elif shape == "b":
             for _ in range(length):
                 product, question = pick(), rng.randrange(len(_QUESTIONS))
                 text = f"{description(product)}\n\nQuestion: {_QUESTIONS[question]}"
                 turns.append(
-                    Turn(n, (user_turn(catalogue.products[product], text),), f"b{product}-{question}")
+                    Turn(
+                        n,
+                        (user_turn(catalogue.products[product], text),),
+                        f"b{product}-{question}",
+                        f"p{product}",
+                    )
                 )
         elif shape == "c":
             photos = [catalogue.unique() for _ in range(PHOTOS_PER_CONVERSATION)]
             history: list[dict] = []
             for k, question in enumerate(rng.sample(range(len(_QUESTIONS)), length)):
                 history = [*history, user_turn(photos if k == 0 else [], _QUESTIONS[question])]
-                turns.append(Turn(n, tuple(history), f"c{n}-{k}"))
+                turns.append(Turn(n, tuple(history), f"c{n}-{k}", f"c{n}"))
                 # The answer becomes part of the next turn's prompt (a fixed one: the model's text
                 # would make the prompts differ between modes).
                 answer = f"About your photo: {words(f'answer-{seed}-{n}-{k}', ANSWER_WORDS)}."
@@ -264,7 +285,10 @@ def plan(shape: str, requests: int, seed: int, catalogue: Catalogue) -> list[lis
                 question = rng.randrange(len(_QUESTIONS))
                 turns.append(
                     Turn(
-                        n, (system, user_turn(catalogue.unique(), _QUESTIONS[question])), f"d{n}-{len(turns)}"
+                        n,
+                        (system, user_turn(catalogue.unique(), _QUESTIONS[question])),
+                        f"d{n}-{len(turns)}",
+                        "system",
                     )
                 )
         else:
@@ -473,6 +497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=KV_CAPACITY_BLOCKS,
         help=f"each worker's KV cache, blocks of {BLOCK_SIZE} tokens (default {KV_CAPACITY_BLOCKS})",
     )
+    parser.add_argument(
+        "--origin-latency-ms",
+        type=float,
+        default=0.0,
+        help="delay before the image origin answers, standing in for a remote one (default 0)",
+    )
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     seeds = (
@@ -482,9 +512,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[tuple[str, str], list[RunResult]] = {}
     started = time.perf_counter()
 
+    warm_bound: dict[str, list[int]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="workload-") as scratch,
-        ImageServer() as origin,
+        ImageServer(latency=args.origin_latency_ms / 1000) as origin,
     ):
         bench = Bench(Path(scratch), model_dir(Path(scratch)), redis_url, args.kv_blocks)
         try:
@@ -493,6 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 catalogue = Catalogue(origin, f"s{seed}", args.products)
                 for shape in shapes:
                     sessions = plan(shape, args.requests, seed, catalogue)
+                    turns = [turn for session in sessions for turn in session]
+                    warm_bound.setdefault(shape, []).append(len(turns) - len({t.prefix for t in turns}))
                     # Rotate the modes' order per seed: no mode always runs first after a reset.
                     order = [m for m in MODES[seed % 3 :] + MODES[: seed % 3] if m in args.modes.split(",")]
                     for mode in order:
@@ -543,6 +576,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "arrived behind a prompt still prefilling on its worker (p50 of those vs the rest): "
             + ", ".join(queueing)
         )
+        warm_counts = [
+            f"{mode} {statistics.median(r.split_ttft_p50()[0] for r in results[(shape, mode)]):.0f}"
+            for mode in MODES
+            if (shape, mode) in results
+        ]
+        print(
+            "warm requests (half the prompt cached or more), medians: " + ", ".join(warm_counts)
+            + f"; at most {statistics.median(warm_bound[shape]):.0f} for any router"
+            " (every request but the first to show its prefix)"
+        )  # fmt: skip
         kv, rr = results.get((shape, "kv"), []), results.get((shape, "round_robin"), [])
         by_reason: Counter[str] = Counter()
         lost: Counter[str] = Counter()
