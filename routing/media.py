@@ -20,6 +20,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from io import BytesIO
+from typing import Any
 from urllib.parse import quote, unquote_to_bytes, urljoin, urlsplit
 
 import xxhash
@@ -370,21 +371,9 @@ def _read_body(
     return b"".join(chunks)
 
 
-def fetch_bytes(
-    url: str,
-    policy: MediaPolicy,
-    *,
-    limit: int | None = None,
-    headers: Mapping[str, str] | None = None,
-    expect_image: bool = False,
-    enough: Callable[[bytes], bool] | None = None,
-) -> bytes:
-    """GET an http(s) resource through the SSRF guard, within `policy.deadline` in all.
-
-    With `limit`, only its first `limit` bytes; with `expect_image`, a body whose first bytes are
-    not an image's is refused (400) without reading further; with `enough`, reading stops as soon
-    as it says the bytes so far suffice (a header that parses)."""
-    return fetch(url, policy, limit=limit, headers=headers, expect_image=expect_image, enough=enough).body
+def fetch_bytes(url: str, policy: MediaPolicy, **options: Any) -> bytes:
+    """The body `fetch` reads (same options), without the origin's caching headers."""
+    return fetch(url, policy, **options).body
 
 
 @dataclass(frozen=True)
@@ -402,7 +391,12 @@ def fetch(
     expect_image: bool = False,
     enough: Callable[[bytes], bool] | None = None,
 ) -> Fetched:
-    """`fetch_bytes`, with what the origin said about caching its answer."""
+    """GET an http(s) resource through the SSRF guard, within `policy.deadline` in all.
+
+    With `limit`, only its first `limit` bytes; with `expect_image`, a body whose first bytes are
+    not an image's is refused (400) without reading further; with `enough`, reading stops as soon
+    as it says the bytes so far suffice (a header that parses). The answer's Cache-Control comes
+    with the body (`Fetched`)."""
     deadline = _Deadline(policy.deadline)
     request_headers = {"User-Agent": "mm-kv-router/1", "Accept": "image/*"}
     if limit is not None:

@@ -19,6 +19,9 @@ def test_api_answers_keep_the_security_headers_and_skip_the_browser_middleware(s
     assert models.headers["Referrer-Policy"] == "same-origin"
     # what only the admin's chain adds (clickjacking protection) is not on an API answer
     assert "X-Frame-Options" not in models.headers
+    # the one page under /v1 is still kept out of frames, and renders without sessions
+    docs = httpx.get(f"{shared_platform.base_url}/v1/docs", timeout=30)
+    assert docs.status_code == 200 and docs.headers["X-Frame-Options"] == "DENY"
     missing = httpx.get(f"{shared_platform.base_url}/v1/nothing-here", headers=shared_platform.headers)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert missing.headers["X-Content-Type-Options"] == "nosniff"

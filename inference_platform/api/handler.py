@@ -6,9 +6,9 @@ to a thread and back, twice (its `process_request`, then its `process_response`)
 stack (sessions, CSRF, authentication, messages, clickjacking, trailing slashes) is six of them,
 twelve hand-overs between threads on every chat completion for features an API call does not
 use: it carries a bearer key (checked by `api_key_required`), no cookie, no form, and its
-answers are JSON or an event stream, not pages to frame. What it does need of that stack are the
-security headers and the HTTPS redirect, which `ApiSecurityMiddleware` applies on the event loop
-(both are header reads and writes, no I/O).
+answers are JSON or an event stream (and one page, `/v1/docs`, kept from frames). What it does
+need of that stack are the security headers and the HTTPS redirect, which
+`ApiSecurityMiddleware` applies on the event loop (both are header reads and writes, no I/O).
 
 `asgi.py` sends `/v1/*` here and everything else (admin, dashboard, `/metrics`, static files) to
 Django's handler with the full `MIDDLEWARE`.
@@ -16,6 +16,7 @@ Django's handler with the full `MIDDLEWARE`.
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest, HttpResponse
@@ -24,13 +25,20 @@ from django.middleware.security import SecurityMiddleware
 
 class ApiSecurityMiddleware(SecurityMiddleware):
     """Django's SecurityMiddleware (HTTPS redirect, HSTS, nosniff, referrer and opener policies)
-    without the thread hops: both of its hooks only read and write headers."""
+    without the thread hops: both of its hooks only read and write headers. A page (`/v1/docs`)
+    also may not be framed, as the admin's clickjacking middleware would have it."""
 
     async def __acall__(self, request: HttpRequest) -> HttpResponse:
         response = self.process_request(request)
         if response is None:
             response = await self.get_response(request)
         return self.process_response(request, response)
+
+    def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:
+        response = super().process_response(request, response)
+        if response.get("Content-Type", "").startswith("text/html"):
+            response.headers.setdefault("X-Frame-Options", settings.X_FRAME_OPTIONS)
+        return response
 
 
 class ApiHandler(ASGIHandler):
