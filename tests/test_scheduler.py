@@ -191,3 +191,39 @@ def test_fcfs_starts_a_long_prompt_in_what_is_left_of_a_step() -> None:
     scheduler.add(sequence("long", list(range(100, 140))))  # longer than a step: it is split anyway
 
     assert step(scheduler) == {"short": 3, "long": 13}
+
+
+@pytest.mark.parametrize("policy", ["shortest_first", "fcfs"])
+def test_a_prompt_waits_for_the_blocks_another_is_computing_rather_than_computing_them_too(policy) -> None:
+    # given two prompts that share their first 16 tokens (four blocks), the first longer than a
+    # step, the second arriving with it (a burst about one new picture, sent to one worker)
+    pool = KvPool(capacity_blocks=64, block_size=BLOCK, worker="w")
+    scheduler = Scheduler(pool, max_batch_tokens=8, max_running=4, policy=policy)
+    shared = list(range(100, 116))
+    first = sequence("first", [*shared, 1, 2, 3, 4])
+    second = sequence("second", [*shared, 5, 6, 7, 8])
+    scheduler.add(first)
+    scheduler.add(second)
+
+    # when the first computes the shared blocks, chunk by chunk
+    steps = [step(scheduler) for _ in range(3)]
+
+    # then the second never computes them again: it waits (although, passed over, it would go
+    # first under shortest_first) and reuses all four once they are cached
+    assert steps[:2] == [{"first": 8}, {"first": 8}]
+    assert set(steps[2]) == {"first", "second"} and steps[2]["second"] == 4
+    assert second.cached_tokens == 16
+
+
+def test_a_prompt_computes_a_shared_prefix_itself_when_its_sibling_is_gone() -> None:
+    pool = KvPool(capacity_blocks=64, block_size=BLOCK, worker="w")
+    scheduler = Scheduler(pool, max_batch_tokens=8, max_running=4)
+    shared = list(range(100, 116))
+    first = sequence("first", [*shared, 1, 2, 3, 4])
+    scheduler.add(first)
+    scheduler.add(sequence("second", [*shared, 5, 6, 7, 8]))
+    assert step(scheduler) == {"first": 8}
+
+    first.cancelled = True  # the client left mid-prefill
+    scheduler.drop_cancelled()
+    assert step(scheduler) == {"second": 8}  # the two cached blocks reused, the rest its own

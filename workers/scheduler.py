@@ -11,6 +11,12 @@ token budget and a cap on running requests. Which prompts go first is the policy
 - `fcfs`: running prompts, then waiting ones, in arrival order, packed into the budget (the
   engine before; what the scheduling benchmark measures against).
 
+Under either policy, a prompt whose next blocks another running prompt is computing right now
+waits for them to be cached instead of computing them again: siblings of a burst about one new
+picture arrive together on purpose (the router's predicted blocks send them to one worker), and
+they would otherwise each prefill the shared prefix side by side, the second finding only the
+chunks the first had finished.
+
 Blocks come from the paged pool; when it runs dry the youngest running request is preempted (its
 blocks freed, its tokens recomputed later), so a full pool slows requests down instead of failing
 them. Pure bookkeeping: no torch, testable without a model.
@@ -180,6 +186,8 @@ class Scheduler:
             if not admitting or len(self.running) >= self.max_running or preempted:
                 continue
             if not sequence.block_ids:
+                if self._computed_by_another(sequence):
+                    continue  # it reuses those blocks once they are cached (see the module)
                 self._reuse_prefix(sequence)
             count = min(sequence.pending, budget)
             if count < sequence.pending <= self.max_batch_tokens and prefilling:
@@ -221,6 +229,19 @@ class Scheduler:
                 return False
         scheduled.add(id(sequence))
         return True
+
+    def _computed_by_another(self, sequence: SequenceState) -> bool:
+        """Whether a running prompt is computing the first block of this one that the pool does
+        not hold (block hashes are chained: the same hash there means the same whole prefix)."""
+        hashes = sequence.sequence_hashes
+        first = self.pool.cached_prefix_blocks(hashes)
+        if first >= len(hashes):
+            return False
+        return any(
+            other.pending > 1 and other.committed <= first < len(other.sequence_hashes)
+            and other.sequence_hashes[first] == hashes[first]
+            for other in self.running
+        )  # fmt: skip
 
     def _reuse_prefix(self, sequence: SequenceState) -> None:
         bs = self.block_size
