@@ -638,10 +638,6 @@ class ImageSizes:
             for identity in identities:
                 self._entries.pop((scope, identity), None)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
 
 _DEFAULT_EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="media")  # threads start on use
 
