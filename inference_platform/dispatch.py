@@ -7,6 +7,10 @@ worker's heartbeat so a vanished worker becomes a deliberate 502/503 and a silen
 A worker that vanishes before the request's first token costs the client nothing: the request
 migrates to another eligible worker (at most REQUEST_MIGRATION_LIMIT times), under a new task id
 so the dead worker's stale copy, should its name come back, finds itself cancelled.
+
+A worker that finds one of the request's pictures changed at its origin since the frontend read
+its size (`image_changed`) costs the client nothing either: before the first token the request
+is planned again once, with the picture's size read afresh, under the task id `<id>-r1`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,17 @@ from inference_platform.api.errors import ApiError
 from inference_platform.celery import app as celery_app
 from routing import telemetry
 from routing.affinity import SessionAffinity
-from routing.contract import CONTRACT_VERSION, DONE, ERROR, ROLE_ENCODE, STARTED, TOKEN, GenerateTask
+from routing.contract import (
+    CONTRACT_VERSION,
+    DONE,
+    ERROR,
+    IMAGE_CHANGED,
+    ROLE_ENCODE,
+    STARTED,
+    TOKEN,
+    ErrorEvent,
+    GenerateTask,
+)
 from routing.index import KvIndex
 from routing.lease import RESERVED, RequestLease
 from routing.load import LoadTracker
@@ -69,6 +83,10 @@ class Dispatch:
         self.migrate = migrate
         # Forgets the image sizes this request was routed with (a worker found one changed).
         self.forget_image_sizes: Callable[[], None] | None = None
+        # Plans the request again from its chat, sizes read afresh (serving.py builds it; it
+        # clears itself, so a picture that changes twice reaches the client as a 409); False if
+        # no worker can take it now.
+        self.replan: Callable[[Dispatch], Awaitable[bool]] | None = None
 
     @property
     def request_id(self) -> str:
@@ -266,8 +284,9 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     A worker that vanishes (its heartbeat lapses, or a new process took its name) before it
     starts the request gives a 503 (nothing was done; the client may retry), after it started
     a 502; a worker that stays silent past the timeouts gives a 504. In each case the worker
-    is asked to stop. Before the first token the request migrates instead, where it can. The
-    request's lease is released exactly once, however this ends.
+    is asked to stop. Before the first token the request migrates instead, where it can, and a
+    worker's `image_changed` makes it planned again (`Dispatch.replan`) rather than answered.
+    The request's lease is released exactly once, however this ends.
     """
     lease = dispatch.lease
     rid = dispatch.request_id
@@ -275,15 +294,27 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
     try:
         while True:
             worker = dispatch.worker
+            replanned = False
             try:
                 async for event in _follow(dispatch):
                     if event.type == TOKEN and lease.state == RESERVED:
                         # The first token ends prefill: the request's load moves to decode.
                         await asyncio.to_thread(lease.first_token)
+                    if _image_changed(event) and lease.state == RESERVED and dispatch.replan is not None:
+                        replanned = await dispatch.replan(dispatch)
+                        if replanned:
+                            break
                     if event.type in (DONE, ERROR):
                         outcome = event.type
                     yield event
-                return
+                if not replanned:
+                    return
+                logger.info(
+                    "request %s: a picture changed at its origin since its size was read;"
+                    " planned again and sent to worker %s",
+                    rid,
+                    dispatch.worker,
+                )
             except WorkerLost as lost:
                 if dispatch.migrate is None or dispatch.migrations >= settings.REQUEST_MIGRATION_LIMIT:
                     raise lost.error from None
@@ -309,6 +340,13 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
             logger.warning("could not free the load of request %s on worker %s", rid, lease.worker)
         await asyncio.shield(release_media(dispatch))
         await asyncio.shield(_forget_mark(rid))
+
+
+def _image_changed(event: ResponseEvent) -> bool:
+    if event.type != ERROR:
+        return False
+    error = event.event
+    return isinstance(error, ErrorEvent) and error.code == IMAGE_CHANGED
 
 
 def lease_ttl_s() -> float:

@@ -13,7 +13,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -659,42 +659,104 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     decision = lease.decision
     record_decision(decision)
     dispatch = Dispatch(lease)
-    if sizes is not None and prepared.images:
-        # A worker that finds a picture changed since its size was read: read it afresh next time.
-        read_by_url = [image.identity for image in prepared.images if image.data is None]
-        scope = image_size_scope(salt, scope_key)
-        dispatch.forget_image_sizes = functools.partial(sizes.forget, scope, read_by_url)
-    task: GenerateTask | None = None
+    dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
     try:
-        media, video_media, processed = await store_media(prepared, dispatch)
-        task = dataclasses.replace(
-            prepared.generate_task(request_id, scope_key, media, video_media),
-            follow_id=request_id,
-            processed=processed,
-        )
-        # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
-        # are encoded apart, and the task names them (the aggregated path when there is none).
-        task, _ = await plan_encoding(task, view, model.name, decision.worker, decision.overlap)
-        # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
-        await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
+        task = await _send(prepared, dispatch, decision, scope_key, request_id)
     except BaseException:
         # Never sent: the media and the reservation go now rather than when they expire.
         await asyncio.shield(release_media(dispatch))
         await asyncio.shield(asyncio.to_thread(lease.release, "send_failed"))
         raise
     dispatch.migrate = _migration(prepared, scope_key, task)
+    dispatch.replan = _replanning(chat, salt, scope_key)
+    _log_sent(request_id, caller, prepared, decision)
+    return dispatch
+
+
+async def _send(
+    prepared: PreparedRequest,
+    dispatch: Dispatch,
+    decision: RoutingDecision,
+    scope_key: str | None,
+    task_id: str,
+) -> GenerateTask:
+    """Store the request's media and send its task, as `task_id`, to the decision's worker."""
+    media, video_media, processed = await store_media(prepared, dispatch)
+    task = dataclasses.replace(
+        prepared.generate_task(task_id, scope_key, media, video_media),
+        follow_id=dispatch.request_id,
+        processed=processed,
+    )
+    # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
+    # are encoded apart, and the task names them (the aggregated path when there is none).
+    task, _ = await plan_encoding(task, prepared.view, prepared.model.name, decision.worker, decision.overlap)
+    # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
+    await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
+    return task
+
+
+def _size_forgetter(
+    prepared: PreparedRequest, sizes: ImageSizes | None, salt: str, scope_key: str | None
+) -> Callable[[], None] | None:
+    """Forgets the sizes read by URL for this request, for when a worker finds one changed."""
+    read_by_url = [image.identity for image in prepared.images if image.data is None]
+    if sizes is None or not read_by_url:
+        return None
+    return functools.partial(sizes.forget, image_size_scope(salt, scope_key), read_by_url)
+
+
+def _log_sent(request_id: str, caller: Caller, prepared: PreparedRequest, decision: RoutingDecision) -> None:
     logger.info(
         "request %s of %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, best %d, %s)",
         request_id,
         caller.label,
         decision.worker,
-        view.prompt_tokens,
+        prepared.view.prompt_tokens,
         decision.overlap,
         decision.total_blocks,
         decision.best_overlap,
         decision.reason,
     )
-    return dispatch
+
+
+def _replanning(chat: ChatRequest, salt: str, scope_key: str | None):
+    """How this request is planned again when a worker finds one of its pictures changed at the
+    origin since its size was read (a size the frontend kept): the sizes are read afresh, and
+    the token view, the routing and the task follow from them. Once: the replan clears itself.
+    The tenant was admitted and charged for the first plan; neither is done twice."""
+
+    async def replan(dispatch: Dispatch) -> bool:
+        dispatch.replan = None
+        if dispatch.forget_image_sizes is not None:
+            dispatch.forget_image_sizes()
+        sizes = image_sizes()
+        prepared = await asyncio.to_thread(prepare, chat, salt, sizes=sizes, scope_key=scope_key)
+        workers = await eligible_workers(prepared.model.name, prepared.view.block_size)
+        if not workers:
+            return False
+        try:
+            lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, dispatch.request_id)
+        except AllWorkersBusy:
+            return False
+        decision = lease.decision
+        await release_media(dispatch)  # the first plan's blobs: the new task brings its own
+        task_id = f"{dispatch.request_id}-r1"
+        try:
+            task = await _send(prepared, dispatch, decision, scope_key, task_id)
+        except BaseException:
+            await asyncio.shield(asyncio.to_thread(lease.release, "send_failed"))
+            raise
+        # The lease moves to the new decision (the old worker's reservation is freed).
+        await asyncio.to_thread(dispatch.lease.reassign, decision, lease.instance)
+        dispatch.task_id = task_id
+        dispatch.tried.append(decision.worker)
+        dispatch.migrate = _migration(prepared, scope_key, task)
+        dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
+        record_decision(decision)
+        telemetry.inc("request_replans", labels={"worker": decision.worker})
+        return True
+
+    return replan
 
 
 def _migration(prepared: PreparedRequest, scope_key: str | None, task: GenerateTask):

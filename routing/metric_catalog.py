@@ -125,6 +125,14 @@ REQUEST_MIGRATIONS = declare(
         ("worker",),
     )
 )
+REQUEST_REPLANS = declare(
+    Metric(
+        "request_replans",
+        "counter",
+        "Requests planned again because a picture changed at its origin after its size was read, by worker.",
+        ("worker",),
+    )
+)
 # The routing quality figure (issue 10 computes it: the best eligible worker's overlap minus
 # the chosen worker's, in KV blocks). Record both per routed request, so the dashboard and
 # Grafana can show the share given up (given_up / best); they already chart these two names.

@@ -17,6 +17,7 @@ import redis
 from django.conf import settings as django_settings
 from django.test import AsyncClient
 
+from routing.load import LoadTracker
 from routing.models import Worker
 from routing.registry import Heartbeat, WorkerRegistry
 from routing.responses import ERROR, STARTED, ResponseWriter
@@ -220,6 +221,38 @@ async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(
     assert_openai_error(body, code="worker_error")
     assert response["X-Request-Id"] in body["error"]["message"]
     assert "ghost" in body["error"]["message"]
+
+
+async def test_a_picture_that_changes_twice_fault_injected_is_planned_again_once_then_a_409(
+    client, served_demo_model, ghost_worker
+):
+    """The ghost answers every task it is sent as a worker that found the request's picture
+    changed at its origin: the first answer makes the frontend plan the request again under
+    `<id>-r1`; the second reaches the client, and the reservation is freed once, not left."""
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
+    task_ids: list[str] = []
+
+    async def answer_every_task() -> None:
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and len(task_ids) < 2:
+            raw = conn.rpop(f"{prefix}worker.ghost")
+            if raw:
+                args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+                task_ids.append(args[0]["request_id"])
+                writer = ResponseWriter(conn, prefix, task_ids[-1])
+                writer.send(STARTED, worker="ghost")
+                writer.send(ERROR, status=409, code="image_changed", message="Image 0 changed at its origin.")
+            await asyncio.sleep(0.02)
+
+    answering = asyncio.ensure_future(answer_every_task())
+    status, body, response = await post(client, chat_body(served_demo_model))
+    await answering
+    assert status == 409
+    assert_openai_error(body, code="image_changed")
+    request_id = response["X-Request-Id"]
+    assert task_ids == [request_id, f"{request_id}-r1"]
+    assert LoadTracker(conn, prefix).snapshot(["ghost"])["ghost"].active_requests == 0
 
 
 @pytest.fixture
