@@ -35,15 +35,22 @@ before every run their caches (KV, embeddings, decoded images) are flushed and t
 load, index and affinity are empty, which is what fresh workers would have, without paying a
 model load 36 times. The same seed gives the same requests in every mode.
 
-`--products` and `--kv-blocks` change the catalogue and the caches: `--products 60 --kv-blocks
-250` is the traffic of the report that opened issue 10 (60 pictures, 250-block caches). With 12
-products both workers hold the few hot ones under round robin too, so its TTFT p50 in shape (a)
-is sometimes a warm request and sometimes a cold one, seed to seed; the pooled p50 and mean
-printed beside each kv/rr ratio move less. Each shape also prints how many requests each mode
-served warm (half the prompt cached or more) beside the most any router could: every request
-but the first to show its prefix (its product, conversation or system prompt). A router at that
-bound leaves nothing to win on hits; its TTFT p50 can then beat round robin's only by as much as
-round robin's median request is colder than its own.
+The default catalogue is the traffic of the report that opened issue 10: PRODUCTS pictures,
+KV_CAPACITY_BLOCKS-block caches, about five products' prefixes per worker. `--products` and
+`--kv-blocks` change it. A catalogue whose hot products both workers hold under round robin too
+(`--products 12 --kv-blocks 200`, this bench's default before) tells less: round robin's median
+request in shape (a) is then a warm one in some seeds and a cold one in others, and a TTFT p50
+compares a warm request with a warm request whichever router is used. Each shape also prints how
+many requests each mode served warm (half the prompt cached or more) beside the most any router
+could: every request but the first to show its prefix (its product, conversation or system
+prompt). A router at that bound leaves nothing to win on hits; its TTFT p50 can then beat round
+robin's only by as much as round robin's median request is colder than its own; the pooled p50
+and mean printed beside each kv/rr ratio move less from seed to seed.
+
+Shape (d) is the control: every request costs the same wherever it goes, so in a closed loop
+on a saturated machine each mode's throughput, and with it its mean TTFT (Little's law), is the
+same; the ratio there measures harm, around 1.00, and a run of REQUESTS requests moves its p50
+by a few percent either way.
 
 `--origin-latency-ms` delays every answer of the image origin (a remote one is tens of ms away):
 a request pays it wherever the platform asks the origin, the frontend's size read (which
@@ -85,7 +92,7 @@ WORKERS = ("w0", "w1")
 SEEDS = (20260, 20261, 20262)
 BLOCK_SIZE = 16
 IMAGE_SIDE = 448  # the demo model's max_pixels: 256 image tokens
-PRODUCTS = 12
+PRODUCTS = 60  # issue 10's report: 60 pictures of Zipf-like popularity
 DESCRIPTION_WORDS = 150
 SYSTEM_WORDS = 300  # shape (d)'s shared system prompt
 PHOTOS_PER_CONVERSATION = 2  # shape (c): the photos a conversation opens with
@@ -94,7 +101,7 @@ ZIPF_EXPONENT = 1.0
 CONCURRENCY = 4
 MAX_TOKENS = 4
 REQUESTS = 30  # per run; 36 runs
-KV_CAPACITY_BLOCKS = 200  # per worker: ~4 of the 12 products' prefixes
+KV_CAPACITY_BLOCKS = 250  # per worker, as in that report: ~5 of the products' prefixes
 
 _VOCABULARY = (
     "matte steel frame walnut handle linen cover brass hinge oak veneer ceramic glaze woven strap "
