@@ -190,8 +190,8 @@ ROUTER_MODE = (env_str("ROUTER_MODE") or "kv").lower()  # kv | round_robin | ran
 if ROUTER_MODE not in ("kv", "round_robin", "random"):
     raise ValueError(f"ROUTER_MODE={ROUTER_MODE!r} must be kv, round_robin or random")
 ROUTER_OVERLAP_CREDIT = env_float("ROUTER_OVERLAP_CREDIT", 1.0, minimum=0.0)
-# Prefill weighs 8x a decode block: TTFT is queued prefill (see routing.selection.RoutingPolicy).
-ROUTER_PREFILL_LOAD_SCALE = env_float("ROUTER_PREFILL_LOAD_SCALE", 8.0, minimum=0.0)
+# Prefill weighs 32x a decode block: TTFT is queued prefill (see routing.selection.RoutingPolicy).
+ROUTER_PREFILL_LOAD_SCALE = env_float("ROUTER_PREFILL_LOAD_SCALE", 32.0, minimum=0.0)
 ROUTER_TEMPERATURE = env_float("ROUTER_TEMPERATURE", 0.0, minimum=0.0)
 ROUTER_SESSION_AFFINITY = env_bool("ROUTER_SESSION_AFFINITY", True)
 ROUTER_AFFINITY_TTL_SECS = env_float("ROUTER_AFFINITY_TTL_SECS", 1800.0, positive=True)

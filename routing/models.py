@@ -65,7 +65,7 @@ class RoutingPolicySettings(models.Model):
         help_text="Blocks of prefill saved per cached block.",
     )
     prefill_load_scale = models.FloatField(
-        default=8.0,
+        default=32.0,
         validators=[MinValueValidator(0.0)],
         help_text="Weight of prefill work against decode blocks.",
     )

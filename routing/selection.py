@@ -24,8 +24,12 @@ class RoutingPolicy:
     # 4: a decode block weighed a quarter of a prefill block. 8 since reserved prefill drains
     # (prefill_drain): what is left of a prompt is now measured, and a decode block weighed at a
     # quarter still sent requests behind a prompt rather than beside decodes (bench/workload.py,
-    # docs/ARCHITECTURE.md "Choosing a worker"). KV pressure has its own threshold.
-    prefill_load_scale: float = 8.0
+    # docs/ARCHITECTURE.md "Choosing a worker"). 32 since the shared system prompt of shape (d):
+    # at 8 each request decoding beside it weighed its whole prompt, shared prefix included, as
+    # 152 prompt tokens (76 blocks / 8), and kv queued prompts behind a prefill rather than
+    # beside decodes that end within a few steps; at 32 such a decode weighs 38 prompt tokens,
+    # still more than the token per step it costs a newcomer. KV pressure has its own threshold.
+    prefill_load_scale: float = 32.0
     temperature: float = 0.0  # 0: always the cheapest; > 0: softmax sampling over costs
     # Session affinity is a preference bounded like consistent hashing with bounded loads: the
     # session's last worker wins while its cost is at most (1 + slack) x the best candidate's,

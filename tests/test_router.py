@@ -194,9 +194,10 @@ def test_each_decision_logs_its_candidates_and_the_routing_line(
         "[ROUTING] Best: worker_gpu2 with 6/7 blocks overlap (cost; best eligible overlap 6, given up 0)"
     )
     assert len(lines) == len(WORKERS) + 1
+    scale = re.escape(f"{RoutingPolicy().prefill_load_scale:.3f}")
     for worker, line in zip(WORKERS, lines, strict=False):
         assert re.fullmatch(
-            rf"\[ROUTING\] Formula for worker_{worker}: cost=[\d.]+ = 8\.000 \* prefill_blocks [\d.]+"
+            rf"\[ROUTING\] Formula for worker_{worker}: cost=[\d.]+ = {scale} \* prefill_blocks [\d.]+"
             r" \+ decode_blocks [\d.]+ \(overlap \d/7\)",
             line,
         ), line
