@@ -181,6 +181,10 @@ REQUEST_LIVENESS_TTL_SECS = env_float("REQUEST_LIVENESS_TTL_SECS", 10.0, positiv
 API_AUTH_REQUIRED = env_bool("API_AUTH_REQUIRED", True)
 # Prometheus may scrape /metrics with this bearer token instead of a staff key (empty: staff keys only).
 METRICS_TOKEN = env_str("METRICS_TOKEN") or ""
+# How long a frontend keeps a key it verified while nothing says a key or tenant changed (any
+# change anywhere is seen at the next request through Redis; tenants.keys). 0: ask the database
+# on every request.
+API_KEY_CACHE_SECS = env_float("API_KEY_CACHE_SECS", 30.0, minimum=0.0)
 # A concurrency slot a crashed frontend never freed expires after the first-token timeout plus
 # this long (a request streaming for longer than that stops counting against the limit).
 TENANT_SLOT_TTL_SECS = env_float("TENANT_SLOT_TTL_SECS", 600.0, positive=True)

@@ -3,21 +3,38 @@
 A key reads `sk-<prefix>.<secret>`: the prefix (8 hex characters) finds the row, the SHA-256 of
 the whole key must match the stored one. A slow password hash buys nothing for 190 random bits
 and would cost every request; the database never holds anything that opens the API.
+
+Verified keys: a frontend keeps the callers of the keys it verified lately, by their SHA-256
+(`VerifiedKeys`, API_KEY_CACHE_SECS), so a request's key costs one Redis read instead of a
+database connection and query (under ASGI each request's database work runs on a thread of its
+own, so the connection is a new one every time). Any change to a key or a tenant, by any
+process (the admin, `api_keys revoke`, a tenant's limits edited), bumps `keys:generation` in
+Redis; a frontend that reads a generation other than the one it verified under forgets every
+key it kept. Without Redis nothing says whether a key changed: every request asks the database.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import secrets
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 
+import redis
+from django.conf import settings
 from django.utils import timezone
 
 from routing.hashing import cache_salt
+from routing.redis_keys import sync_client
 from tenants.models import ApiKey, Tenant
+
+logger = logging.getLogger("tenants.keys")
 
 KEY_PREFIX = "sk-"
 _KEY_SHAPE = re.compile(r"sk-([0-9a-f]{8})\.([A-Za-z0-9_-]{32,64})")
@@ -104,8 +121,11 @@ def create_api_key(
 
 
 def revoke_api_key(key: ApiKey) -> bool:
-    """Revoke the key from now on; False if it was revoked already."""
-    return ApiKey.objects.filter(pk=key.pk, revoked_at=None).update(revoked_at=timezone.now()) == 1
+    """Revoke the key from now on, in every frontend; False if it was revoked already."""
+    revoked = ApiKey.objects.filter(pk=key.pk, revoked_at=None).update(revoked_at=timezone.now()) == 1
+    if revoked:  # an update() sends no post_save: say it here
+        keys_changed()
+    return revoked
 
 
 def caller_for(key: ApiKey) -> Caller:
@@ -133,15 +153,113 @@ def _tenant_caller(tenant: Tenant, *, key_prefix: str | None, staff: bool) -> Ca
 
 def authenticate(presented: str) -> Caller:
     """The caller a presented key stands for; KeyRefused if it stands for nobody."""
-    shape = _KEY_SHAPE.fullmatch(presented.strip())
+    presented = presented.strip()
+    shape = _KEY_SHAPE.fullmatch(presented)
     if shape is None:
         raise KeyRefused("Incorrect API key provided.")
+    digest = hash_key(presented)
+    # Read before the database: a change committed after this read bumps past it, so what the
+    # database says below is never kept under a generation that already knew better.
+    generation = _generation()
+    if generation is not None:
+        caller = verified_keys().get(digest, generation)
+        if caller is not None:
+            return caller
     key = ApiKey.objects.select_related("tenant").filter(prefix=shape.group(1)).first()
     # Compared in constant time, and a missing row costs the same hash as a present one.
     expected = key.hashed_key if key is not None else hash_key("")
-    if not hmac.compare_digest(hash_key(presented.strip()), expected) or key is None:
+    if not hmac.compare_digest(digest, expected) or key is None:
         raise KeyRefused("Incorrect API key provided.")
     refusal = key.refusal()
     if refusal is not None:
         raise KeyRefused(f"The API key sk-{key.prefix}.… was {refusal}.")
-    return caller_for(key)
+    caller = caller_for(key)
+    if generation is not None:
+        verified_keys().put(digest, generation, caller, key.expires_at)
+    return caller
+
+
+GENERATION_KEY = "keys:generation"  # Redis: bumped by every change to a key or a tenant
+
+
+class VerifiedKeys:
+    """Callers of keys verified lately, by the key's SHA-256 (never the key), for one generation.
+
+    An entry lives at most `max_age_s`, never past its key's expiry, and only while the
+    generation it was verified under is the current one; at most `max_entries` are kept (the
+    least recently used go first). Refusals are never kept: a guessed key always costs a query.
+    """
+
+    def __init__(self, max_age_s: float, max_entries: int = 4096) -> None:
+        self.max_age_s = max_age_s
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._generation: bytes | None = None
+        self._entries: OrderedDict[str, tuple[Caller, float, datetime | None]] = OrderedDict()
+
+    def get(self, digest: str, generation: bytes) -> Caller | None:
+        with self._lock:
+            if generation != self._generation:
+                self._entries.clear()
+                self._generation = generation
+                return None
+            entry = self._entries.get(digest)
+            if entry is None:
+                return None
+            caller, kept_until, expires_at = entry
+            if time.monotonic() >= kept_until or (expires_at is not None and expires_at <= timezone.now()):
+                del self._entries[digest]
+                return None
+            self._entries.move_to_end(digest)
+            return caller
+
+    def put(self, digest: str, generation: bytes, caller: Caller, expires_at: datetime | None) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return  # verified under a generation already gone (or not yet seen): not kept
+            self._entries[digest] = (caller, time.monotonic() + self.max_age_s, expires_at)
+            self._entries.move_to_end(digest)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._generation = None
+
+
+_verified: VerifiedKeys | None = None
+
+
+def verified_keys() -> VerifiedKeys:
+    """This process's verified keys (API_KEY_CACHE_SECS)."""
+    global _verified
+    if _verified is None or _verified.max_age_s != settings.API_KEY_CACHE_SECS:
+        _verified = VerifiedKeys(settings.API_KEY_CACHE_SECS)
+    return _verified
+
+
+def _generation() -> bytes | None:
+    """The current generation of keys and tenants; None: keep nothing (turned off, or no Redis)."""
+    if settings.API_KEY_CACHE_SECS <= 0:
+        return None
+    try:
+        value = sync_client(settings.REDIS_URL).get(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+    except redis.RedisError:
+        return None
+    return value if value is not None else b"0"
+
+
+def keys_changed() -> None:
+    """A key or a tenant changed: every frontend forgets the keys it verified (tenants.apps wires
+    this to every save and delete of either; `revoke_api_key` calls it for its update())."""
+    if _verified is not None:
+        _verified.clear()  # this process at once, whatever Redis says
+    try:
+        sync_client(settings.REDIS_URL).incr(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+    except redis.RedisError:
+        logger.warning(
+            "could not tell other frontends that API keys changed (Redis unavailable): they keep "
+            "the keys they verified for up to API_KEY_CACHE_SECS=%g s",
+            settings.API_KEY_CACHE_SECS,
+        )

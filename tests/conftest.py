@@ -163,6 +163,16 @@ def _fresh_live_policy():
 
 
 @pytest.fixture(autouse=True)
+def _no_keys_verified_by_another_test():
+    """A key one test verified is not another's: the database under it is emptied between tests
+    by truncation, which tells nobody."""
+    from tenants.keys import verified_keys
+
+    yield
+    verified_keys().clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_image_sizes_kept_from_another_test():
     """A size one test read by URL is not another's to use (an origin may reuse a path)."""
     from inference_platform.serving import _image_sizes

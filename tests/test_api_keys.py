@@ -12,7 +12,15 @@ from django.core.management import call_command
 from django.test import Client
 from django.utils import timezone
 
-from tenants.keys import KeyRefused, authenticate, create_api_key, hash_key
+from tenants.keys import (
+    GENERATION_KEY,
+    KeyRefused,
+    authenticate,
+    create_api_key,
+    hash_key,
+    revoke_api_key,
+    verified_keys,
+)
 from tenants.models import ApiKey, Tenant
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("served_demo_model")]
@@ -174,6 +182,106 @@ def test_reloading_the_page_that_showed_a_new_key_makes_no_second_key(admin_clie
     )
     assert b"shown only this once" in fresh.content
     assert ApiKey.objects.filter(name="laptop").count() == 2
+
+
+def test_a_key_verified_once_is_answered_without_the_database(django_assert_num_queries):
+    tenant = Tenant.objects.create(name="acme")
+    _key, plaintext = create_api_key(tenant, "ci")
+    with django_assert_num_queries(1):
+        first = authenticate(plaintext)
+    with django_assert_num_queries(0):
+        again = authenticate(f"  {plaintext} ")
+    assert again == first and again.tenant_name == "acme"
+    assert plaintext not in repr(verified_keys().__dict__)  # kept by its hash, never the key
+
+
+def test_a_wrong_secret_is_never_answered_from_what_was_verified(django_assert_num_queries):
+    tenant = Tenant.objects.create(name="acme")
+    key, plaintext = create_api_key(tenant, "ci")
+    authenticate(plaintext)
+    forged = f"sk-{key.prefix}.{'x' * 43}"
+    for _ in range(2):  # refusals are not kept: each costs its query
+        with django_assert_num_queries(1), pytest.raises(KeyRefused):
+            authenticate(forged)
+
+
+def test_a_revoked_key_is_refused_at_its_next_use(django_assert_num_queries):
+    tenant = Tenant.objects.create(name="acme")
+    key, plaintext = create_api_key(tenant, "ci")
+    authenticate(plaintext)
+    assert revoke_api_key(key)
+    with pytest.raises(KeyRefused, match="revoked"):
+        authenticate(plaintext)
+
+
+def test_a_change_another_process_made_is_seen_through_redis(settings, django_assert_num_queries):
+    """Another process changed the tenant's limit: its row changed, and the generation in Redis
+    moved (what `keys_changed` does there); this process has only Redis to learn it from."""
+    from routing.redis_keys import sync_client
+
+    tenant = Tenant.objects.create(name="acme", requests_per_minute=10)
+    _key, plaintext = create_api_key(tenant, "ci")
+    assert authenticate(plaintext).requests_per_minute == 10
+    Tenant.objects.filter(pk=tenant.pk).update(requests_per_minute=99)  # no signal: another process
+    with django_assert_num_queries(0):
+        assert authenticate(plaintext).requests_per_minute == 10  # nothing said it changed
+    sync_client(settings.REDIS_URL).incr(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+    with django_assert_num_queries(1):
+        assert authenticate(plaintext).requests_per_minute == 99
+
+
+def test_a_tenant_edited_in_this_process_is_seen_at_once():
+    tenant = Tenant.objects.create(name="acme", max_concurrent_requests=2)
+    _key, plaintext = create_api_key(tenant, "ci")
+    assert authenticate(plaintext).max_concurrent_requests == 2
+    tenant.max_concurrent_requests = 5
+    tenant.save()
+    assert authenticate(plaintext).max_concurrent_requests == 5
+    tenant.delete()
+    with pytest.raises(KeyRefused):
+        authenticate(plaintext)
+
+
+def test_a_kept_key_still_expires_on_time(monkeypatch):
+    tenant = Tenant.objects.create(name="acme")
+    expires_at = timezone.now() + timedelta(minutes=5)
+    _key, plaintext = create_api_key(tenant, "ci", expires_at=expires_at)
+    authenticate(plaintext)
+    monkeypatch.setattr(timezone, "now", lambda: expires_at + timedelta(seconds=1))
+    with pytest.raises(KeyRefused, match="expired"):
+        authenticate(plaintext)
+
+
+def test_a_kept_key_is_asked_again_after_api_key_cache_secs(settings, monkeypatch, django_assert_num_queries):
+    import time
+
+    settings.API_KEY_CACHE_SECS = 30.0
+    tenant = Tenant.objects.create(name="acme")
+    _key, plaintext = create_api_key(tenant, "ci")
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now)
+    authenticate(plaintext)
+    monkeypatch.setattr(time, "monotonic", lambda: now + 29)
+    with django_assert_num_queries(0):
+        authenticate(plaintext)
+    monkeypatch.setattr(time, "monotonic", lambda: now + 31)
+    with django_assert_num_queries(1):
+        authenticate(plaintext)
+
+
+@pytest.mark.parametrize("setting", ["off", "no_redis"])
+def test_without_the_cache_or_without_redis_every_use_asks_the_database(
+    setting, settings, django_assert_num_queries
+):
+    if setting == "off":
+        settings.API_KEY_CACHE_SECS = 0
+    else:  # nothing listens there: nothing could say that a key changed
+        settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    tenant = Tenant.objects.create(name="acme")
+    _key, plaintext = create_api_key(tenant, "ci")
+    for _ in range(2):
+        with django_assert_num_queries(1):
+            assert authenticate(plaintext).tenant_name == "acme"
 
 
 def test_the_admin_revokes_keys(admin_client):
