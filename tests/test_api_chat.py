@@ -194,29 +194,34 @@ async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(
     assert response["X-Request-Id"] in body["error"]["message"]
 
 
+async def answer_ghost_tasks(count: int, deadline_s: float, **error) -> list[str]:
+    """Answer the next `count` tasks queued for the ghost as a worker that failed them with
+    `error`; the task ids, in order (only known once queued: read from the broker's message)."""
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
+    task_ids: list[str] = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and len(task_ids) < count:
+        raw = conn.rpop(f"{prefix}worker.ghost")
+        if raw:
+            args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+            task_ids.append(args[0]["request_id"])
+            writer = ResponseWriter(conn, prefix, task_ids[-1])
+            writer.send(STARTED, worker="ghost")
+            writer.send(ERROR, **error)
+        await asyncio.sleep(0.02)
+    return task_ids
+
+
 async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(
     client, served_demo_model, ghost_worker
 ):
     """The ghost's queue is read by the test, which answers like a worker whose engine crashed."""
-    conn = redis.Redis.from_url(django_settings.REDIS_URL)
-    prefix = django_settings.REDIS_KEY_PREFIX
-
-    async def answer_when_queued() -> None:
-        # The request id is only known once queued: read it from the broker's message headers.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            raw = conn.rpop(f"{prefix}worker.ghost")
-            if raw:
-                args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
-                writer = ResponseWriter(conn, prefix, args[0]["request_id"])
-                writer.send(STARTED, worker="ghost")
-                writer.send(ERROR, status=502, code="worker_error", message="The worker failed: RuntimeError")
-                return
-            await asyncio.sleep(0.05)
-
-    answering = asyncio.ensure_future(answer_when_queued())
+    answering = asyncio.ensure_future(
+        answer_ghost_tasks(1, 5, status=502, code="worker_error", message="The worker failed: RuntimeError")
+    )
     status, body, response = await post(client, chat_body(served_demo_model))
-    await answering
+    assert len(await answering) == 1
     assert status == 502
     assert_openai_error(body, code="worker_error")
     assert response["X-Request-Id"] in body["error"]["message"]
@@ -229,30 +234,17 @@ async def test_a_picture_that_changes_twice_fault_injected_is_planned_again_once
     """The ghost answers every task it is sent as a worker that found the request's picture
     changed at its origin: the first answer makes the frontend plan the request again under
     `<id>-r1`; the second reaches the client, and the reservation is freed once, not left."""
-    conn = redis.Redis.from_url(django_settings.REDIS_URL)
-    prefix = django_settings.REDIS_KEY_PREFIX
-    task_ids: list[str] = []
-
-    async def answer_every_task() -> None:
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and len(task_ids) < 2:
-            raw = conn.rpop(f"{prefix}worker.ghost")
-            if raw:
-                args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
-                task_ids.append(args[0]["request_id"])
-                writer = ResponseWriter(conn, prefix, task_ids[-1])
-                writer.send(STARTED, worker="ghost")
-                writer.send(ERROR, status=409, code="image_changed", message="Image 0 changed at its origin.")
-            await asyncio.sleep(0.02)
-
-    answering = asyncio.ensure_future(answer_every_task())
+    answering = asyncio.ensure_future(
+        answer_ghost_tasks(2, 8, status=409, code="image_changed", message="Image 0 changed at its origin.")
+    )
     status, body, response = await post(client, chat_body(served_demo_model))
-    await answering
+    task_ids = await answering
     assert status == 409
     assert_openai_error(body, code="image_changed")
     request_id = response["X-Request-Id"]
     assert task_ids == [request_id, f"{request_id}-r1"]
-    assert LoadTracker(conn, prefix).snapshot(["ghost"])["ghost"].active_requests == 0
+    load = LoadTracker(redis.Redis.from_url(django_settings.REDIS_URL), django_settings.REDIS_KEY_PREFIX)
+    assert load.snapshot(["ghost"])["ghost"].active_requests == 0
 
 
 @pytest.fixture
