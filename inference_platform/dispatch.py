@@ -301,7 +301,7 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
                         # The first token ends prefill: the request's load moves to decode.
                         await asyncio.to_thread(lease.first_token)
                     if _image_changed(event) and lease.state == RESERVED and dispatch.replan is not None:
-                        replanned = await dispatch.replan(dispatch)
+                        replanned = await _replan(dispatch)
                         if replanned:
                             break
                     if event.type in (DONE, ERROR):
@@ -340,6 +340,18 @@ async def follow(dispatch: Dispatch) -> AsyncIterator[ResponseEvent]:
             logger.warning("could not free the load of request %s on worker %s", rid, lease.worker)
         await asyncio.shield(release_media(dispatch))
         await asyncio.shield(_forget_mark(rid))
+
+
+async def _replan(dispatch: Dispatch) -> bool:
+    """`dispatch.replan`, where its refusals (ApiError) and a lost Redis are the answer, and
+    anything unforeseen leaves the worker's own `image_changed` to be answered."""
+    try:
+        return await dispatch.replan(dispatch)
+    except (ApiError, redis.RedisError):
+        raise
+    except Exception:
+        logger.exception("request %s: planning it again failed", dispatch.request_id)
+        return False
 
 
 def _image_changed(event: ResponseEvent) -> bool:

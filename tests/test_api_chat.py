@@ -247,6 +247,33 @@ async def test_a_picture_that_changes_twice_fault_injected_is_planned_again_once
     assert load.snapshot(["ghost"])["ghost"].active_requests == 0
 
 
+async def test_a_replan_that_fails_unforeseen_fault_injected_answers_the_workers_409_not_a_500(
+    client, served_demo_model, ghost_worker, monkeypatch
+):
+    """The request's second preparation (the replan's) raises what nothing foresaw: the client
+    gets the worker's own `image_changed`, and the reservation is still freed."""
+    from inference_platform import serving
+
+    prepare, calls = serving.prepare, []
+
+    def prepare_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("fault injected into the replan")
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "prepare", prepare_once)
+    answering = asyncio.ensure_future(
+        answer_ghost_tasks(1, 5, status=409, code="image_changed", message="Image 0 changed at its origin.")
+    )
+    status, body, _response = await post(client, chat_body(served_demo_model))
+    assert len(await answering) == 1
+    assert (status, len(calls)) == (409, 2)
+    assert_openai_error(body, code="image_changed")
+    load = LoadTracker(redis.Redis.from_url(django_settings.REDIS_URL), django_settings.REDIS_KEY_PREFIX)
+    assert load.snapshot(["ghost"])["ghost"].active_requests == 0
+
+
 @pytest.fixture
 def silent_redis_url():
     """A TCP server that accepts connections and never answers: a hung Redis (fault injection)."""
