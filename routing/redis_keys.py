@@ -71,17 +71,23 @@ def _client_options(*, asyncio: bool = False) -> dict[str, object]:
     }
 
 
-_sync_clients: dict[str, object] = {}
+_sync_clients: dict[tuple[str, float | None], object] = {}
 
 
-def sync_client(url: str):  # -> redis.Redis
-    """One connection pool per URL and process, shared by every thread."""
+def sync_client(url: str, *, timeout_s: float | None = None):  # -> redis.Redis
+    """One connection pool per URL and process, shared by every thread. `timeout_s` shortens
+    the waits below the deployment's for a read that only saves work (its caller does without
+    it), so a frozen Redis costs the request that one short wait on top of its own timeout."""
     import redis
 
-    client = _sync_clients.get(url)
+    client = _sync_clients.get((url, timeout_s))
     if client is None:
-        client = redis.Redis.from_url(url, **_client_options())
-        _sync_clients[url] = client
+        options = _client_options()
+        if timeout_s is not None:
+            options["socket_timeout"] = min(SOCKET_TIMEOUT_S, timeout_s)
+            options["socket_connect_timeout"] = min(CONNECT_TIMEOUT_S, timeout_s)
+        client = redis.Redis.from_url(url, **options)
+        _sync_clients[(url, timeout_s)] = client
     return client
 
 

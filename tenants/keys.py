@@ -180,6 +180,10 @@ def authenticate(presented: str) -> Caller:
 
 
 GENERATION_KEY = "keys:generation"  # Redis: bumped by every change to a key or a tenant
+# The generation is read before each key check: a Redis that does not answer within this makes
+# the check ask the database instead, and costs the request no more than this wait (its own
+# Redis operations then fail within REDIS_TIMEOUT_SECS, as they would have anyway).
+_GENERATION_TIMEOUT_S = 0.25
 
 
 class VerifiedKeys:
@@ -244,7 +248,8 @@ def _generation() -> bytes | None:
     if settings.API_KEY_CACHE_SECS <= 0:
         return None
     try:
-        value = sync_client(settings.REDIS_URL).get(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+        client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
+        value = client.get(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:
         return None
     return value if value is not None else b"0"
