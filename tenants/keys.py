@@ -28,6 +28,7 @@ from datetime import datetime
 
 import redis
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from routing.hashing import cache_salt
@@ -257,9 +258,22 @@ def _generation() -> bytes | None:
 
 def keys_changed() -> None:
     """A key or a tenant changed: every frontend forgets the keys it verified (tenants.apps wires
-    this to every save and delete of either; `revoke_api_key` calls it for its update())."""
+    this to every save and delete of either; `revoke_api_key` calls it for its update()).
+
+    Announced once the change is committed: a frontend that learned of it earlier could read the
+    old row again and keep it under the new generation. This process forgets at once as well.
+    """
+    _forget_verified()
+    transaction.on_commit(_announce_keys_changed)
+
+
+def _forget_verified() -> None:
     if _verified is not None:
-        _verified.clear()  # this process at once, whatever Redis says
+        _verified.clear()
+
+
+def _announce_keys_changed() -> None:
+    _forget_verified()
     try:
         sync_client(settings.REDIS_URL).incr(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:

@@ -230,6 +230,24 @@ def test_a_change_another_process_made_is_seen_through_redis(settings, django_as
         assert authenticate(plaintext).requests_per_minute == 99
 
 
+def test_a_change_is_announced_to_other_frontends_once_committed(settings):
+    """Announced inside the transaction, another frontend could read the old row again and keep
+    it under the new generation."""
+    from django.db import transaction
+
+    from routing.redis_keys import sync_client
+
+    generation = f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}"
+    client = sync_client(settings.REDIS_URL)
+    tenant = Tenant.objects.create(name="acme")
+    before = int(client.get(generation) or 0)
+    with transaction.atomic():
+        tenant.requests_per_minute = 5
+        tenant.save()
+        assert int(client.get(generation) or 0) == before
+    assert int(client.get(generation) or 0) == before + 1
+
+
 def test_a_tenant_edited_in_this_process_is_seen_at_once():
     tenant = Tenant.objects.create(name="acme", max_concurrent_requests=2)
     _key, plaintext = create_api_key(tenant, "ci")
