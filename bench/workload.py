@@ -40,7 +40,9 @@ KV_CAPACITY_BLOCKS-block caches, about five products' prefixes per worker. `--pr
 `--kv-blocks` change it. A catalogue whose hot products both workers hold under round robin too
 (`--products 12 --kv-blocks 200`, this bench's default before) tells less: round robin's median
 request in shape (a) is then a warm one in some seeds and a cold one in others, and a TTFT p50
-compares a warm request with a warm request whichever router is used. Each shape also prints how
+compares a warm request with a warm request whichever router is used. Even at the default,
+round robin serves about 17 of 30 requests warm in one seed's shape (a) and 13-16 in another,
+so its median request there is warm, or on the divide. Each shape also prints how
 many requests each mode served warm (half the prompt cached or more) beside the most any router
 could: every request but the first to show its prefix (its product, conversation or system
 prompt). A router at that bound leaves nothing to win on hits; its TTFT p50 can then beat round
@@ -49,8 +51,9 @@ and mean printed beside each kv/rr ratio move less from seed to seed.
 
 Shape (d) is the control: every request costs the same wherever it goes, so in a closed loop
 on a saturated machine each mode's throughput, and with it its mean TTFT (Little's law), is the
-same; the ratio there measures harm, around 1.00, and a run of REQUESTS requests moves its p50
-by a few percent either way.
+same; the ratio there measures harm, around 1.00. Between runs of REQUESTS requests each
+seed's p50 moves by 10-15% either way and the median of three seeds by up to about 10%, so
+one run tells a tie from a loss only beyond that.
 
 `--origin-latency-ms` delays every answer of the image origin (a remote one is tens of ms away):
 a request pays it wherever the platform asks the origin, the frontend's size read (which
