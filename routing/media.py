@@ -12,9 +12,7 @@ import ipaddress
 import socket
 import ssl
 import struct
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +32,8 @@ from PIL import (  # the decoders allowed on untrusted bytes, registered here (s
     UnidentifiedImageError,
     WebPImagePlugin,  # noqa: F401
 )
+
+from routing.expiring import ExpiringLru
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # DYN_MM_MAX_FILE_SIZE_MB's default
 HEADER_READ_BYTES = 64 * 1024  # Dynamo's ranged read; enough for nearly every image header
@@ -596,47 +596,23 @@ class ImageSizes:
     """
 
     def __init__(
-        self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] = time.monotonic
+        self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] | None = None
     ) -> None:
-        if max_entries < 1:
-            raise ValueError("max_entries must be >= 1")
         self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._clock = clock
-        self._entries: OrderedDict[tuple[Hashable, str], tuple[float, tuple[int, int]]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._entries: ExpiringLru[tuple[int, int]] = ExpiringLru(max_entries, clock)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, scope: Hashable, identity: str) -> tuple[int, int] | None:
-        key = (scope, identity)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            expires, size = entry
-            if self._clock() >= expires:
-                del self._entries[key]
-                return None
-            self._entries.move_to_end(key)
-            return size
+        return self._entries.get((scope, identity))
 
     def put(self, scope: Hashable, identity: str, size: tuple[int, int], cache_control: str = "") -> None:
-        ttl = freshness(cache_control, self.ttl_s)
-        if ttl <= 0:
-            return
-        key = (scope, identity)
-        with self._lock:
-            self._entries[key] = (self._clock() + ttl, size)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+        self._entries.put((scope, identity), size, freshness(cache_control, self.ttl_s))
 
     def forget(self, scope: Hashable, identities: Sequence[str]) -> None:
-        with self._lock:
-            for identity in identities:
-                self._entries.pop((scope, identity), None)
+        for identity in identities:
+            self._entries.pop((scope, identity))
 
 
 _DEFAULT_EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="media")  # threads start on use

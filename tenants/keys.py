@@ -15,14 +15,13 @@ key it kept. Without Redis nothing says whether a key changed: every request ask
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
 import re
 import secrets
 import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -31,6 +30,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from routing.expiring import ExpiringLru
 from routing.hashing import cache_salt
 from routing.redis_keys import sync_client
 from tenants.models import ApiKey, Tenant
@@ -197,10 +197,9 @@ class VerifiedKeys:
 
     def __init__(self, max_age_s: float, max_entries: int = 4096) -> None:
         self.max_age_s = max_age_s
-        self.max_entries = max_entries
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the generation and what is kept under it change together
         self._generation: bytes | None = None
-        self._entries: OrderedDict[str, tuple[Caller, float, datetime | None]] = OrderedDict()
+        self._entries: ExpiringLru[tuple[Caller, datetime | None]] = ExpiringLru(max_entries)
 
     def get(self, digest: str, generation: bytes) -> Caller | None:
         with self._lock:
@@ -211,21 +210,17 @@ class VerifiedKeys:
             entry = self._entries.get(digest)
             if entry is None:
                 return None
-            caller, kept_until, expires_at = entry
-            if time.monotonic() >= kept_until or (expires_at is not None and expires_at <= timezone.now()):
-                del self._entries[digest]
+            caller, expires_at = entry
+            if expires_at is not None and expires_at <= timezone.now():
+                self._entries.pop(digest)
                 return None
-            self._entries.move_to_end(digest)
             return caller
 
     def put(self, digest: str, generation: bytes, caller: Caller, expires_at: datetime | None) -> None:
         with self._lock:
             if generation != self._generation:
                 return  # verified under a generation already gone (or not yet seen): not kept
-            self._entries[digest] = (caller, time.monotonic() + self.max_age_s, expires_at)
-            self._entries.move_to_end(digest)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._entries.put(digest, (caller, expires_at), self.max_age_s)
 
     def clear(self) -> None:
         with self._lock:
@@ -233,15 +228,14 @@ class VerifiedKeys:
             self._generation = None
 
 
-_verified: VerifiedKeys | None = None
+@functools.lru_cache(maxsize=1)
+def _verified_keys(max_age_s: float) -> VerifiedKeys:
+    return VerifiedKeys(max_age_s)
 
 
 def verified_keys() -> VerifiedKeys:
     """This process's verified keys (API_KEY_CACHE_SECS)."""
-    global _verified
-    if _verified is None or _verified.max_age_s != settings.API_KEY_CACHE_SECS:
-        _verified = VerifiedKeys(settings.API_KEY_CACHE_SECS)
-    return _verified
+    return _verified_keys(settings.API_KEY_CACHE_SECS)
 
 
 def _generation() -> bytes | None:
@@ -268,8 +262,7 @@ def keys_changed() -> None:
 
 
 def _forget_verified() -> None:
-    if _verified is not None:
-        _verified.clear()
+    verified_keys().clear()
 
 
 def _announce_keys_changed() -> None:
