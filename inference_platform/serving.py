@@ -746,13 +746,9 @@ def _replanning(chat: ChatRequest, salt: str, scope_key: str | None):
         except BaseException:
             await asyncio.shield(asyncio.to_thread(lease.release, "send_failed"))
             raise
-        # The lease moves to the new decision (the old worker's reservation is freed).
-        await asyncio.to_thread(dispatch.lease.reassign, decision, lease.instance)
-        dispatch.task_id = task_id
-        dispatch.tried.append(decision.worker)
+        await _moved(dispatch, lease, task_id)
         dispatch.migrate = _migration(prepared, scope_key, task)
         dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
-        record_decision(decision)
         telemetry.inc("request_replans", labels={"worker": decision.worker})
         return True
 
@@ -784,15 +780,22 @@ def _migration(prepared: PreparedRequest, scope_key: str | None, task: GenerateT
         except BaseException:
             await asyncio.shield(asyncio.to_thread(moved_lease.release, "send_failed"))
             raise
-        await asyncio.to_thread(dispatch.lease.reassign, decision, moved_lease.instance)
+        await _moved(dispatch, moved_lease, task_id)
         dispatch.migrations += 1
-        dispatch.task_id = task_id
-        dispatch.tried.append(decision.worker)
-        record_decision(decision)
         telemetry.inc("request_migrations", labels={"worker": decision.worker})
         return True
 
     return migrate
+
+
+async def _moved(dispatch: Dispatch, lease: RequestLease, task_id: str) -> None:
+    """The request now runs as `task_id` under `lease`'s decision (reserved by `decide` under the
+    same request id): the dispatch's lease takes it over, the old worker's reservation is freed."""
+    decision = lease.decision
+    await asyncio.to_thread(dispatch.lease.reassign, decision, lease.instance)
+    dispatch.task_id = task_id
+    dispatch.tried.append(decision.worker)
+    record_decision(decision)
 
 
 async def store_media(
