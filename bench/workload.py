@@ -2,7 +2,7 @@
 and random, over three seeds, with medians and their spread.
 
 Usage: `.venv/bin/python bench/workload.py [--requests N] [--seeds N] [--shapes a,b,c,d]
-[--products N] [--kv-blocks N] [--origin-latency-ms MS]`
+[--products N] [--kv-blocks N] [--origin-latency-ms MS] [--load F]`
 (Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
 deleted afterwards; the model at MODEL_PATH, default var/models/demo, built into a temporary
 directory if absent). Bounded: 4 shapes x 3 modes x 3 seeds x REQUESTS requests (36 runs of 30),
@@ -54,6 +54,14 @@ on a saturated machine each mode's throughput, and with it its mean TTFT (Little
 same; the ratio there measures harm, around 1.00. Between runs of REQUESTS requests each
 seed's p50 moves by 10-15% either way and the median of three seeds by up to about 10%, so
 one run tells a tie from a loss only beyond that.
+
+`--load F` runs an open loop instead: sessions start at Poisson times (the same times in every
+mode for one seed), each asking its turns one after another, at F times the requests a second
+that round robin served in a closed loop of the same shape (one calibration run per shape, not
+reported). It shows what a closed loop hides: with no fixed number of users, a router that keeps
+requests on the worker holding their prefix can let a queue grow there while another worker
+idles. On this 2-core machine its p50s move by up to 2x between repeats of one seed, so it
+informs rather than decides.
 
 `--origin-latency-ms` delays every answer of the image origin (a remote one is tens of ms away):
 a request pays it wherever the platform asks the origin, the frontend's size read (which
@@ -334,15 +342,34 @@ def send(client: httpx.Client, base_url: str, turn: Turn, session_salt: str) -> 
 
 
 def run_sessions(
-    base_url: str, sessions: list[list[Turn]], session_salt: str, headers: dict[str, str]
+    base_url: str,
+    sessions: list[list[Turn]],
+    session_salt: str,
+    headers: dict[str, str],
+    session_rate: float | None = None,
+    arrivals_seed: int = 0,
 ) -> tuple[list[Outcome], float, list[str]]:
-    """CONCURRENCY users, each taking the next session and asking its turns one after another."""
+    """Closed loop (session_rate None): CONCURRENCY users, each taking the next session and asking
+    its turns one after another. Open loop: sessions start at Poisson times, `session_rate` a
+    second (the same times in every mode for one seed), each asking its turns one after another,
+    however many are open at once."""
     pending: queue.Queue[list[Turn]] = queue.Queue()
     for session in sessions:
         pending.put(session)
     outcomes: list[Outcome] = []
     failures: list[str] = []
     lock = threading.Lock()
+
+    def ask(client: httpx.Client, session: list[Turn]) -> None:
+        for turn in session:
+            try:
+                outcome = send(client, base_url, turn, session_salt)
+            except (httpx.HTTPError, RuntimeError, KeyError) as exc:
+                with lock:
+                    failures.append(f"{turn.key}: {exc}")
+                continue
+            with lock:
+                outcomes.append(outcome)
 
     def user() -> None:
         with httpx.Client(timeout=180, headers=headers) as client:
@@ -351,18 +378,27 @@ def run_sessions(
                     session = pending.get_nowait()
                 except queue.Empty:
                     return
-                for turn in session:
-                    try:
-                        outcome = send(client, base_url, turn, session_salt)
-                    except (httpx.HTTPError, RuntimeError, KeyError) as exc:
-                        with lock:
-                            failures.append(f"{turn.key}: {exc}")
-                        continue
-                    with lock:
-                        outcomes.append(outcome)
+                ask(client, session)
 
     started = time.perf_counter()
-    users = [threading.Thread(target=user, name=f"user-{n}") for n in range(CONCURRENCY)]
+    if session_rate is not None:
+        rng = random.Random(f"arrivals-{arrivals_seed}")
+        at, starts = 0.0, []
+        for _ in sessions:
+            starts.append(at)
+            at += rng.expovariate(session_rate)
+
+        def arriving(session: list[Turn], start: float) -> None:
+            time.sleep(max(0.0, started + start - time.perf_counter()))
+            with httpx.Client(timeout=180, headers=headers) as client:
+                ask(client, session)
+
+        users = [
+            threading.Thread(target=arriving, args=(session, start), name=f"session-{n}")
+            for n, (session, start) in enumerate(zip(sessions, starts, strict=True))
+        ]
+    else:
+        users = [threading.Thread(target=user, name=f"user-{n}") for n in range(CONCURRENCY)]
     for thread in users:
         thread.start()
     for thread in users:
@@ -433,13 +469,15 @@ class Bench:
         label = "server" if mode == MODES[0] else f"server-{MODES.index(mode)}"
         return [(int(o), int(b), r) for o, b, r in _SENT_LINE.findall(self.platform.log(label))]
 
-    def run(self, shape: str, mode: str, seed: int, sessions: list[list[Turn]]) -> RunResult:
+    def run(
+        self, shape: str, mode: str, seed: int, sessions: list[list[Turn]], session_rate: float | None = None
+    ) -> RunResult:
         self.reset()
         logged = len(self.decisions(mode))
         before = self.routing_counters()
         time.sleep(1.2)  # metrics flush each second: counters read below are this run's
         outcomes, wall_s, failures = run_sessions(
-            self.frontends[mode], sessions, f"{shape}{mode}{seed}", self.platform.headers
+            self.frontends[mode], sessions, f"{shape}{mode}{seed}", self.platform.headers, session_rate, seed
         )
         time.sleep(1.2)
         after = self.routing_counters()
@@ -513,6 +551,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="delay before the image origin answers, standing in for a remote one (default 0)",
     )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="open loop: sessions arrive at Poisson times, at this fraction of the requests a second"
+        " round robin serves in a closed loop of the shape (measured first, per shape); default: closed loop",
+    )
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     seeds = (
@@ -523,6 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
 
     warm_bound: dict[str, list[int]] = {}
+    capacity: dict[str, float] = {}  # requests a second, for --load
     with (
         tempfile.TemporaryDirectory(prefix="workload-") as scratch,
         ImageServer(latency=args.origin_latency_ms / 1000) as origin,
@@ -538,8 +584,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     warm_bound.setdefault(shape, []).append(len(turns) - len({t.prefix for t in turns}))
                     # Rotate the modes' order per seed: no mode always runs first after a reset.
                     order = [m for m in MODES[seed % 3 :] + MODES[: seed % 3] if m in args.modes.split(",")]
+                    rate = None
+                    if args.load is not None:
+                        if shape not in capacity:
+                            calibration = bench.run(shape, "round_robin", seed, sessions)
+                            capacity[shape] = len(calibration.outcomes) / calibration.wall_s
+                            print(
+                                f"[{shape} capacity] round robin, closed loop: "
+                                f"{capacity[shape]:.2f} requests/s",
+                                flush=True,
+                            )
+                        rate = args.load * capacity[shape] / (len(turns) / len(sessions))
                     for mode in order:
-                        result = bench.run(shape, mode, seed, sessions)
+                        result = bench.run(shape, mode, seed, sessions, rate)
                         results.setdefault((shape, mode), []).append(result)
                         warm, warm_p50, cold_p50 = result.split_ttft_p50()
                         print(
