@@ -559,6 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         " round robin serves in a closed loop of the shape (measured first, per shape); default: closed loop",
     )
     args = parser.parse_args(argv)
+    if args.load is not None and not 0 < args.load < float("inf"):
+        parser.error("--load must be a positive fraction of the closed-loop rate")
     shapes = [s for s in args.shapes.split(",") if s]
     seeds = (
         SEEDS[: args.seeds] if args.seeds <= len(SEEDS) else tuple(SEEDS[0] + i for i in range(args.seeds))
