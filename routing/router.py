@@ -67,13 +67,16 @@ _DECISION_LUA = (
 -- blocks in use (-1: none), prefill tokens/s (0: no drain). One binary string: far cheaper to
 -- send than six arguments per worker, and to build and read than text. 22 the worker names,
 -- distinct, joined by newlines (which no name holds): one argument instead of one per worker
--- saves the client more time than splitting it here costs the script.
+-- saves the client more time than splitting it here costs the script. 23 load bound gap
+-- (requests; 0 off), 24 load bound ratio.
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local slack, lead = tonumber(ARGV[10]), tonumber(ARGV[11])
 local max_requests, max_kv = tonumber(ARGV[12]), tonumber(ARGV[13])
 local mode, u = ARGV[14], tonumber(ARGV[15])
+local gap = mode == 'kv' and tonumber(ARGV[23]) or 0
+local ratio = tonumber(ARGV[24])
 -- Globals cost a table lookup each in Redis's Lua, and the per-worker passes below call these
 -- hundreds of times per decision: locals make the load reads about a third cheaper.
 local tonumber, max = tonumber, math.max
@@ -127,10 +130,10 @@ if draining then
     end
   end
 end
--- Only the requests threshold reads the request counts: a third of the load reads, skipped
--- when it is off.
+-- Only the requests threshold and the load bound read the request counts: a third of the load
+-- reads, skipped when both are off.
 local requests = {}
-if max_requests > 0 then
+if max_requests > 0 or gap > 0 then
   for j = 1, n do requests[j] = 0 end
   read_sums('load:requests', requests)
 end
@@ -156,6 +159,30 @@ for j = 1, n do
     cost[j] = c
     if lowest == nil or c < lowest then lowest = c end
     if highest == nil or c > highest then highest = c end
+  end
+end
+-- Bounded loads (SGLang's balance thresholds, per worker): the cost chooses among the
+-- candidates that are not both `gap` or more requests in flight ahead of the least loaded one and
+-- `ratio` times its load or more. The least loaded is always among them, so the pool is never
+-- empty; it keeps a prefix, however hot, from drawing every request onto one worker while
+-- another idles. The reason says when it turned the cheapest worker away.
+local pool, bounded = candidates, false
+if gap > 0 and #candidates > 1 then
+  local least = nil
+  for _, j in ipairs(candidates) do
+    if least == nil or requests[j] < least then least = requests[j] end
+  end
+  local within, low, high = {}, nil, nil
+  for _, j in ipairs(candidates) do
+    if requests[j] - least < gap or requests[j] < ratio * least then
+      within[#within + 1] = j
+      local c = cost[j]
+      if low == nil or c < low then low = c end
+      if high == nil or c > high then high = c end
+    end
+  end
+  if #within < #candidates then
+    pool, bounded, lowest, highest = within, low > lowest, low, high
   end
 end
 local sticky = false
@@ -198,8 +225,8 @@ elseif #candidates == 1 then
   chosen, reason = candidates[1], 'only-candidate'
 else
   if sticky then
-    for k = 1, #candidates do
-      local j = candidates[k]
+    for k = 1, #pool do
+      local j = pool[k]
       if names[j] == sticky and cost[j] <= lowest * (1 + slack) + 1e-9
         and best_overlap - overlaps[j] <= lead then
         chosen, reason = j, 'affinity'
@@ -210,25 +237,26 @@ else
     if temperature <= 0 or highest - lowest <= 0 then
       local tied = {}
       local below = lowest + 1e-9 * math.max(1, math.abs(lowest))
-      for k = 1, #candidates do
-        local j = candidates[k]
+      for k = 1, #pool do
+        local j = pool[k]
         if cost[j] <= below then tied[#tied + 1] = j end
       end
       chosen = tied[math.min(math.floor(u * #tied) + 1, #tied)]
     else
       local weights, sum = {}, 0
-      for k, j in ipairs(candidates) do
+      for k, j in ipairs(pool) do
         weights[k] = math.exp(-(cost[j] - lowest) / ((highest - lowest) * temperature))
         sum = sum + weights[k]
       end
       local target, acc = u * sum, 0
-      chosen = candidates[#candidates]
-      for k, j in ipairs(candidates) do
+      chosen = pool[#pool]
+      for k, j in ipairs(pool) do
         acc = acc + weights[k]
         if target < acc then chosen = j break end
       end
     end
   end
+  if bounded and reason == 'cost' then reason = 'load-bound' end
 end
 
 local request_id = ARGV[4]
@@ -287,7 +315,7 @@ class RoutingDecision:
     overlap: int  # leading blocks the chosen worker holds
     total_blocks: int  # ceil(isl / block_size)
     scores: Sequence[Score]  # DeferredScores from the router: computed when read
-    reason: str  # "cost" | "affinity" | "only-candidate" | "round_robin" | "random"
+    reason: str  # "cost" | "affinity" | "load-bound" | "only-candidate" | "round_robin" | "random"
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     approximate: bool = False  # the worker publishes no events
     session_key: str | None = None  # scope hash the worker was remembered for
@@ -491,6 +519,8 @@ class KvRouter:
                 )
         args.append(struct.pack(f">{len(facts)}i", *facts))
         args.append("\n".join(checked_workers(eligible)))
+        args.append(int(policy.load_bound_gap))
+        args.append(repr(float(policy.load_bound_ratio)))
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
         chosen_at, reason, best_overlap, *packed_columns, busy_at = self._decision(*args)

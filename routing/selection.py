@@ -36,6 +36,16 @@ class RoutingPolicy:
     # and no other candidate holds more than `affinity_max_overlap_lead` more prefix blocks.
     affinity_cost_slack: float = 0.25
     affinity_max_overlap_lead: int = 2
+    # Bounded loads (SGLang's balance thresholds, per worker): the cost chooses among the
+    # workers that are not both `load_bound_gap` or more requests in flight ahead of the least
+    # loaded candidate and `load_bound_ratio` x its load or more; a gap of 0 turns it off. The
+    # cost weighs a request's own TTFT only: a prefix every later request shares (a system
+    # prompt) outweighs a queue of several prompts, so under steady arrivals every request went
+    # to the one worker holding it while the other idled and never came to hold it
+    # (bench/workload.py --load). A gap of 3 still lets three requests about one new picture
+    # land together; the ratio keeps a busy fleet's bound proportionate.
+    load_bound_gap: int = 3
+    load_bound_ratio: float = 1.5
     # Busy thresholds (Dynamo's): a worker at or past one is no candidate. 0 turns one off.
     busy_max_requests: int = 0  # requests running + waiting on the worker
     busy_kv_fraction: float = 0.0  # KV blocks held by active requests / the worker's capacity
@@ -52,9 +62,12 @@ class RoutingPolicy:
             self.affinity_max_overlap_lead,
             self.busy_max_requests,
             self.busy_kv_fraction,
+            self.load_bound_gap,
         )
         if any(value < 0 for value in values):
             raise ValueError(f"routing policy values must be >= 0: {self}")
+        if not 1 <= self.load_bound_ratio < math.inf:
+            raise ValueError(f"load_bound_ratio must be a finite factor >= 1, got {self.load_bound_ratio}")
 
 
 # Candidates and scores are built for every worker on every decision: slots make a frozen

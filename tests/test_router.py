@@ -269,6 +269,56 @@ def test_affinity_gives_way_when_another_worker_holds_a_longer_prefix(
     assert (loose.worker, loose.reason, loose.overlap_given_up) == ("gpu0", "affinity", 10)
 
 
+def test_a_worker_past_the_load_bound_gives_way_though_it_holds_the_prefix(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: gpu1 holds the whole prompt and gpu0 nothing; two requests in flight on gpu1
+    hashes = block_hashes(_tokens(13, 320), BS)
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes))])
+    pair = ["gpu0", "gpu1"]
+    router.load.add("gpu1", "in-flight-1", 0, 20)
+    router.load.add("gpu1", "in-flight-2", 0, 20)
+
+    # when / then: a third still joins them (two ahead of the idle worker: within the gap of 3)
+    third = router.route(hashes, 320, BS, pair, RoutingPolicy())
+    assert (third.worker, third.reason) == ("gpu1", "cost")
+
+    # when: a third request is in flight there, and a fourth is decided with and without the bound
+    router.load.add("gpu1", "in-flight-3", 0, 20)
+    bounded = router.route(hashes, 320, BS, pair, RoutingPolicy())
+    unbounded = router.route(hashes, 320, BS, pair, RoutingPolicy(load_bound_gap=0))
+
+    # then: three ahead, the idle worker takes it, and the decision says what the bound gave up;
+    # without the bound, the prefix outweighs three requests in flight
+    assert (bounded.worker, bounded.reason, bounded.overlap_given_up) == ("gpu0", "load-bound", 20)
+    assert (unbounded.worker, unbounded.reason) == ("gpu1", "cost")
+
+
+def test_a_busy_fleet_is_bounded_by_the_ratio_as_well_as_the_gap(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: gpu0 holds the prompt; 8 requests in flight on it, 6 on gpu1
+    hashes = block_hashes(_tokens(14, 320), BS)
+    publisher.publish([KvEvent("stored", "gpu0", tuple(hashes))])
+    for n in range(8):
+        router.load.add("gpu0", f"a{n}", 0, 20)
+    for n in range(6):
+        router.load.add("gpu1", f"b{n}", 0, 20)
+    policy, pair = RoutingPolicy(load_bound_gap=2, load_bound_ratio=1.5), ["gpu0", "gpu1"]
+
+    # when / then: two ahead but under 1.5 x, gpu0 stays a candidate and its prefix wins
+    assert router.route(hashes, 320, BS, pair, policy).worker == "gpu0"
+    # 9 against 6: past both the gap and the ratio, gpu1 takes it
+    router.load.add("gpu0", "a8", 0, 20)
+    decision = router.route(hashes, 320, BS, pair, policy)
+    assert (decision.worker, decision.reason) == ("gpu1", "load-bound")
+
+
+def test_a_load_bound_ratio_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="load_bound_ratio"):
+        RoutingPolicy(load_bound_ratio=0.5)
+
+
 def test_dispatch_counts_the_request_and_a_single_worker_is_the_only_candidate(router: KvRouter) -> None:
     hashes = block_hashes(_tokens(7, 330), BS)
     lease = router.decide("r1", hashes, 330, BS, ["gpu3"], RoutingPolicy())
