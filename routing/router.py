@@ -161,20 +161,30 @@ for j = 1, n do
     if highest == nil or c > highest then highest = c end
   end
 end
--- Bounded loads (SGLang's balance thresholds, per worker): the cost chooses among the
--- candidates that are not both `gap` or more requests in flight ahead of the least loaded one and
--- `ratio` times its load or more. The least loaded is always among them, so the pool is never
--- empty; it keeps a prefix, however hot, from drawing every request onto one worker while
--- another idles. The reason says when it turned the cheapest worker away.
+-- Bounded loads (SGLang's balance thresholds, per worker): a candidate `gap` or more requests
+-- in flight ahead of the least loaded one and `ratio` times its load or more is passed over when
+-- the best of the others costs no more than it does plus its queued (drained) prefill: giving up
+-- its cache then costs this request at most the wait its queue would have cost it. So a prefix,
+-- however hot, cannot draw every request onto one worker while another idles, and a long
+-- cached prefix is never given up for a short queue. The least loaded is never passed over, so
+-- the pool is never empty. The reason says when the bound turned the cheapest worker away.
 local pool, bounded = candidates, false
 if gap > 0 and #candidates > 1 then
   local least = nil
   for _, j in ipairs(candidates) do
     if least == nil or requests[j] < least then least = requests[j] end
   end
+  local ahead, others = {}, nil  -- the far-ahead candidates, and the lowest cost of the rest
+  for _, j in ipairs(candidates) do
+    if requests[j] - least >= gap and requests[j] >= ratio * least then
+      ahead[j] = true
+    elseif others == nil or cost[j] < others then
+      others = cost[j]
+    end
+  end
   local within, low, high = {}, nil, nil
   for _, j in ipairs(candidates) do
-    if requests[j] - least < gap or requests[j] < ratio * least then
+    if not (ahead[j] and others <= cost[j] + scale * prefill[j] / bs) then
       within[#within + 1] = j
       local c = cost[j]
       if low == nil or c < low then low = c end

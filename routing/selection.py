@@ -36,14 +36,16 @@ class RoutingPolicy:
     # and no other candidate holds more than `affinity_max_overlap_lead` more prefix blocks.
     affinity_cost_slack: float = 0.25
     affinity_max_overlap_lead: int = 2
-    # Bounded loads (SGLang's balance thresholds, per worker): the cost chooses among the
-    # workers that are not both `load_bound_gap` or more requests in flight ahead of the least
-    # loaded candidate and `load_bound_ratio` x its load or more; a gap of 0 turns it off. The
-    # cost weighs a request's own TTFT only: a prefix every later request shares (a system
-    # prompt) outweighs a queue of several prompts, so under steady arrivals every request went
-    # to the one worker holding it while the other idled and never came to hold it
-    # (bench/workload.py --load). A gap of 3 still lets three requests about one new picture
-    # land together; the ratio keeps a busy fleet's bound proportionate.
+    # Bounded loads (SGLang's balance thresholds, per worker): a worker `load_bound_gap` or more
+    # requests in flight ahead of the least loaded candidate and `load_bound_ratio` x its load or
+    # more is passed over when the best of the others costs no more than it plus its queued
+    # prefill (giving up its cache then costs the request at most its queue's wait); a gap of 0
+    # turns it off. The cost weighs a request's own TTFT only: a prefix every later request
+    # shares (a system prompt) outweighs a queue of several prompts, so under steady arrivals
+    # every request went to the one worker holding it while the other idled and never came to
+    # hold it (bench/workload.py --load). A gap of 3 still lets three requests about one new
+    # picture land together; the ratio keeps a busy fleet's bound proportionate; the queue
+    # condition keeps a long cached prefix from being given up for a short queue.
     load_bound_gap: int = 3
     load_bound_ratio: float = 1.5
     # Busy thresholds (Dynamo's): a worker at or past one is no candidate. 0 turns one off.

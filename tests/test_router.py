@@ -272,36 +272,69 @@ def test_affinity_gives_way_when_another_worker_holds_a_longer_prefix(
 def test_a_worker_past_the_load_bound_gives_way_though_it_holds_the_prefix(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:
-    # given: gpu1 holds the whole prompt and gpu0 nothing; two requests in flight on gpu1
+    # given: gpu1 holds the whole prompt and gpu0 nothing; two requests in flight on gpu1, each
+    # with 70 prompt tokens still to prefill
     hashes = block_hashes(_tokens(13, 320), BS)
     publisher.publish([KvEvent("stored", "gpu1", tuple(hashes))])
     pair = ["gpu0", "gpu1"]
-    router.load.add("gpu1", "in-flight-1", 0, 20)
-    router.load.add("gpu1", "in-flight-2", 0, 20)
+    router.load.add("gpu1", "in-flight-1", 70, 20)
+    router.load.add("gpu1", "in-flight-2", 70, 20)
 
     # when / then: a third still joins them (two ahead of the idle worker: within the gap of 3)
     third = router.route(hashes, 320, BS, pair, RoutingPolicy())
     assert (third.worker, third.reason) == ("gpu1", "cost")
 
     # when: a third request is in flight there, and a fourth is decided with and without the bound
-    router.load.add("gpu1", "in-flight-3", 0, 20)
+    router.load.add("gpu1", "in-flight-3", 70, 20)
     bounded = router.route(hashes, 320, BS, pair, RoutingPolicy())
     unbounded = router.route(hashes, 320, BS, pair, RoutingPolicy(load_bound_gap=0))
 
-    # then: three ahead, the idle worker takes it, and the decision says what the bound gave up;
-    # without the bound, the prefix outweighs three requests in flight
+    # then: three ahead, the idle worker takes it (its full prefill costs less than gpu1's cost
+    # plus the 210 tokens queued there), and the decision says what the bound gave up; without
+    # the bound, the prefix outweighs the queue
     assert (bounded.worker, bounded.reason, bounded.overlap_given_up) == ("gpu0", "load-bound", 20)
     assert (unbounded.worker, unbounded.reason) == ("gpu1", "cost")
+
+    # and once those three are decoding (nothing queued), the prefix's worker keeps the prompt
+    for n in (1, 2, 3):
+        router.load.prefill_done("gpu1", f"in-flight-{n}")
+    assert router.route(hashes, 320, BS, pair, RoutingPolicy()).worker == "gpu1"
+
+
+def test_the_load_bound_never_gives_up_a_long_cached_prefix_for_a_short_queue(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: gpu1 holds 90 of a 100-block prompt and has four prompts queued, 100 tokens each;
+    # gpu0 is idle and holds nothing
+    hashes = block_hashes(_tokens(15, 1600), BS)
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:90]))])
+    for n in range(4):
+        router.load.add("gpu1", f"short-{n}", 100, 10)
+
+    # when / then: giving up 1,440 cached tokens to skip 400 queued would cost the request more
+    # than the queue does: it stays
+    kept = router.route(hashes, 1600, BS, ["gpu0", "gpu1"], RoutingPolicy())
+    assert (kept.worker, kept.reason, kept.overlap) == ("gpu1", "cost", 90)
+
+    # when: the four queued are 250 tokens each, 1,000 in all
+    for n in range(4):
+        router.load.add("gpu1", f"short-{n}", 250, 10)
+    passed = router.route(hashes, 1600, BS, ["gpu0", "gpu1"], RoutingPolicy())
+
+    # then: the cost alone would still wait there, but the full prefill elsewhere costs less than
+    # that wait plus the request's own: the bound sends it to the idle worker
+    assert (passed.worker, passed.reason) == ("gpu0", "load-bound")
 
 
 def test_a_busy_fleet_is_bounded_by_the_ratio_as_well_as_the_gap(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:
-    # given: gpu0 holds the prompt; 8 requests in flight on it, 6 on gpu1
+    # given: gpu0 holds the prompt; 8 requests in flight on it (each with 25 tokens to prefill),
+    # 6 on gpu1
     hashes = block_hashes(_tokens(14, 320), BS)
     publisher.publish([KvEvent("stored", "gpu0", tuple(hashes))])
     for n in range(8):
-        router.load.add("gpu0", f"a{n}", 0, 20)
+        router.load.add("gpu0", f"a{n}", 25, 20)
     for n in range(6):
         router.load.add("gpu1", f"b{n}", 0, 20)
     policy, pair = RoutingPolicy(load_bound_gap=2, load_bound_ratio=1.5), ["gpu0", "gpu1"]
@@ -309,7 +342,7 @@ def test_a_busy_fleet_is_bounded_by_the_ratio_as_well_as_the_gap(
     # when / then: two ahead but under 1.5 x, gpu0 stays a candidate and its prefix wins
     assert router.route(hashes, 320, BS, pair, policy).worker == "gpu0"
     # 9 against 6: past both the gap and the ratio, gpu1 takes it
-    router.load.add("gpu0", "a8", 0, 20)
+    router.load.add("gpu0", "a8", 25, 20)
     decision = router.route(hashes, 320, BS, pair, policy)
     assert (decision.worker, decision.reason) == ("gpu1", "load-bound")
 
