@@ -131,12 +131,13 @@ if draining then
   end
 end
 -- Only the requests threshold and the load bound read the request counts: a third of the load
--- reads, skipped when both are off.
+-- reads, skipped when the threshold is off and the bound cannot change the choice (below).
 local requests = {}
-if max_requests > 0 or gap > 0 then
+local function read_requests()
   for j = 1, n do requests[j] = 0 end
   read_sums('load:requests', requests)
 end
+if max_requests > 0 then read_requests() end
 local n_blocks = math.ceil(isl / bs)
 
 -- Busy: the router's reservations and the engine's last report count the same requests, so
@@ -145,6 +146,7 @@ local n_blocks = math.ceil(isl / bs)
 local check_busy = max_requests > 0 or max_kv > 0
 local busy, candidates, cost = {}, {}, {}
 local best_overlap, lowest, highest = 0, nil, nil
+local cheapest, second = nil, nil  -- the cheapest candidate, and the next lowest cost
 for j = 1, n do
   if check_busy and (
     (max_requests > 0 and max(requests[j], rep_requests[j] or -1) >= max_requests)
@@ -157,7 +159,11 @@ for j = 1, n do
     if o > best_overlap then best_overlap = o end
     local c = scale * max((prefill[j] + isl) / bs - credit * o, 0) + decode[j] + n_blocks - o
     cost[j] = c
-    if lowest == nil or c < lowest then lowest = c end
+    if lowest == nil or c < lowest then
+      lowest, second, cheapest = c, lowest, j
+    elseif second == nil or c < second then
+      second = c
+    end
     if highest == nil or c > highest then highest = c end
   end
 end
@@ -168,31 +174,45 @@ end
 -- however hot, cannot draw every request onto one worker while another idles, and a long
 -- cached prefix is never given up for a short queue. The least loaded is never passed over, so
 -- the pool is never empty. The reason says when the bound turned the cheapest worker away.
+-- It can only turn the cheapest worker away if the next lowest cost is within that worker's
+-- queue of it, and only then are the request counts read (when the busy threshold has not):
+-- a decision over 64 workers otherwise pays nothing for it.
 local pool, bounded = candidates, false
-if gap > 0 and #candidates > 1 then
-  local least = nil
-  for _, j in ipairs(candidates) do
-    if least == nil or requests[j] < least then least = requests[j] end
+local least, most = nil, nil  -- the candidates' fewest and most requests in flight
+if gap > 0 and second ~= nil and second <= lowest + scale * prefill[cheapest] / bs then
+  if max_requests <= 0 then read_requests() end
+  for k = 1, #candidates do
+    local r = requests[candidates[k]]
+    if least == nil or r < least then least = r end
+    if most == nil or r > most then most = r end
   end
-  local ahead, others = {}, nil  -- the far-ahead candidates, and the lowest cost of the rest
-  for _, j in ipairs(candidates) do
-    if requests[j] - least >= gap and requests[j] >= ratio * least then
-      ahead[j] = true
-    elseif others == nil or cost[j] < others then
-      others = cost[j]
+end
+if least ~= nil and most - least >= gap then
+  local floor = max(least + gap, ratio * least)  -- as many requests as make a candidate far ahead
+  local others, cheapest_ahead = nil, nil  -- the lowest cost of the rest, and of those ahead
+  for k = 1, #candidates do
+    local j = candidates[k]
+    local c = cost[j]
+    if requests[j] >= floor then
+      if cheapest_ahead == nil or c < cheapest_ahead then cheapest_ahead = c end
+    elseif others == nil or c < others then
+      others = c
     end
   end
-  local within, low, high = {}, nil, nil
-  for _, j in ipairs(candidates) do
-    if not (ahead[j] and others <= cost[j] + scale * prefill[j] / bs) then
-      within[#within + 1] = j
+  if cheapest_ahead ~= nil and cheapest_ahead < others then
+    local within, low, high = {}, nil, nil
+    for k = 1, #candidates do
+      local j = candidates[k]
       local c = cost[j]
-      if low == nil or c < low then low = c end
-      if high == nil or c > high then high = c end
+      if requests[j] < floor or others > c + scale * prefill[j] / bs then
+        within[#within + 1] = j
+        if low == nil or c < low then low = c end
+        if high == nil or c > high then high = c end
+      end
     end
-  end
-  if #within < #candidates then
-    pool, bounded, lowest, highest = within, low > lowest, low, high
+    if #within < #candidates then
+      pool, bounded, lowest, highest = within, low > lowest, low, high
+    end
   end
 end
 local sticky = false
