@@ -1,10 +1,10 @@
 """The KV-aware router: overlap from the index and load from the tracker, scored, one worker chosen.
 
 A decision is one Lua script, one round trip: it sweeps expired load, reads every candidate's
-overlap (index and predicted blocks) and load, drops the busy ones, applies the bounded session
-affinity, chooses, and, when asked to (`decide`), reserves the request's load on the chosen
-worker, records its blocks as predicted there, and remembers the session's worker, all in the
-same atomic step. Two frontend processes deciding at the same instant therefore see each
+overlap (index and predicted blocks) and load, drops the busy ones, applies the load bound and
+the bounded session affinity, chooses, and, when asked to (`decide`), reserves the request's load
+on the chosen worker, records its blocks as predicted there, and remembers the session's worker,
+all in the same atomic step. Two frontend processes deciding at the same instant therefore see each
 other's reservations: requests with different prefixes spread over idle workers instead of
 piling onto the one that looked idle to both.
 
