@@ -62,13 +62,15 @@ _DECISION_LUA = (
 -- 10 affinity cost slack, 11 affinity max overlap lead (blocks), 12 busy max requests (0 off),
 -- 13 busy kv fraction (0 off), 14 mode, 15 uniform random in [0, 1), 16 load entry ttl ms,
 -- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
--- 21 per-worker facts for the workers that have any, six big-endian i32s each: index,
--- approximate (0/1), kv capacity blocks, reported running + waiting (-1: none), reported kv
--- blocks in use (-1: none), prefill tokens/s (0: no drain). One binary string: far cheaper to
--- send than six arguments per worker, and to build and read than text. 22 the worker names,
--- distinct, joined by newlines (which no name holds): one argument instead of one per worker
--- saves the client more time than splitting it here costs the script. 23 load bound gap
--- (requests; 0 off), 24 load bound ratio.
+-- 21 what the busy check reads of the workers that report it ('' while both thresholds are
+-- off), four big-endian i32s each: index, kv capacity blocks, reported running + waiting (-1:
+-- none), reported kv blocks in use (-1: none). 22 the worker names, distinct, joined by
+-- newlines (which no name holds): one argument instead of one per worker saves the client more
+-- time than splitting it here costs the script. 23 load bound gap (requests; 0 off), 24 load
+-- bound ratio, 25 each worker's measured prefill rate in tokens/s, one i32 per worker in order
+-- (0: none; '' when nothing drains), 26 the approximate workers' indexes, one i32 each.
+-- Binary strings: far cheaper to send than arguments per worker, and to build and read than
+-- text; and only what the policy reads is sent.
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -88,13 +90,24 @@ for name in string.gmatch(ARGV[22], '[^\\n]+') do
 end
 local approximate, capacity, rep_requests, rep_kv, rate = {}, {}, {}, {}, {}
 local draining = false
-local facts = ARGV[21]
-for at = 1, #facts, 24 do
-  local j, a, cap, req, kv, r = struct.unpack('>i4i4i4i4i4i4', facts, at)
-  approximate[j], capacity[j] = a == 1, cap
-  rep_requests[j], rep_kv[j] = req, kv
-  if r > 0 then rate[j], draining = r, true end
+local reported = ARGV[21]
+for at = 1, #reported, 16 do
+  local j, cap, req, kv = struct.unpack('>i4i4i4i4', reported, at)
+  capacity[j], rep_requests[j], rep_kv[j] = cap, req, kv
 end
+-- The rates, a thousand per unpack (its results are bounded by Lua's C stack).
+local rates = ARGV[25]
+for at = 1, #rates, 4000 do
+  local chunk = string.sub(rates, at, at + 3999)
+  local values = {struct.unpack('>' .. string.rep('i4', #chunk / 4), chunk)}
+  local offset = (at - 1) / 4
+  for k = 1, #chunk / 4 do
+    local r = values[k]
+    if r > 0 then rate[offset + k], draining = r, true end
+  end
+end
+local approximate_at = ARGV[26]
+for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_at, at)] = true end
 
 load_sweep(ns)
 local overlaps = {overlaps}(ns, packed, names, position)
@@ -522,35 +535,18 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
-        facts: list[int] = []
-        if reports or approximate:
-            # Six integers per worker, packed once below: about 0.3 us per worker.
-            extend, get, drain = facts.extend, reports.get, policy.prefill_drain
-            for j, name in enumerate(eligible, start=1):
-                report = get(name)
-                if report is None:
-                    if name not in approximate:
-                        continue
-                    report = _NO_REPORT
-                requests, kv_used, rate = (
-                    report.running_and_waiting,
-                    report.kv_used_blocks,
-                    report.prefill_tokens_per_s,
-                )
-                extend(
-                    (
-                        j,
-                        name in approximate,
-                        report.capacity_blocks,
-                        -1 if requests is None else requests,
-                        -1 if kv_used is None else kv_used,
-                        int(rate) if drain and rate > 0 else 0,  # whole tokens per second
-                    )
-                )
-        args.append(struct.pack(f">{len(facts)}i", *facts))
-        args.append("\n".join(checked_workers(eligible)))
-        args.append(int(policy.load_bound_gap))
-        args.append(repr(float(policy.load_bound_ratio)))
+        checks_busy = policy.busy_max_requests > 0 or policy.busy_kv_fraction > 0
+        approximate_at = (
+            [j for j, name in enumerate(eligible, start=1) if name in approximate] if approximate else []
+        )
+        args += [
+            _busy_facts(eligible, reports) if checks_busy else b"",
+            "\n".join(checked_workers(eligible)),
+            int(policy.load_bound_gap),
+            repr(float(policy.load_bound_ratio)),
+            _prefill_rates(eligible, reports) if policy.prefill_drain and reports else b"",
+            struct.pack(f">{len(approximate_at)}i", *approximate_at),
+        ]
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
         chosen_at, reason, best_overlap, *packed_columns, busy_at = self._decision(*args)
@@ -615,7 +611,37 @@ class KvRouter:
         )
 
 
-_NO_REPORT = WorkerReport()
+_I32_MAX = 2**31 - 1
+
+
+def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:
+    """Four i32s per reporting worker for the busy check: index, capacity, requests, kv in use."""
+    facts: list[int] = []
+    extend, get = facts.extend, reports.get
+    for j, name in enumerate(eligible, start=1):
+        report = get(name)
+        if report is not None:
+            requests, kv_used = report.running_and_waiting, report.kv_used_blocks
+            extend(
+                (
+                    j,
+                    min(report.capacity_blocks, _I32_MAX),
+                    -1 if requests is None else min(requests, _I32_MAX),
+                    -1 if kv_used is None else min(kv_used, _I32_MAX),
+                )
+            )
+    return struct.pack(f">{len(facts)}i", *facts)
+
+
+def _prefill_rates(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:
+    """Each worker's measured prefill rate, whole tokens/s, one i32 each in order (0: none)."""
+    rates = [
+        report.prefill_tokens_per_s if report is not None else 0.0 for report in map(reports.get, eligible)
+    ]
+    # NaN fails both comparisons: an unknown rate drains nothing. (No min() call: it costs
+    # more than the comparisons, per worker, per decision.)
+    whole = [int(rate) if 0 < rate < _I32_MAX else _I32_MAX if rate >= _I32_MAX else 0 for rate in rates]
+    return struct.pack(f">{len(whole)}i", *whole)
 
 
 def _integers(packed: bytes) -> tuple[int, ...]:

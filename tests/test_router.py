@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 import threading
@@ -392,6 +393,7 @@ def test_predicted_blocks_credit_an_event_publishing_worker_only_until_their_ttl
     assert blind.route(hashes, 640, BS, ["gpu1"], RoutingPolicy()).overlap == 0
 
 
+@pytest.mark.usefixtures("redis_client")  # removes what the test wrote
 def test_decisions_in_the_same_instant_see_each_others_reservations(
     redis_url: str, key_namespace: str
 ) -> None:
@@ -498,6 +500,7 @@ def test_a_lease_moves_to_another_worker_before_its_first_token(router: KvRouter
     assert router.load.snapshot(["gpu1"])["gpu1"] == (0, 0, 0)
 
 
+@pytest.mark.usefixtures("redis_client")  # removes what the test wrote
 def test_a_decision_reads_redis_in_one_round_trip(redis_url: str, key_namespace: str) -> None:
     pool = redis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
     client = redis.Redis(connection_pool=pool)
@@ -594,6 +597,33 @@ def test_reserved_prefill_drains_at_the_rate_each_worker_measures(router: KvRout
     no_rate = router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy())
     assert _reserved_prefill_tokens(no_rate, "gpu0", 160) == 480
     first.release("done")
+
+
+def test_rates_reach_the_script_in_order_past_a_thousand_workers_and_odd_rates_drain_nothing(
+    router: KvRouter,
+) -> None:
+    # given: 1,100 workers (the script unpacks rates a thousand at a time), a prompt reserved on
+    # the 1,050th, which reports 1,000 tokens/s; others report no rate, a NaN or one past i32
+    workers = [f"gpu{i}" for i in range(1_100)]
+    reports = {name: WorkerReport() for name in workers}
+    reports["gpu1049"] = WorkerReport(prefill_tokens_per_s=1000.0)
+    reports["gpu3"] = WorkerReport(prefill_tokens_per_s=math.nan)
+    reports["gpu4"] = WorkerReport(prefill_tokens_per_s=1e12)
+    lease = router.decide(
+        "a", block_hashes(_tokens(25, 480), BS), 480, BS, ["gpu1049"], RoutingPolicy(), reports=reports
+    )
+    other = block_hashes(_tokens(26, 480), BS)
+    for name in ("gpu3", "gpu4"):
+        router.decide(f"on-{name}", other, 480, BS, [name], RoutingPolicy(), reports=reports).release("done")
+
+    # when: the router looks 0.25 s later
+    time.sleep(0.25)
+    probe = block_hashes(_tokens(27, 160), BS)
+    decision = router.route(probe, 160, BS, workers, RoutingPolicy(), reports=reports)
+
+    # then: the reservation drained at its own worker's rate, not another's, and nothing failed
+    assert 0 < _reserved_prefill_tokens(decision, "gpu1049", 160) <= 480 - 200
+    lease.release("done")
 
 
 def test_of_two_workers_each_prefilling_a_prompt_the_one_nearer_done_gets_the_next(
