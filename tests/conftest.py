@@ -21,6 +21,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     prefix = os.environ.get("REDIS_KEY_PREFIX", "")
     if not prefix.startswith("test:"):
         return
+    # The process's metrics recorder flushes in the background: stopped first, it writes
+    # nothing after the keys are gone.
+    from routing import telemetry
+
+    telemetry.process_recorder().close()
     try:
         client = redis.Redis.from_url(TEST_REDIS_URL)
         for key in client.scan_iter(match=f"{prefix}*", count=1000):
