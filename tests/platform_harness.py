@@ -7,16 +7,20 @@ database, so the test removes exactly what it wrote.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import redis
@@ -97,6 +101,24 @@ print(json.dumps(keys))
 """
 
 
+class _Template(NamedTuple):
+    path: Path
+    api_key: str
+
+
+_template: _Template | None = None
+
+
+def _remember_template(database: Path, api_key: str) -> None:
+    """Keep a copy of a freshly migrated database (the test's may change it) for later platforms."""
+    global _template
+    directory = Path(tempfile.mkdtemp(prefix="platform-template-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    copy = directory / "db.sqlite3"
+    shutil.copyfile(database, copy)
+    _template = _Template(copy, api_key)
+
+
 class PlatformProcesses:
     def __init__(
         self, tmp: Path, model_dir: Path, redis_url: str, namespace: str, env: dict[str, str] | None = None
@@ -130,8 +152,22 @@ class PlatformProcesses:
         self.server_urls: list[str] = []  # each server's base URL, in the order of `servers`
         self.base_url = ""  # the first server's
         self._logs: list[Path] = []
-        # Migrations and the test's API key in one process (authentication stays on): an
-        # operator key of the tenant "harness", isolated from any other tenant a test creates.
+        self.api_key = self._fresh_database(env or {})
+        self.headers = {"Authorization": f"Bearer {self.api_key}"}
+
+    def _fresh_database(self, env: Mapping[str, str]) -> str:
+        """A migrated database holding the test's API key; the key's plaintext.
+
+        Migrations and the key in one process (authentication stays on): an operator key of the
+        tenant "harness", isolated from any other tenant a test creates. The first platform of
+        a test session makes that database; every later one starts from a copy of it (the same
+        migrations and key, a file of its own), which saves a Django process per platform.
+        """
+        database = self.tmp / "db.sqlite3"
+        own_database = "DATABASE_URL" in env
+        if _template is not None and not own_database:
+            shutil.copyfile(_template.path, database)
+            return _template.api_key
         created = subprocess.run(
             [sys.executable, "-c", _MIGRATE_AND_CREATE_KEY],
             cwd=REPO,
@@ -141,8 +177,10 @@ class PlatformProcesses:
             capture_output=True,
             text=True,
         )
-        self.api_key = created.stdout.strip().splitlines()[-1]
-        self.headers = {"Authorization": f"Bearer {self.api_key}"}
+        api_key = created.stdout.strip().splitlines()[-1]
+        if not own_database:
+            _remember_template(database, api_key)
+        return api_key
 
     def make_keys(self, *specs: dict) -> list[str]:
         """API keys for tenants of the test's own, in one process; each spec names a `tenant` and
