@@ -15,7 +15,7 @@ from routing import telemetry
 from routing.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
 from routing.encoders import EncoderPool, dashboard_section
 from routing.index import KvIndex, execute_pipeline
-from routing.load import IDLE, LoadTracker
+from routing.load import IDLE, LoadTracker, WorkerLoad
 from routing.registry import Heartbeat, WorkerRegistry
 
 DEFAULT_MINUTES = 30
@@ -166,7 +166,7 @@ class DashboardReader:
     def _read_load_and_counters(
         self, names: Sequence[str], minute_starts: Sequence[int]
     ) -> tuple[
-        list[tuple[int, int, int]],
+        list[WorkerLoad],
         dict[str, dict[str, Counts]],
         dict[str, dict[str, list[Counts]]],
         telemetry.Parsed,
@@ -175,7 +175,7 @@ class DashboardReader:
         pipe = self._client.pipeline(transaction=False)
         # Sweep first, as LoadTracker.snapshot does, so requests of a dead frontend do not linger.
         self._load.sweep_script.queue(pipe, self._namespace)
-        load_replies = self._load.queue_totals(pipe)
+        self._load.queue_totals(pipe)
         for name in names:
             for cache in CACHES:
                 pipe.hgetall(totals_key(self._namespace, name, cache))
@@ -185,10 +185,7 @@ class DashboardReader:
                     pipe.hgetall(series_key(self._namespace, name, cache, start // 60))
         pipe.hgetall(telemetry.total_key(self._namespace))
         replies = iter(execute_pipeline(pipe, [self._load.sweep_script])[1:])
-        prefill, blocks, requests = LoadTracker.totals_columns(
-            [next(replies) for _ in range(load_replies)], names
-        )
-        loads = list(zip(prefill, blocks, requests, strict=True))
+        loads = LoadTracker.loads(next(replies), names)
         totals = {name: {cache: _counts(next(replies)) for cache in CACHES} for name in names}
         series = {
             name: {cache: [_counts(next(replies)) for _ in minute_starts] for cache in CACHES}

@@ -17,8 +17,9 @@ only if something reads them.
 
 Prefill drain: a worker's reserved prefill is what is left of it at the rate the worker's engine
 measures (`WorkerReport.prefill_tokens_per_s`), not all of it until the first token; the script
-keeps when each worker's reserved prompts should be done (`load:drain`) and the prefill column
-it returns is the drained one, so the scores shown are the ones it chose by.
+keeps when each worker's reserved prompts should be done (in the worker's `load:totals` field,
+routing.load) and the prefill column it returns is the drained one, so the scores shown are the
+ones it chose by.
 """
 
 from __future__ import annotations
@@ -111,31 +112,31 @@ for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_a
 
 load_sweep(ns)
 local overlaps = {overlaps}(ns, packed, names, position)
--- Running sums per worker into `out` (0: idle). The hash is read whole and its fields placed
--- by name: HMGET would scan the small listpack once per asked worker.
-local function read_sums(family, out)
-  local flat = redis.call('HGETALL', ns .. family)
+-- Each worker's running sums (routing.load, `load:totals`), read whole: HMGET would scan the
+-- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
+local requests, done_at = {}, {}
+do
+  local flat = redis.call('HGETALL', ns .. 'load:totals')
+  local unpack_totals = struct.unpack
   for i = 1, #flat, 2 do
     local j = position[flat[i]]
-    if j then out[j] = tonumber(flat[i + 1]) end
+    if j then
+      local p, b, r, d = unpack_totals('>i8i8i8i8', flat[i + 1])
+      prefill[j], decode[j], requests[j] = p, b, r
+      if d > 0 then done_at[j] = d end
+    end
   end
 end
-read_sums('load:prefill', prefill)
-read_sums('load:blocks', decode)
+for j = 1, n do requests[j] = requests[j] or 0 end
 -- Prefill drain: a worker works through the prompts reserved on it from the moment they arrive,
 -- at the rate its engine measures, so a prompt reserved 200 ms ago weighs less than one reserved
--- just now. `load:drain` holds, per worker, when its reserved prefill should be done if it
--- drains at that rate (Redis time, ms); what it estimates is left is never more than what is
--- still reserved, and the entry goes when the worker's reserved prefill reaches 0 (the load
--- tracker's `adjust`). A worker with no rate or no entry counts its reservations in full.
-local now, reserved, done_at = nil, prefill, {}
+-- just now. Each worker's totals hold when its reserved prefill should be done if it drains at
+-- that rate (Redis time, ms); what it estimates is left is never more than what is still
+-- reserved, and the estimate goes when the worker's reserved prefill reaches 0 (the load
+-- tracker's `adjust`). A worker with no rate or no estimate counts its reservations in full.
+local now, reserved = nil, prefill
 if draining then
   now, reserved = server_time_ms(), {}
-  local flat = redis.call('HGETALL', ns .. 'load:drain')
-  for i = 1, #flat, 2 do
-    local j = position[flat[i]]
-    if j then done_at[j] = tonumber(flat[i + 1]) end
-  end
   for j = 1, n do
     reserved[j] = prefill[j]
     if rate[j] and done_at[j] and prefill[j] > 0 then
@@ -143,14 +144,6 @@ if draining then
     end
   end
 end
--- Only the requests threshold and the load bound read the request counts: a third of the load
--- reads, skipped when the threshold is off and the bound cannot change the choice (below).
-local requests = {}
-local function read_requests()
-  for j = 1, n do requests[j] = 0 end
-  read_sums('load:requests', requests)
-end
-if max_requests > 0 then read_requests() end
 local n_blocks = math.ceil(isl / bs)
 
 -- Busy: the router's reservations and the engine's last report count the same requests, so
@@ -188,12 +181,10 @@ end
 -- cached prefix is never given up for a short queue. The least loaded is never passed over, so
 -- the pool is never empty. The reason says when the bound turned the cheapest worker away.
 -- It can only turn the cheapest worker away if the next lowest cost is within that worker's
--- queue of it, and only then are the request counts read (when the busy threshold has not):
--- a decision over 64 workers otherwise pays nothing for it.
+-- queue of it: only then does it look at the candidates' request counts.
 local pool, bounded = candidates, false
 local least, most = nil, nil  -- the candidates' fewest and most requests in flight
 if gap > 0 and second ~= nil and second <= lowest + scale * prefill[cheapest] / bs then
-  if max_requests <= 0 then read_requests() end
   for k = 1, #candidates do
     local r = requests[candidates[k]]
     if least == nil or r < least then least = r end
@@ -306,18 +297,19 @@ local request_id = ARGV[4]
 if request_id ~= '' then
   local worker = names[chosen]
   local prefill_tokens = math.max(isl - overlaps[chosen] * bs, 0)
-  -- The reservation, as LoadTracker.add makes it (a re-add replaces, never double counts).
+  -- The reservation, as LoadTracker.add makes it (a re-add replaces, never double counts),
+  -- with when the worker's reserved prefill should now be done: queued behind what is left of
+  -- it (all of it without an estimate).
   release(ns, worker, request_id)
   redis.call('HSET', ns .. 'load:req:' .. worker, request_id, prefill_tokens .. ' ' .. n_blocks)
-  adjust(ns, worker, prefill_tokens, n_blocks, 1)
   local r = rate[chosen]
   now = now or server_time_ms()
+  local drained_at = nil
   if r and prefill_tokens > 0 then
-    -- Queued behind what is left of the worker's reserved prefill (all of it without an entry).
-    local start = done_at[chosen] or (now + reserved[chosen] * 1000 / r)
-    start = max(start, now)
-    redis.call('HSET', ns .. 'load:drain', worker, math.ceil(start + prefill_tokens * 1000 / r))
+    local start = max(done_at[chosen] or (now + reserved[chosen] * 1000 / r), now)
+    drained_at = math.ceil(start + prefill_tokens * 1000 / r)
   end
+  adjust(ns, worker, prefill_tokens, n_blocks, 1, drained_at)
   redis.call('ZADD', ns .. 'load:expiry', now + tonumber(ARGV[16]), worker .. '\\n' .. request_id)
   -- Predicted blocks: siblings arriving before the worker's own events credit it with this
   -- prompt for a short while (approximate workers: for the approximate TTL, their only credit).

@@ -50,7 +50,7 @@ def set_enabled(platform, worker: str, enabled: bool) -> None:
 
 
 def active_requests(platform) -> dict[bytes, bytes]:
-    return platform.redis.hgetall(f"{platform.namespace}load:requests")
+    return platform.redis.hgetall(f"{platform.namespace}load:totals")
 
 
 def own_platform(tmp_path_factory, demo_model_dir, redis_url: str, **env: str):

@@ -672,9 +672,7 @@ def test_of_two_workers_each_prefilling_a_prompt_the_one_nearer_done_gets_the_ne
         lease.release("done")
 
 
-def test_a_queued_prompt_drains_only_after_the_one_ahead_of_it(
-    router: KvRouter, redis_client: redis.Redis, key_namespace: str
-) -> None:
+def test_a_queued_prompt_drains_only_after_the_one_ahead_of_it(router: KvRouter) -> None:
     # given: two 480-token prompts reserved on gpu0 back to back, at 1,000 tokens/s
     reports = {"gpu0": WorkerReport(prefill_tokens_per_s=1000.0), "gpu1": WorkerReport()}
     leases = [
@@ -694,13 +692,15 @@ def test_a_queued_prompt_drains_only_after_the_one_ahead_of_it(
     after_first = _reserved_prefill_tokens(
         router.route(probe, 160, BS, ["gpu0", "gpu1"], RoutingPolicy(), reports=reports), "gpu0", 160
     )
+    estimate_while_reserved = router.load.totals("gpu0").drained_at_ms
     leases[1].first_token()
-    drain_key = f"{key_namespace}load:drain"
 
     # then: the second prompt waits behind the first (about 960 - 250 tokens left of both); what
     # is left never exceeds what is still reserved; with nothing reserved the estimate is gone
     assert 960 - 250 - 200 < queued <= 960 - 250, queued
     assert 0 < after_first <= 480
-    assert not redis_client.hexists(drain_key, "gpu0")
+    assert estimate_while_reserved > 0
+    assert router.load.totals("gpu0") == (0, 60, 2, 0)  # 2 x 30 blocks, 2 requests, no estimate
     for lease in leases:
         lease.release("done")
+    assert router.load.totals("gpu0") is None
