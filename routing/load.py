@@ -15,7 +15,8 @@ Layout:
   One small hash whatever the number of requests in flight, one field per worker, which goes
   when the worker has no request left: a decision reads it whole in one call, and unpacks one
   string per worker rather than parse four numbers out of four hashes (about 60 us less inside
-  Redis for 64 workers, bench/routing.py).
+  Redis for 64 workers, bench/routing.py). The sums are derived from `load:req:<worker>`, so
+  they go whole when its last entry goes: a sum that drifted heals then.
 - `load:expiry`: sorted set, `<worker>\\n<request id>` scored by expiry (Redis server time, ms),
   swept by a Lua script right before every snapshot (the router's decision script runs it).
 """
@@ -101,7 +102,13 @@ local function release(ns, worker, request_id)
   local prefill, blocks = entry_of(ns, worker, request_id)
   if not prefill then return 0 end
   redis.call('HDEL', ns .. 'load:req:' .. worker, request_id)
-  adjust(ns, worker, -prefill, -blocks, -1)
+  if redis.call('EXISTS', ns .. 'load:req:' .. worker) == 0 then
+    -- The worker's last request: nothing is in flight there, whatever its sums say. A sum that
+    -- drifted (a process of an older layout freed an entry without it) heals here.
+    redis.call('HDEL', ns .. 'load:totals', worker)
+  else
+    adjust(ns, worker, -prefill, -blocks, -1)
+  end
   return 1
 end
 """

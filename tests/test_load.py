@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
@@ -103,3 +104,25 @@ def test_the_first_token_restarts_the_entry_ttl(redis_client: redis.Redis, key_n
 def test_negative_load_is_refused(load: LoadTracker) -> None:
     with pytest.raises(ValueError):
         load.add("gpu0", "r1", -1, 3)
+
+
+def test_a_drifted_sum_fault_injected_heals_when_the_workers_last_request_goes(
+    redis_client: redis.Redis, key_namespace: str, load: LoadTracker
+) -> None:
+    # given: two requests on gpu0, and its sums inflated behind the tracker's back (as a process
+    # of an older layout freeing an entry without them would leave them)
+    load.add("gpu0", "r1", 100, 10)
+    load.add("gpu0", "r2", 50, 4)
+    redis_client.hset(f"{key_namespace}load:totals", "gpu0", struct.pack(">qqqq", 900, 90, 7, 0))
+    assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(900, 90, 7)
+
+    # when: one request goes, then the last
+    load.free("gpu0", "r1")
+    assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(800, 80, 6)  # still drifted
+    load.free("gpu0", "r2")
+
+    # then: with nothing in flight, nothing is counted, and the next request counts alone
+    assert load.totals("gpu0") is None
+    load.add("gpu0", "r3", 30, 2)
+    assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(30, 2, 1)
+    load.free("gpu0", "r3")
