@@ -249,7 +249,7 @@ class LoadTracker:
         self.sweep_script.queue(pipe, self._namespace)
         self.queue_totals(pipe)
         replies = execute_pipeline(pipe, [self.sweep_script])
-        return {worker: load for worker, load in zip(workers, self.loads(replies[1], workers), strict=True)}
+        return dict(zip(workers, self.loads(replies[1], workers), strict=True))
 
     def totals(self, worker: str) -> Totals | None:
         """A worker's running sums as stored (None: no request in flight), without a sweep."""

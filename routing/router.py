@@ -84,10 +84,10 @@ local ratio = tonumber(ARGV[24])
 -- hundreds of times per decision: locals make the load reads about a third cheaper.
 local tonumber, max = tonumber, math.max
 -- Per-worker facts stay nil for the workers that have none (the common case): defaults at use.
-local n, names, position, prefill, decode = 0, {}, {}, {}, {}
+local n, names, position, prefill, decode, requests = 0, {}, {}, {}, {}, {}
 for name in string.gmatch(ARGV[22], '[^\\n]+') do
   n = n + 1
-  names[n], position[name], prefill[n], decode[n] = name, n, 0, 0
+  names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
 end
 local approximate, capacity, rep_requests, rep_kv, rate = {}, {}, {}, {}, {}
 local draining = false
@@ -114,7 +114,7 @@ load_sweep(ns)
 local overlaps = {overlaps}(ns, packed, names, position)
 -- Each worker's running sums (routing.load, `load:totals`), read whole: HMGET would scan the
 -- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
-local requests, done_at = {}, {}
+local done_at = {}
 do
   local flat = redis.call('HGETALL', ns .. 'load:totals')
   local unpack_totals = struct.unpack
@@ -127,7 +127,6 @@ do
     end
   end
 end
-for j = 1, n do requests[j] = requests[j] or 0 end
 -- Prefill drain: a worker works through the prompts reserved on it from the moment they arrive,
 -- at the rate its engine measures, so a prompt reserved 200 ms ago weighs less than one reserved
 -- just now. Each worker's totals hold when its reserved prefill should be done if it drains at
