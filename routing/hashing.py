@@ -83,24 +83,31 @@ def local_block_hashes(
     # Every block as plain tokens first (one tight comprehension over the blocks' bytes, which
     # iter_unpack cuts in C: a third faster than slicing a memoryview per block), then the
     # blocks a media run covers hashed again with its tags. Hashing a covered block twice costs
-    # less than the per-block Python loop that would avoid it, and images cover a fraction of a
-    # prompt.
-    hashes = [
-        _xxh3_64(block, BLOCK_HASH_SEED)
-        for (block,) in _block_struct(stride).iter_unpack(data[: n_blocks * stride])
-    ]
+    # less than a per-block test for media, and images cover a fraction of a prompt.
+    cut = _block_struct(stride).iter_unpack(data[: n_blocks * stride])
     if not media:
-        return hashes
+        return [_xxh3_64(block, BLOCK_HASH_SEED) for (block,) in cut]
+    blocks = [block for (block,) in cut]
+    hashes = [_xxh3_64(block, BLOCK_HASH_SEED) for block in blocks]
 
-    tagged: dict[int, list[bytes]] = {}  # block -> the tags of the media it covers, in start order
+    # A run's first and last covered blocks may hold another run's tokens too (tags in start
+    # order); the blocks between them hold this run's alone, and go in one comprehension.
+    pack = _MEDIA_TAG.pack
+    edges: dict[int, list[bytes]] = {}
     for placement in _ordered_media(media, len(tokens)):
-        end = placement.start + placement.length
-        for block in range(placement.start // block_size, min(-(-end // block_size), n_blocks)):
-            offset = placement.start - block * block_size
-            tagged.setdefault(block, []).append(_MEDIA_TAG.pack(placement.routing_hash, offset))
-    for block, tags in tagged.items():
-        block_bytes = data[block * stride : (block + 1) * stride]
-        hashes[block] = _xxh3_64(b"".join([block_bytes, *tags]), BLOCK_HASH_SEED)
+        start, routing_hash = placement.start, placement.routing_hash
+        first = start // block_size
+        stop = min(-(-(start + placement.length) // block_size), n_blocks)
+        if first >= stop:  # inside the partial last block, which is not hashed
+            continue
+        for block in (first, stop - 1) if stop - 1 > first else (first,):
+            edges.setdefault(block, []).append(pack(routing_hash, start - block * block_size))
+        hashes[first + 1 : stop - 1] = [
+            _xxh3_64(blocks[block] + pack(routing_hash, start - block * block_size), BLOCK_HASH_SEED)
+            for block in range(first + 1, stop - 1)
+        ]
+    for block, tags in edges.items():
+        hashes[block] = _xxh3_64(b"".join([blocks[block], *tags]), BLOCK_HASH_SEED)
     return hashes
 
 

@@ -132,6 +132,40 @@ def test_several_images_in_one_block_are_folded_in_order_of_start_whatever_the_i
     assert local_block_hashes(tokens, 16, list(reversed(media))) == [expected]
 
 
+def _reference_local_hashes(tokens: list[int], block_size: int, media: list[MediaPlacement]) -> list[int]:
+    """The definition, block by block: its tokens, then the tag of every run it touches by start."""
+    hashes = []
+    for block in range(len(tokens) // block_size):
+        lo, hi = block * block_size, (block + 1) * block_size
+        data = struct.pack(f"<{block_size}I", *tokens[lo:hi])
+        for m in sorted(media, key=lambda m: m.start):
+            if m.start < hi and m.start + m.length > lo:
+                data += struct.pack("<Qq", m.routing_hash, m.start - lo)
+        hashes.append(xxhash.xxh3_64_intdigest(data, seed=BLOCK_HASH_SEED))
+    return hashes
+
+
+def test_runs_of_every_length_and_place_hash_as_the_block_by_block_definition() -> None:
+    # given: seeded prompts with runs inside one block, across several, sharing a block with the
+    # next, ending in the unhashed tail, in any order (the hashing takes each run's edge blocks
+    # and the blocks between them apart)
+    rng = random.Random(11)
+    for _ in range(400):
+        block_size = rng.choice((1, 2, 3, 16))
+        tokens = _prompt(rng.randrange(0, 120), seed=rng.randrange(1000))
+        media, at = [], 0
+        while rng.random() < 0.8:
+            start, length = at + rng.randrange(0, 12), rng.randrange(1, 40)
+            if start + length > len(tokens):
+                break
+            media.append(MediaPlacement(rng.getrandbits(64), start, length))
+            at = start + length
+        rng.shuffle(media)
+        expected = _reference_local_hashes(tokens, block_size, media)
+        # then
+        assert local_block_hashes(tokens, block_size, media) == expected
+
+
 def test_swapping_two_images_changes_the_hashes() -> None:
     prompt = _prompt(128)
     ab = [MediaPlacement(IMAGE_A, 16, 32), MediaPlacement(IMAGE_B, 64, 32)]
