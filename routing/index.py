@@ -221,32 +221,36 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
   local out = {}
   for i = 1, m do out[i] = 0 end
   local unassigned = m
-  local function block_key(b) return ns .. 'kv:blk:' .. string.sub(packed, b * 8 - 7, b * 8) end
-  local function count(b) return redis.call('HLEN', block_key(b)) end
+  local prefix, sub, call = ns .. 'kv:blk:', string.sub, redis.call
+  local function count(b) return call('HLEN', prefix .. sub(packed, b * 8 - 7, b * 8)) end
   if n > 0 and unassigned > 0 then
     local first = count(1)
     if first > 0 then
       local changes = {}  -- blocks b whose holders are not all holders of b + 1
       local last = count(n)
-      if last > 0 then changes[#changes + 1] = n end
-      local stack = {{1, first, n, last}}
-      while #stack > 0 do
-        local seg = table.remove(stack)
-        local lo, clo, hi, chi = seg[1], seg[2], seg[3], seg[4]
+      if last > 0 then changes[1] = n end
+      -- Segments still to search (from, its count, to, its count), as four stacks: no table
+      -- per segment.
+      local los, clos, his, chis, top = {1}, {first}, {n}, {last}, 1
+      while top > 0 do
+        local lo, clo, hi, chi = los[top], clos[top], his[top], chis[top]
+        top = top - 1
         if clo ~= chi then
           if hi == lo + 1 then
             changes[#changes + 1] = lo
           else
             local mid = math.floor((lo + hi) / 2)
             local cmid = count(mid)
-            stack[#stack + 1] = {lo, clo, mid, cmid}
-            stack[#stack + 1] = {mid, cmid, hi, chi}
+            los[top + 1], clos[top + 1], his[top + 1], chis[top + 1] = lo, clo, mid, cmid
+            los[top + 2], clos[top + 2], his[top + 2], chis[top + 2] = mid, cmid, hi, chi
+            top = top + 2
           end
         end
       end
       table.sort(changes, function(a, b) return a > b end)
-      for _, b in ipairs(changes) do
-        local holders = redis.call('HKEYS', block_key(b))
+      for k = 1, #changes do
+        local b = changes[k]
+        local holders = call('HKEYS', prefix .. sub(packed, b * 8 - 7, b * 8))
         for i = 1, #holders do
           local j = position[holders[i]]
           if j and out[j] == 0 then

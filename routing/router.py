@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import random
 import struct
 from collections.abc import Collection, Mapping, Sequence
@@ -68,8 +69,9 @@ _DECISION_LUA = (
 -- none), reported kv blocks in use (-1: none). 22 the worker names, distinct, joined by
 -- newlines (which no name holds): one argument instead of one per worker saves the client more
 -- time than splitting it here costs the script. 23 load bound gap (requests; 0 off), 24 load
--- bound ratio, 25 each worker's measured prefill rate in tokens/s, one i32 per worker in order
--- (0: none; '' when nothing drains), 26 the approximate workers' indexes, one i32 each.
+-- bound ratio, 25 each worker's measured prefill rate in tokens/s, one big-endian double per
+-- worker in order, as the heartbeat said it (0: none; '' when nothing drains), 26 the
+-- approximate workers' indexes, one i32 each.
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
 local ns, packed = ARGV[1], ARGV[2]
@@ -96,15 +98,19 @@ for at = 1, #reported, 16 do
   local j, cap, req, kv = struct.unpack('>i4i4i4i4', reported, at)
   capacity[j], rep_requests[j], rep_kv[j] = cap, req, kv
 end
--- The rates, a thousand per unpack (its results are bounded by Lua's C stack).
+-- The rates, a thousand per unpack (its results are bounded by Lua's C stack), in whole
+-- tokens/s up to an i32's worth; what is not a rate of one token/s or more (0 for none, NaN)
+-- drains nothing. Python sends them as they are: converting them there cost more per decision
+-- than the whole pass here.
 local rates = ARGV[25]
-for at = 1, #rates, 4000 do
-  local chunk = string.sub(rates, at, at + 3999)
-  local values = {struct.unpack('>' .. string.rep('i4', #chunk / 4), chunk)}
-  local offset = (at - 1) / 4
-  for k = 1, #chunk / 4 do
+local i32 = 2147483647
+for at = 1, #rates, 8000 do
+  local chunk = string.sub(rates, at, at + 7999)
+  local values = {struct.unpack('>' .. string.rep('d', #chunk / 8), chunk)}
+  local offset = (at - 1) / 8
+  for k = 1, #chunk / 8 do
     local r = values[k]
-    if r > 0 then rate[offset + k], draining = r, true end
+    if r >= 1 then rate[offset + k], draining = r < i32 and math.floor(r) or i32, true end
   end
 end
 local approximate_at = ARGV[26]
@@ -133,13 +139,15 @@ end
 -- that rate (Redis time, ms); what it estimates is left is never more than what is still
 -- reserved, and the estimate goes when the worker's reserved prefill reaches 0 (the load
 -- tracker's `adjust`). A worker with no rate or no estimate counts its reservations in full.
-local now, reserved = nil, prefill
-if draining then
-  now, reserved = server_time_ms(), {}
-  for j = 1, n do
-    reserved[j] = prefill[j]
-    if rate[j] and done_at[j] and prefill[j] > 0 then
-      prefill[j] = math.min(prefill[j], math.ceil(max(done_at[j] - now, 0) * rate[j] / 1000))
+-- Only the workers with an estimate drain: usually few, so the pass goes over them alone.
+local now = nil
+if draining and next(done_at) ~= nil then
+  now = server_time_ms()
+  for j, d in pairs(done_at) do
+    local p = prefill[j]
+    if rate[j] and p > 0 then
+      local left = math.ceil(max(d - now, 0) * rate[j] / 1000)
+      if left < p then prefill[j] = left end
     end
   end
 end
@@ -162,7 +170,9 @@ for j = 1, n do
     candidates[#candidates + 1] = j
     local o = overlaps[j]
     if o > best_overlap then best_overlap = o end
-    local c = scale * max((prefill[j] + isl) / bs - credit * o, 0) + decode[j] + n_blocks - o
+    local blocks = (prefill[j] + isl) / bs - credit * o  -- prefill blocks, never below 0
+    if blocks < 0 then blocks = 0 end
+    local c = scale * blocks + decode[j] + n_blocks - o
     cost[j] = c
     if lowest == nil or c < lowest then
       lowest, second, cheapest = c, lowest, j
@@ -305,7 +315,8 @@ if request_id ~= '' then
   now = now or server_time_ms()
   local drained_at = nil
   if r and prefill_tokens > 0 then
-    local start = max(done_at[chosen] or (now + reserved[chosen] * 1000 / r), now)
+    -- (Without an estimate nothing of the worker's drained: its prefill column is all it holds.)
+    local start = max(done_at[chosen] or (now + prefill[chosen] * 1000 / r), now)
     drained_at = math.ceil(start + prefill_tokens * 1000 / r)
   end
   adjust(ns, worker, prefill_tokens, n_blocks, 1, drained_at)
@@ -625,14 +636,25 @@ def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) ->
 
 
 def _prefill_rates(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:
-    """Each worker's measured prefill rate, whole tokens/s, one i32 each in order (0: none)."""
-    rates = [
-        report.prefill_tokens_per_s if report is not None else 0.0 for report in map(reports.get, eligible)
-    ]
-    # NaN fails both comparisons: an unknown rate drains nothing. (No min() call: it costs
-    # more than the comparisons, per worker, per decision.)
-    whole = [int(rate) if 0 < rate < _I32_MAX else _I32_MAX if rate >= _I32_MAX else 0 for rate in rates]
-    return struct.pack(f">{len(whole)}i", *whole)
+    """Each worker's measured prefill rate in tokens/s, one double each in order (0: none).
+
+    As reported: the script takes whole tokens/s and drops NaN and rates under 1.
+    """
+    rates = [0.0 if report is None else report.prefill_tokens_per_s for report in map(reports.get, eligible)]
+    try:
+        return struct.pack(f">{len(rates)}d", *rates)
+    except (OverflowError, TypeError, struct.error):
+        # A heartbeat's JSON can hold an integer no double holds, or no number at all.
+        return struct.pack(f">{len(rates)}d", *map(_as_rate, rates))
+
+
+def _as_rate(value: object) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return math.inf
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _integers(packed: bytes) -> tuple[int, ...]:

@@ -609,11 +609,14 @@ def test_rates_reach_the_script_in_order_past_a_thousand_workers_and_odd_rates_d
     reports["gpu1049"] = WorkerReport(prefill_tokens_per_s=1000.0)
     reports["gpu3"] = WorkerReport(prefill_tokens_per_s=math.nan)
     reports["gpu4"] = WorkerReport(prefill_tokens_per_s=1e12)
+    # (and what a heartbeat's JSON can hold besides: an integer past any double, not a number)
+    reports["gpu5"] = WorkerReport(prefill_tokens_per_s=10**400)
+    reports["gpu6"] = WorkerReport(prefill_tokens_per_s="fast")  # type: ignore[arg-type]
     lease = router.decide(
         "a", block_hashes(_tokens(25, 480), BS), 480, BS, ["gpu1049"], RoutingPolicy(), reports=reports
     )
     other = block_hashes(_tokens(26, 480), BS)
-    for name in ("gpu3", "gpu4"):
+    for name in ("gpu3", "gpu4", "gpu5", "gpu6"):
         router.decide(f"on-{name}", other, 480, BS, [name], RoutingPolicy(), reports=reports).release("done")
 
     # when: the router looks 0.25 s later
