@@ -34,7 +34,7 @@ from routing.index import LuaScript, check_worker_name, execute_pipeline
 REQUESTS_FAMILY = "load:req:"
 TOTALS_KEY = "load:totals"
 EXPIRY_KEY = "load:expiry"
-_TOTALS = struct.Struct(">qqqq")
+_TOTALS = struct.Struct(">qqqq")  # TOTALS_FORMAT in the Lua below
 
 DEFAULT_ENTRY_TTL_S = 300.0  # Dynamo sweeps stale load after five minutes
 _SWEEP_BATCH = 256  # expired entries released per snapshot; the rest go at the next one
@@ -68,11 +68,15 @@ local function server_time_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- A worker's running sums (load:totals): prefill tokens, blocks, requests, drained at (ms).
+-- A worker's field of load:totals: prefill tokens, blocks, requests, drained at (ms), as
+-- Python's `_TOTALS`. Whatever reads or writes the field (the router's decision script too)
+-- uses this format.
+local TOTALS_FORMAT = '>i8i8i8i8'
+
 local function totals_of(ns, worker)
   local raw = redis.call('HGET', ns .. 'load:totals', worker)
   if not raw then return 0, 0, 0, 0 end
-  local prefill, blocks, requests, drained_at = struct.unpack('>i8i8i8i8', raw)
+  local prefill, blocks, requests, drained_at = struct.unpack(TOTALS_FORMAT, raw)
   return prefill, blocks, requests, drained_at
 end
 
@@ -87,7 +91,7 @@ local function adjust(ns, worker, prefill, blocks, requests, drained_at)
   end
   if drained_at then d = drained_at end
   if p <= 0 then d = 0 end
-  redis.call('HSET', ns .. 'load:totals', worker, struct.pack('>i8i8i8i8', p, b, r, d))
+  redis.call('HSET', ns .. 'load:totals', worker, struct.pack(TOTALS_FORMAT, p, b, r, d))
 end
 
 local function entry_of(ns, worker, request_id)

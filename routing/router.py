@@ -127,7 +127,7 @@ do
   for i = 1, #flat, 2 do
     local j = position[flat[i]]
     if j then
-      local p, b, r, d = unpack_totals('>i8i8i8i8', flat[i + 1])
+      local p, b, r, d = unpack_totals(TOTALS_FORMAT, flat[i + 1])
       prefill[j], decode[j], requests[j] = p, b, r
       if d > 0 then done_at[j] = d end
     end
