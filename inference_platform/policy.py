@@ -49,6 +49,7 @@ def _policy(values: dict[str, Any], source: str) -> LivePolicy:
             affinity_max_overlap_lead=settings.ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS,
             load_bound_gap=settings.ROUTER_LOAD_BOUND_GAP,
             load_bound_ratio=settings.ROUTER_LOAD_BOUND_RATIO,
+            shortest_first_queues=settings.ENGINE_SCHEDULE_POLICY == "shortest_first",
             busy_max_requests=settings.ROUTER_BUSY_MAX_REQUESTS,
             busy_kv_fraction=settings.ROUTER_BUSY_KV_FRACTION,
             prefill_drain=settings.ROUTER_PREFILL_DRAIN,

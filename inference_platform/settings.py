@@ -210,7 +210,7 @@ ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS = env_int("ROUTER_AFFINITY_MAX_OVERLAP_L
 # Bounded loads: a worker this many requests in flight ahead of the least loaded one, and this
 # many times its load, is passed over when another would serve the request within its queue's
 # wait (routing.selection.RoutingPolicy).
-ROUTER_LOAD_BOUND_GAP = env_int("ROUTER_LOAD_BOUND_GAP", 3, minimum=0)  # 0: off
+ROUTER_LOAD_BOUND_GAP = env_int("ROUTER_LOAD_BOUND_GAP", 2, minimum=0)  # 0: off
 ROUTER_LOAD_BOUND_RATIO = env_float("ROUTER_LOAD_BOUND_RATIO", 1.5, minimum=1.0)
 # Reserved prefill drains at each worker's measured prefill rate (its heartbeat carries it), so
 # a prompt half done weighs half; off: a prompt counts in full until its first token (Dynamo's).

@@ -71,7 +71,8 @@ _DECISION_LUA = (
 -- time than splitting it here costs the script. 23 load bound gap (requests; 0 off), 24 load
 -- bound ratio, 25 each worker's measured prefill rate in tokens/s, one big-endian double per
 -- worker in order, as the heartbeat said it (0: none; '' when nothing drains), 26 the
--- approximate workers' indexes, one i32 each.
+-- approximate workers' indexes, one i32 each. 27 '1' when workers schedule prompts shortest
+-- first (the load bound's queue condition then charges a prompt only what it would wait for).
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
 local ns, packed = ARGV[1], ARGV[2]
@@ -184,16 +185,32 @@ for j = 1, n do
 end
 -- Bounded loads (SGLang's balance thresholds, per worker): a candidate `gap` or more requests
 -- in flight ahead of the least loaded one and `ratio` times its load or more is passed over when
--- the best of the others costs no more than it does plus its queued (drained) prefill: giving up
--- its cache then costs this request at most the wait its queue would have cost it. So a prefix,
+-- the best of the others costs no more than it does plus the queued (drained) prefill this
+-- request would wait for there: giving up its cache then costs this request at most the wait its
+-- queue would have cost it. So a prefix,
 -- however hot, cannot draw every request onto one worker while another idles, and a long
 -- cached prefix is never given up for a short queue. The least loaded is never passed over, so
 -- the pool is never empty. The reason says when the bound turned the cheapest worker away.
 -- It can only turn the cheapest worker away if the next lowest cost is within that worker's
 -- queue of it: only then does it look at the candidates' request counts.
+--
+-- The queued prefill this request would wait for on worker j. An engine that schedules prompts
+-- shortest first (workers.scheduler) computes a prompt before every queued one longer than it,
+-- so of each request in flight there it waits for at most its own uncached tokens: a question
+-- about a cached picture does not wait for the cold prompts queued beside it, while prompts of
+-- one size (shape (d)'s) wait for each other in full. In arrival order it waits for all of it.
+local shortest_first = ARGV[27] == '1'
+local function queued_wait(j)
+  local q = prefill[j]
+  if shortest_first then
+    local ahead = requests[j] * max(isl - overlaps[j] * bs, 0)
+    if ahead < q then q = ahead end
+  end
+  return q
+end
 local pool, bounded = candidates, false
 local least, most = nil, nil  -- the candidates' fewest and most requests in flight
-if gap > 0 and second ~= nil and second <= lowest + scale * prefill[cheapest] / bs then
+if gap > 0 and second ~= nil and second <= lowest + scale * queued_wait(cheapest) / bs then
   for k = 1, #candidates do
     local r = requests[candidates[k]]
     if least == nil or r < least then least = r end
@@ -217,7 +234,7 @@ if least ~= nil and most - least >= gap then
     for k = 1, #candidates do
       local j = candidates[k]
       local c = cost[j]
-      if requests[j] < floor or others > c + scale * prefill[j] / bs then
+      if requests[j] < floor or others > c + scale * queued_wait(j) / bs then
         within[#within + 1] = j
         if low == nil or c < low then low = c end
         if high == nil or c > high then high = c end
@@ -548,6 +565,7 @@ class KvRouter:
             repr(float(policy.load_bound_ratio)),
             _prefill_rates(eligible, reports) if policy.prefill_drain and reports else b"",
             struct.pack(f">{len(approximate_at)}i", *approximate_at),
+            "1" if policy.shortest_first_queues else "0",
         ]
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.

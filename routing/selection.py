@@ -43,11 +43,16 @@ class RoutingPolicy:
     # turns it off. The cost weighs a request's own TTFT only: a prefix every later request
     # shares (a system prompt) outweighs a queue of several prompts, so under steady arrivals
     # every request went to the one worker holding it while the other idled and never came to
-    # hold it (bench/workload.py --load). A gap of 3 still lets three requests about one new
+    # hold it (bench/workload.py --load). A gap of 2 still lets two requests about one new
     # picture land together; the ratio keeps a busy fleet's bound proportionate; the queue
     # condition keeps a long cached prefix from being given up for a short queue.
-    load_bound_gap: int = 3
+    load_bound_gap: int = 2
     load_bound_ratio: float = 1.5
+    # Whether workers compute the shortest prompt first (ENGINE_SCHEDULE_POLICY shortest_first):
+    # the bound's queue condition then charges a request, of each request in flight on a worker,
+    # at most its own uncached tokens there (it goes before every longer queued prompt), so a
+    # question about a cached picture is not sent away for a queue it would not wait for.
+    shortest_first_queues: bool = True
     # Busy thresholds (Dynamo's): a worker at or past one is no candidate. 0 turns one off.
     busy_max_requests: int = 0  # requests running + waiting on the worker
     busy_kv_fraction: float = 0.0  # KV blocks held by active requests / the worker's capacity

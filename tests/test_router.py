@@ -273,33 +273,55 @@ def test_affinity_gives_way_when_another_worker_holds_a_longer_prefix(
 def test_a_worker_past_the_load_bound_gives_way_though_it_holds_the_prefix(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:
-    # given: gpu1 holds the whole prompt and gpu0 nothing; two requests in flight on gpu1, each
-    # with 70 prompt tokens still to prefill
+    # given: gpu1 holds a shared 240-token prefix (a system prompt) of a 320-token prompt and gpu0
+    # nothing; a request in flight on gpu1 with 80 tokens still to prefill, as many as this one's
+    # own (prompts of one size wait for each other even when the engine takes the shortest first)
     hashes = block_hashes(_tokens(13, 320), BS)
-    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes))])
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:15]))])
     pair = ["gpu0", "gpu1"]
-    router.load.add("gpu1", "in-flight-1", 70, 20)
-    router.load.add("gpu1", "in-flight-2", 70, 20)
+    router.load.add("gpu1", "in-flight-1", 80, 20)
 
-    # when / then: a third still joins them (two ahead of the idle worker: within the gap of 3)
-    third = router.route(hashes, 320, BS, pair, RoutingPolicy())
-    assert (third.worker, third.reason) == ("gpu1", "cost")
+    # when / then: a second still joins it (one ahead of the idle worker: within the gap of 2)
+    second = router.route(hashes, 320, BS, pair, RoutingPolicy())
+    assert (second.worker, second.reason) == ("gpu1", "cost")
 
-    # when: a third request is in flight there, and a fourth is decided with and without the bound
-    router.load.add("gpu1", "in-flight-3", 70, 20)
+    # when: a second request is in flight there, and a third is decided with and without the bound
+    router.load.add("gpu1", "in-flight-2", 80, 20)
     bounded = router.route(hashes, 320, BS, pair, RoutingPolicy())
     unbounded = router.route(hashes, 320, BS, pair, RoutingPolicy(load_bound_gap=0))
 
-    # then: three ahead, the idle worker takes it (its full prefill costs less than gpu1's cost
-    # plus the 210 tokens queued there), and the decision says what the bound gave up; without
+    # then: two ahead, the idle worker takes it (its full prefill costs less than gpu1's cost
+    # plus the 160 tokens queued there), and the decision says what the bound gave up; without
     # the bound, the prefix outweighs the queue
-    assert (bounded.worker, bounded.reason, bounded.overlap_given_up) == ("gpu0", "load-bound", 20)
+    assert (bounded.worker, bounded.reason, bounded.overlap_given_up) == ("gpu0", "load-bound", 15)
     assert (unbounded.worker, unbounded.reason) == ("gpu1", "cost")
 
-    # and once those three are decoding (nothing queued), the prefix's worker keeps the prompt
-    for n in (1, 2, 3):
+    # and once those two are decoding (nothing queued), the prefix's worker keeps the prompt
+    for n in (1, 2):
         router.load.prefill_done("gpu1", f"in-flight-{n}")
     assert router.route(hashes, 320, BS, pair, RoutingPolicy()).worker == "gpu1"
+
+
+def test_the_load_bound_keeps_a_short_prompt_where_shortest_first_workers_compute_it_first(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: gpu1 holds 19 of the prompt's 20 blocks (16 tokens left to compute) and has two cold
+    # prompts queued, 100 tokens each; gpu0 is idle and holds nothing
+    hashes = block_hashes(_tokens(16, 320), BS)
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:19]))])
+    pair = ["gpu0", "gpu1"]
+    for n in range(2):
+        router.load.add("gpu1", f"cold-{n}", 100, 20)
+
+    # when: decided for workers that compute prompts in arrival order, and for shortest-first ones
+    in_order = router.route(hashes, 320, BS, pair, RoutingPolicy(shortest_first_queues=False))
+    shortest_first = router.route(hashes, 320, BS, pair, RoutingPolicy())
+
+    # then: in arrival order it would wait for the 200 queued tokens, so the bound sends it to
+    # the idle worker; shortest first, its 16 tokens go before each of them, so it waits for at
+    # most 32 and keeps its 19 cached blocks
+    assert (in_order.worker, in_order.reason) == ("gpu0", "load-bound")
+    assert (shortest_first.worker, shortest_first.reason, shortest_first.overlap) == ("gpu1", "cost", 19)
 
 
 def test_the_load_bound_never_gives_up_a_long_cached_prefix_for_a_short_queue(
@@ -330,10 +352,10 @@ def test_the_load_bound_never_gives_up_a_long_cached_prefix_for_a_short_queue(
 def test_a_busy_fleet_is_bounded_by_the_ratio_as_well_as_the_gap(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:
-    # given: gpu0 holds the prompt; 8 requests in flight on it (each with 25 tokens to prefill),
-    # 6 on gpu1
+    # given: gpu0 holds the prompt but its last block (16 tokens to compute); 8 requests in flight
+    # on it (each with 25 tokens to prefill), 6 on gpu1
     hashes = block_hashes(_tokens(14, 320), BS)
-    publisher.publish([KvEvent("stored", "gpu0", tuple(hashes))])
+    publisher.publish([KvEvent("stored", "gpu0", tuple(hashes[:19]))])
     for n in range(8):
         router.load.add("gpu0", f"a{n}", 25, 20)
     for n in range(6):
