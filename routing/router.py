@@ -187,10 +187,10 @@ end
 -- in flight ahead of the least loaded one and `ratio` times its load or more is passed over when
 -- the best of the others costs no more than it does plus the queued (drained) prefill this
 -- request would wait for there: giving up its cache then costs this request at most the wait its
--- queue would have cost it. So a prefix,
--- however hot, cannot draw every request onto one worker while another idles, and a long
--- cached prefix is never given up for a short queue. The least loaded is never passed over, so
--- the pool is never empty. The reason says when the bound turned the cheapest worker away.
+-- queue would have cost it. So a prefix, however hot, cannot draw every request onto one worker
+-- while another idles, and a long cached prefix is never given up for a short queue. The least
+-- loaded is never passed over, so the pool is never empty. The reason says when the bound turned
+-- the cheapest worker away.
 -- It can only turn the cheapest worker away if the next lowest cost is within that worker's
 -- queue of it: only then does it look at the candidates' request counts.
 --
