@@ -153,6 +153,8 @@ if draining and next(done_at) ~= nil then
   end
 end
 local n_blocks = math.ceil(isl / bs)
+-- The prompt tokens worker j would compute for this request: what its overlap leaves.
+local function uncached(j) return max(isl - overlaps[j] * bs, 0) end
 
 -- Busy: the router's reservations and the engine's last report count the same requests, so
 -- they merge by max, never by sum (a report lags reservations in flight; reservations miss
@@ -203,7 +205,7 @@ local shortest_first = ARGV[27] == '1'
 local function queued_wait(j)
   local q = prefill[j]
   if shortest_first then
-    local ahead = requests[j] * max(isl - overlaps[j] * bs, 0)
+    local ahead = requests[j] * uncached(j)
     if ahead < q then q = ahead end
   end
   return q
@@ -322,7 +324,7 @@ end
 local request_id = ARGV[4]
 if request_id ~= '' then
   local worker = names[chosen]
-  local prefill_tokens = math.max(isl - overlaps[chosen] * bs, 0)
+  local prefill_tokens = uncached(chosen)
   -- The reservation, as LoadTracker.add makes it (a re-add replaces, never double counts),
   -- with when the worker's reserved prefill should now be done: queued behind what is left of
   -- it (all of it without an estimate).
