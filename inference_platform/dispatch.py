@@ -368,8 +368,14 @@ def lease_ttl_s() -> float:
     return settings.REQUEST_LIVENESS_TTL_SECS * 2
 
 
+# A heartbeat's schedule_policy, as the router's load bound reads it; anything else (nothing
+# said, a policy this frontend does not know) leaves the policy's assumption.
+_SCHEDULES = {"shortest_first": True, "fcfs": False}
+
+
 def worker_report(beat: Heartbeat) -> WorkerReport:
-    """What the router's busy check uses of a worker's heartbeat (see ARCHITECTURE, "Busy")."""
+    """What the router's busy check, prefill drain and load bound use of a worker's heartbeat
+    (see ARCHITECTURE, "Busy")."""
     # A worker that reports nothing (an older one) has zeros here: max() with the router's own
     # reservations then uses those alone.
     return WorkerReport(
@@ -377,6 +383,7 @@ def worker_report(beat: Heartbeat) -> WorkerReport:
         running_and_waiting=beat.running + beat.waiting,
         kv_used_blocks=beat.kv_blocks_used,
         prefill_tokens_per_s=beat.prefill_tokens_per_s,
+        shortest_first=_SCHEDULES.get(beat.schedule_policy),
     )
 
 

@@ -48,6 +48,9 @@ class Heartbeat:
     forward_passes: int = 0  # model steps since start
     generated_tokens: int = 0  # tokens generated since start
     prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not measured yet)
+    # Its engine's ENGINE_SCHEDULE_POLICY ("shortest_first" or "fcfs"); "" from a worker that
+    # does not say (an older one, an encode worker): the router assumes the frontend's own.
+    schedule_policy: str = ""
     beat_at: float = 0.0  # when this beat was sent (a successor watches it move)
 
     def to_json(self) -> str:

@@ -71,8 +71,9 @@ _DECISION_LUA = (
 -- time than splitting it here costs the script. 23 load bound gap (requests; 0 off), 24 load
 -- bound ratio, 25 each worker's measured prefill rate in tokens/s, one big-endian double per
 -- worker in order, as the heartbeat said it (0: none; '' when nothing drains), 26 the
--- approximate workers' indexes, one i32 each. 27 '1' when workers schedule prompts shortest
--- first (the load bound's queue condition then charges a prompt only what it would wait for).
+-- approximate workers' indexes, one i32 each. 27 one byte per worker in order, '1' where its
+-- engine schedules prompts shortest first (the load bound's queue condition then charges a
+-- prompt only what it would wait for there), '0' where it computes them in arrival order.
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
 local ns, packed = ARGV[1], ARGV[2]
@@ -201,10 +202,10 @@ end
 -- so of each request in flight there it waits for at most its own uncached tokens: a question
 -- about a cached picture does not wait for the cold prompts queued beside it, while prompts of
 -- one size (shape (d)'s) wait for each other in full. In arrival order it waits for all of it.
-local shortest_first = ARGV[27] == '1'
+local schedules = ARGV[27]
 local function queued_wait(j)
   local q = prefill[j]
-  if shortest_first then
+  if string.byte(schedules, j) == 49 then  -- '1': this worker computes the shortest first
     local ahead = requests[j] * uncached(j)
     if ahead < q then q = ahead end
   end
@@ -371,6 +372,9 @@ class WorkerReport:
     running_and_waiting: int | None = None
     kv_used_blocks: int | None = None
     prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: unknown)
+    # Whether its engine computes the shortest prompt first (None: it does not say; the policy's
+    # `shortest_first_queues` is assumed).
+    shortest_first: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -567,7 +571,7 @@ class KvRouter:
             repr(float(policy.load_bound_ratio)),
             _prefill_rates(eligible, reports) if policy.prefill_drain and reports else b"",
             struct.pack(f">{len(approximate_at)}i", *approximate_at),
-            "1" if policy.shortest_first_queues else "0",
+            _schedules(eligible, reports, policy.shortest_first_queues),
         ]
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
@@ -653,6 +657,16 @@ def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) ->
                 )
             )
     return struct.pack(f">{len(facts)}i", *facts)
+
+
+def _schedules(eligible: Sequence[str], reports: Mapping[str, WorkerReport], assumed: bool) -> bytes:
+    """One byte per worker in order: b"1" where its engine computes the shortest prompt first,
+    b"0" where it goes in arrival order; `assumed` for a worker whose heartbeat does not say."""
+    flags = bytearray()
+    for report in map(reports.get, eligible):
+        said = None if report is None else report.shortest_first
+        flags.append(49 if (assumed if said is None else said) else 48)
+    return bytes(flags)
 
 
 def _prefill_rates(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:

@@ -51,7 +51,9 @@ class RoutingPolicy:
     # Whether workers compute the shortest prompt first (ENGINE_SCHEDULE_POLICY shortest_first):
     # the bound's queue condition then charges a request, of each request in flight on a worker,
     # at most its own uncached tokens there (it goes before every longer queued prompt), so a
-    # question about a cached picture is not sent away for a queue it would not wait for.
+    # question about a cached picture is not sent away for a queue it would not wait for. Each
+    # worker's heartbeat says its own policy (WorkerReport.shortest_first); this is assumed of
+    # a worker that does not say.
     shortest_first_queues: bool = True
     # Busy thresholds (Dynamo's): a worker at or past one is no candidate. 0 turns one off.
     busy_max_requests: int = 0  # requests running + waiting on the worker

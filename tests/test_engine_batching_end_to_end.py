@@ -25,6 +25,7 @@ def test_eight_concurrent_requests_run_in_one_batch_with_fewer_steps_than_tokens
     before = json.loads(platform.redis.get(key))
     assert before["running"] == 0 and before["kv_blocks_used"] == 0
     assert before["max_running"] >= CONCURRENT
+    assert before["schedule_policy"] == "shortest_first"  # what the router's load bound reads
 
     # when eight clients ask at once
     responses: dict[int, httpx.Response] = {}

@@ -324,6 +324,36 @@ def test_the_load_bound_keeps_a_short_prompt_where_shortest_first_workers_comput
     assert (shortest_first.worker, shortest_first.reason, shortest_first.overlap) == ("gpu1", "cost", 19)
 
 
+def test_the_load_bound_charges_each_worker_the_wait_its_own_schedule_makes(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: the queue above (gpu1 holds 19 of 20 blocks and has two cold 100-token prompts
+    # queued; gpu0 is idle), in a fleet whose heartbeats say each engine's schedule
+    hashes = block_hashes(_tokens(16, 320), BS)
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:19]))])
+    pair = ["gpu0", "gpu1"]
+    for n in range(2):
+        router.load.add("gpu1", f"cold-{n}", 100, 20)
+    says = {
+        policy: {"gpu0": WorkerReport(shortest_first=True), "gpu1": WorkerReport(shortest_first=policy)}
+        for policy in (True, False)
+    }
+
+    # when: the frontend assumes the opposite of what gpu1 says, either way
+    said_shortest_first = router.route(
+        hashes, 320, BS, pair, RoutingPolicy(shortest_first_queues=False), reports=says[True]
+    )
+    said_in_order = router.route(hashes, 320, BS, pair, RoutingPolicy(), reports=says[False])
+    unsaid = router.route(hashes, 320, BS, pair, RoutingPolicy(), reports={"gpu0": WorkerReport()})
+
+    # then: gpu1's own word counts: shortest first it keeps its 19 cached blocks, in arrival
+    # order the bound sends the prompt to the idle worker; a worker that says nothing is taken
+    # to schedule as the frontend assumes
+    assert (said_shortest_first.worker, said_shortest_first.reason) == ("gpu1", "cost")
+    assert (said_in_order.worker, said_in_order.reason) == ("gpu0", "load-bound")
+    assert (unsaid.worker, unsaid.reason) == ("gpu1", "cost")
+
+
 def test_the_load_bound_never_gives_up_a_long_cached_prefix_for_a_short_queue(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:

@@ -175,6 +175,7 @@ class Command(BaseCommand):
             shared_image_cache=image_loader.shared_cache_description,
             instance=instance,
             role=role,
+            schedule_policy="" if role == ROLE_ENCODE else runtime.engine.scheduler.policy,
         )
         Worker.objects.update_or_create(
             name=name,
@@ -425,4 +426,5 @@ def _with_engine_load(heartbeat: Heartbeat, runtime) -> Heartbeat:
         forward_passes=load.forward_passes,
         generated_tokens=load.generated_tokens,
         prefill_tokens_per_s=round(load.prefill_tokens_per_s, 1),
+        schedule_policy=engine.scheduler.policy,
     )
