@@ -2,7 +2,7 @@
 and random, over three seeds, with medians and their spread.
 
 Usage: `.venv/bin/python bench/workload.py [--requests N] [--seeds N] [--shapes a,b,c,d]
-[--products N] [--kv-blocks N] [--origin-latency-ms MS] [--load F]`
+[--products N] [--kv-blocks N] [--origin-latency-ms MS] [--load F] [--noise-floor]`
 (Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
 deleted afterwards; the model at MODEL_PATH, default var/models/demo, built into a temporary
 directory if absent). Bounded: 4 shapes x 3 modes x 3 seeds x REQUESTS requests (36 runs of 30),
@@ -53,7 +53,10 @@ Shape (d) is the control: every request costs the same wherever it goes, so in a
 on a saturated machine each mode's throughput, and with it its mean TTFT (Little's law), is the
 same; the ratio there measures harm, around 1.00. Between runs of REQUESTS requests each
 seed's p50 moves by 10-15% either way and the median of three seeds by up to about 10%, so
-one run tells a tie from a loss only beyond that.
+one run tells a tie from a loss only beyond that. More requests per run do not narrow it (two
+round robin runs of 90 requests, back to back, differ by as much): it is the run, not the
+sample. `--noise-floor` measures it in the same run: round robin goes a second time per seed
+and shape, and its TTFT p50 over round robin's is printed beside kv's (not in the last line).
 
 `--load F` runs an open loop instead: sessions start at Poisson times (the same times in every
 mode for one seed), each asking its turns one after another, at F times the requests a second
@@ -98,6 +101,9 @@ from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 
 MODES = ("kv", "round_robin", "random")
+# --noise-floor: round robin once more per seed and shape, on the same frontend; its TTFT p50
+# over round robin's is what the kv/rr ratio moves by when nothing differs but the run.
+AGAIN = "rr_again"
 SHAPES = ("a", "b", "c", "d")
 WORKERS = ("w0", "w1")
 SEEDS = (20260, 20261, 20262)
@@ -466,6 +472,7 @@ class Bench:
 
     def decisions(self, mode: str) -> list[tuple[int, int, str]]:
         """(overlap, best overlap, reason) of every decision the mode's frontend logged so far."""
+        mode = _frontend_mode(mode)
         label = "server" if mode == MODES[0] else f"server-{MODES.index(mode)}"
         return [(int(o), int(b), r) for o, b, r in _SENT_LINE.findall(self.platform.log(label))]
 
@@ -477,7 +484,12 @@ class Bench:
         before = self.routing_counters()
         time.sleep(1.2)  # metrics flush each second: counters read below are this run's
         outcomes, wall_s, failures = run_sessions(
-            self.frontends[mode], sessions, f"{shape}{mode}{seed}", self.platform.headers, session_rate, seed
+            self.frontends[_frontend_mode(mode)],
+            sessions,
+            f"{shape}{mode}{seed}",
+            self.platform.headers,
+            session_rate,
+            seed,
         )
         time.sleep(1.2)
         after = self.routing_counters()
@@ -490,6 +502,10 @@ class Bench:
     def close(self) -> None:
         self.platform.close()
         self.redis.close()
+
+
+def _frontend_mode(mode: str) -> str:
+    return "round_robin" if mode == AGAIN else mode
 
 
 _SENT_LINE = re.compile(
@@ -552,6 +568,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="delay before the image origin answers, standing in for a remote one (default 0)",
     )
     parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="run round robin a second time per seed and shape (after the others) and print its TTFT"
+        " p50 and hit rate over round robin's: how far a ratio moves when only the run differs",
+    )
+    parser.add_argument(
         "--load",
         type=float,
         default=None,
@@ -586,6 +608,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     warm_bound.setdefault(shape, []).append(len(turns) - len({t.prefix for t in turns}))
                     # Rotate the modes' order per seed: no mode always runs first after a reset.
                     order = [m for m in MODES[seed % 3 :] + MODES[: seed % 3] if m in args.modes.split(",")]
+                    if args.noise_floor:
+                        order.append(AGAIN)
                     rate = None
                     if args.load is not None:
                         if shape not in capacity:
@@ -613,12 +637,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             bench.close()
 
-    hit_ratios, ttft_ratios = [], []
+    hit_ratios, ttft_ratios, floors = [], [], []
     best = given_up = 0
+    shown_modes = (*MODES, AGAIN) if args.noise_floor else MODES
     for shape in shapes:
         print(f"\nshape ({shape}): medians over {len(seeds)} seeds [min-max]")
         print(f"{'mode':<12} {'hit':>22} {'ttft p50 (s)':>22} {'imbalance':>22} {'given up':>9}")
-        for mode in MODES:
+        for mode in shown_modes:
             runs = results.get((shape, mode))
             if not runs:
                 continue
@@ -633,7 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 best += shape_best
                 given_up += shape_given_up
         queueing = []
-        for mode in MODES:
+        for mode in shown_modes:
             runs = results.get((shape, mode))
             if runs:
                 counts, behind, rest = zip(*(r.split_by_queue() for r in runs), strict=True)
@@ -647,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         warm_counts = [
             f"{mode} {statistics.median(r.split_ttft_p50()[0] for r in results[(shape, mode)]):.0f}"
-            for mode in MODES
+            for mode in shown_modes
             if (shape, mode) in results
         ]
         print(
@@ -656,6 +681,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             " (every request but the first to show its prefix)"
         )  # fmt: skip
         kv, rr = results.get((shape, "kv"), []), results.get((shape, "round_robin"), [])
+        again = results.get((shape, AGAIN), [])
+        if again and rr:
+            floor = statistics.median(r.ttft_p50 for r in again) / statistics.median(r.ttft_p50 for r in rr)
+            hit_floor = statistics.median(r.hit_rate for r in again) / max(
+                statistics.median(r.hit_rate for r in rr), 1e-9
+            )
+            per_seed = ", ".join(f"{a.ttft_p50 / r.ttft_p50:.2f}" for a, r in zip(again, rr, strict=True))
+            floors.append(floor)
+            print(
+                f"noise floor, round robin again over round robin: ttft p50 {floor:.2f}, hit {hit_floor:.2f}"
+                f" (ttft p50 per seed: {per_seed})"
+            )
         by_reason: Counter[str] = Counter()
         lost: Counter[str] = Counter()
         for run in kv:
@@ -683,6 +720,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     runs = sum(len(r) for r in results.values())
     print(f"\n{runs} runs of {args.requests} requests in {time.perf_counter() - started:.0f} s")
+    if floors:
+        print(
+            f"noise floor: round robin again over round robin, ttft p50 from {min(floors):.2f} to"
+            f" {max(floors):.2f} over the shapes"
+        )
     if not hit_ratios:
         return 0
     print(
