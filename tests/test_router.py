@@ -302,16 +302,22 @@ def test_a_worker_past_the_load_bound_gives_way_though_it_holds_the_prefix(
     assert router.route(hashes, 320, BS, pair, RoutingPolicy()).worker == "gpu1"
 
 
+def _cached_prompt_behind_two_cold_ones(router: KvRouter, publisher: KvEventPublisher) -> list[int]:
+    """gpu1 holds 19 of a 20-block prompt's blocks (16 tokens left to compute) and has two cold
+    prompts queued, 100 tokens each; gpu0 is idle and holds nothing. The prompt's hashes."""
+    hashes = block_hashes(_tokens(16, 320), BS)
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:19]))])
+    for n in range(2):
+        router.load.add("gpu1", f"cold-{n}", 100, 20)
+    return hashes
+
+
 def test_the_load_bound_keeps_a_short_prompt_where_shortest_first_workers_compute_it_first(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:
-    # given: gpu1 holds 19 of the prompt's 20 blocks (16 tokens left to compute) and has two cold
-    # prompts queued, 100 tokens each; gpu0 is idle and holds nothing
-    hashes = block_hashes(_tokens(16, 320), BS)
-    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:19]))])
+    # given: a prompt gpu1 nearly holds, behind two cold prompts there; gpu0 idle
+    hashes = _cached_prompt_behind_two_cold_ones(router, publisher)
     pair = ["gpu0", "gpu1"]
-    for n in range(2):
-        router.load.add("gpu1", f"cold-{n}", 100, 20)
 
     # when: decided for workers that compute prompts in arrival order, and for shortest-first ones
     in_order = router.route(hashes, 320, BS, pair, RoutingPolicy(shortest_first_queues=False))
@@ -327,13 +333,9 @@ def test_the_load_bound_keeps_a_short_prompt_where_shortest_first_workers_comput
 def test_the_load_bound_charges_each_worker_the_wait_its_own_schedule_makes(
     router: KvRouter, publisher: KvEventPublisher
 ) -> None:
-    # given: the queue above (gpu1 holds 19 of 20 blocks and has two cold 100-token prompts
-    # queued; gpu0 is idle), in a fleet whose heartbeats say each engine's schedule
-    hashes = block_hashes(_tokens(16, 320), BS)
-    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:19]))])
+    # given: the same queue, in a fleet whose heartbeats say each engine's schedule
+    hashes = _cached_prompt_behind_two_cold_ones(router, publisher)
     pair = ["gpu0", "gpu1"]
-    for n in range(2):
-        router.load.add("gpu1", f"cold-{n}", 100, 20)
     says = {
         policy: {"gpu0": WorkerReport(shortest_first=True), "gpu1": WorkerReport(shortest_first=policy)}
         for policy in (True, False)
