@@ -368,9 +368,14 @@ def lease_ttl_s() -> float:
     return settings.REQUEST_LIVENESS_TTL_SECS * 2
 
 
-# A heartbeat's schedule_policy, as the router's load bound reads it; anything else (nothing
-# said, a policy this frontend does not know) leaves the policy's assumption.
 _SCHEDULES = {"shortest_first": True, "fcfs": False}
+
+
+def _says_shortest_first(schedule_policy: object) -> bool | None:
+    """A heartbeat's schedule_policy as the router's load bound reads it; None for anything else
+    (nothing said, a policy this frontend does not know, a malformed value), which leaves the
+    policy's assumption (RoutingPolicy.shortest_first_queues)."""
+    return _SCHEDULES.get(schedule_policy) if isinstance(schedule_policy, str) else None
 
 
 def worker_report(beat: Heartbeat) -> WorkerReport:
@@ -383,7 +388,7 @@ def worker_report(beat: Heartbeat) -> WorkerReport:
         running_and_waiting=beat.running + beat.waiting,
         kv_used_blocks=beat.kv_blocks_used,
         prefill_tokens_per_s=beat.prefill_tokens_per_s,
-        shortest_first=_SCHEDULES.get(beat.schedule_policy),
+        shortest_first=_says_shortest_first(beat.schedule_policy),
     )
 
 

@@ -97,24 +97,34 @@ def test_stream_events_round_trip_through_their_json_data():
     assert parse_event("future-kind", {}) is None
 
 
+_ABSENT = object()
+
+
 @pytest.mark.parametrize(
-    ("said", "read"), [("shortest_first", True), ("fcfs", False), ("", None), ("lottery", None)]
+    ("said", "read"),
+    [
+        ("shortest_first", True),
+        ("fcfs", False),
+        (_ABSENT, None),
+        ("", None),
+        ("lottery", None),
+        (["fcfs"], None),
+    ],
 )
 def test_a_heartbeat_says_its_engines_schedule_and_the_router_reads_it_or_assumes_its_own(said, read):
     from inference_platform.dispatch import worker_report
     from routing.registry import Heartbeat
 
-    # given: a worker's heartbeat, through its JSON (an older worker's has no schedule at all)
-    beat = Heartbeat("gpu0", "demo", block_size=16, schedule_policy=said)
-    raw = (
-        beat.to_json()
-        if said
-        else json.dumps({k: v for k, v in json.loads(beat.to_json()).items() if k != "schedule_policy"})
-    )
+    # given: a worker's heartbeat as JSON; an older worker's has no schedule at all, and a
+    # malformed one may hold anything
+    fields = json.loads(Heartbeat("gpu0", "demo", block_size=16).to_json())
+    fields.pop("schedule_policy")
+    if said is not _ABSENT:
+        fields["schedule_policy"] = said
 
     # when: the frontend reads it for the router
-    report = worker_report(Heartbeat.from_json(raw))
+    report = worker_report(Heartbeat.from_json(json.dumps(fields)))
 
-    # then: a policy it knows is the load bound's word for that worker; none (None) leaves the
-    # frontend's assumption (RoutingPolicy.shortest_first_queues)
+    # then: a policy it knows is the load bound's word for that worker; anything else (None)
+    # leaves the frontend's assumption (RoutingPolicy.shortest_first_queues)
     assert report.shortest_first is read
