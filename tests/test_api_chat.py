@@ -274,6 +274,44 @@ async def test_a_replan_that_fails_unforeseen_fault_injected_answers_the_workers
     assert load.snapshot(["ghost"])["ghost"].active_requests == 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("fault", "status", "code"),
+    [
+        (RuntimeError("fault injected"), 500, "internal_error"),
+        (redis.ConnectionError("fault injected"), 503, "state_unavailable"),
+    ],
+    ids=["unforeseen", "redis"],
+)
+async def test_a_failure_while_following_fault_injected_still_answers_in_the_api_format_with_the_request_id(
+    client, served_demo_model, ghost_worker, monkeypatch, stream, fault, status, code
+):
+    """Following the request raises what it should have turned into an ApiError: the client
+    gets the API's error with the request id (a lost Redis as a 503), not Django's bare 500."""
+    from inference_platform.api import views
+
+    async def failing_follow(dispatch):
+        await asyncio.to_thread(dispatch.lease.release, "fault")  # as follow() frees it on its way out
+        raise fault
+        yield  # an async generator, as follow() is
+
+    monkeypatch.setattr(views, "follow", failing_follow)
+    raw = json.dumps(chat_body(served_demo_model, stream=stream)).encode()
+    response = await client.post("/v1/chat/completions", data=raw, content_type="application/json")
+    request_id = response["X-Request-Id"]
+    if stream:
+        # The status line said 200 before the failure: the stream's last event carries it.
+        chunks = b"".join([chunk async for chunk in response.streaming_content]).decode()
+        events = [line[len("data: ") :] for line in chunks.splitlines() if line.startswith("data: ")]
+        assert (response.status_code, events[-1]) == (200, "[DONE]")
+        body = json.loads(events[-2])
+    else:
+        assert response.status_code == status
+        body = json.loads(response.content)
+    assert_openai_error(body, code=code)
+    assert request_id in body["error"]["message"]
+
+
 @pytest.fixture
 def silent_redis_url():
     """A TCP server that accepts connections and never answers: a hung Redis (fault injection)."""

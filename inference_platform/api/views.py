@@ -131,13 +131,16 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
                 raise _worker_error(event, dispatch)
             elif isinstance(event, DoneEvent):
                 done = event
-    except ApiError as error:
-        clock.finish(error.status, dispatch.worker)
-        return _headers(error_response(error, request_id), dispatch)
     except asyncio.CancelledError:
         clock.finish(CLIENT_CLOSED, dispatch.worker)
-        await request_cancel(request_id)
+        await _cancel_quietly(request_id)
         raise
+    except Exception as exc:
+        # Anything follow() did not turn into an ApiError still answers in the API's format with
+        # the request id (a lost Redis a 503), never Django's bare 500.
+        error = exc if isinstance(exc, ApiError) else _unexpected(exc, request_id)
+        clock.finish(error.status, dispatch.worker)
+        return _headers(error_response(error, request_id), dispatch)
     finally:
         await finish_request(caller, request_id, done)
     if done is None:  # the stream ended without an answer: follow() should have raised
@@ -182,6 +185,15 @@ async def route(request: HttpRequest, body: dict[str, Any], request_id: str) -> 
     response = JsonResponse(description)
     response["X-Request-Id"] = request_id
     return response
+
+
+async def _cancel_quietly(request_id: str) -> None:
+    """Ask the worker to stop a request whose client went away; with Redis gone too, the worker
+    finishes it and its stream expires."""
+    try:
+        await request_cancel(request_id)
+    except redis.RedisError:
+        logger.warning("could not cancel request %s: Redis failed", request_id)
 
 
 def _unexpected(exc: Exception, request_id: str) -> ApiError:
@@ -267,8 +279,9 @@ async def _stream(
                 if chat.include_usage:
                     yield _event(rid, chat.model, [], usage=_usage(event))
         finished = True
-    except ApiError as error:
+    except Exception as exc:
         # The status line already said 200; the metric records what the client really got.
+        error = exc if isinstance(exc, ApiError) else _unexpected(exc, rid)
         clock.finish(error.status, dispatch.worker)
         logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)
         yield f"data: {json.dumps(error.body())}\n\n".encode()
@@ -276,7 +289,7 @@ async def _stream(
     finally:
         if not finished:  # the client went away mid-stream
             clock.finish(CLIENT_CLOSED, dispatch.worker)
-            await request_cancel(rid)
+            await _cancel_quietly(rid)
         await finish_request(caller, rid, done)
     yield b"data: [DONE]\n\n"
 
