@@ -55,6 +55,7 @@ from routing.responses import (
     response_key,
 )
 from routing.router import KvRouter, RoutingDecision, WorkerReport
+from routing.worker_rows import GENERATION_KEY, WorkerRow, current_generation, kept_rows
 
 logger = logging.getLogger("inference_platform.dispatch")
 
@@ -206,17 +207,52 @@ def _eligibility(
 async def worker_states(model: str, block_size: int, *, encoders: bool = False) -> list[WorkerState]:
     """Every registered worker with whether it may take a request for this model (or, with
     `encoders`, its images' encoding), and if not why."""
-    rows = [row async for row in Worker.objects.values_list("name", "enabled", "draining")]
-    alive = await asyncio.to_thread(registry().alive, [name for name, _, _ in rows])
-    await asyncio.to_thread(_purge_lapsed, [name for name, _, _ in rows], alive)
+    rows, alive = await _rows_and_heartbeats()
     return [
         WorkerState(
-            name,
-            alive.get(name),
-            _eligibility(enabled, draining, alive.get(name), model, block_size, encoders),
+            row.name,
+            alive.get(row.name),
+            _eligibility(row.enabled, row.draining, alive.get(row.name), model, block_size, encoders),
         )
-        for name, enabled, draining in rows
+        for row in rows
     ]
+
+
+async def _rows_and_heartbeats() -> tuple[tuple[WorkerRow, ...], dict[str, Heartbeat]]:
+    """The operator's rows (kept under their generation, routing.worker_rows) and the live
+    heartbeats of their workers: one Redis round trip, and no query, while the rows kept are
+    current."""
+    kept = kept_rows().get()
+    if kept is not None:
+        alive = await asyncio.to_thread(_heartbeats_if_current, *kept)
+        if alive is not None:
+            return kept[1], alive
+    # Read before the database: a change committed after this read moves past it, so the rows
+    # read below are never kept under a generation that already knew better.
+    generation = await asyncio.to_thread(
+        current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+    )
+    rows = tuple([WorkerRow(*row) async for row in Worker.objects.values_list("name", "enabled", "draining")])
+    kept_rows().put(generation, rows)
+    alive = await asyncio.to_thread(_heartbeats, rows)
+    return rows, alive
+
+
+def _heartbeats_if_current(generation: bytes, rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat] | None:
+    """The heartbeats of the rows' workers, or None when the rows' generation has moved."""
+    names = [row.name for row in rows]
+    now, alive = registry().alive_and_get(names, GENERATION_KEY)
+    if now != generation:
+        return None
+    _purge_lapsed(names, alive)
+    return alive
+
+
+def _heartbeats(rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat]:
+    names = [row.name for row in rows]
+    alive = registry().alive(names)
+    _purge_lapsed(names, alive)
+    return alive
 
 
 async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:

@@ -4,3 +4,19 @@ from django.apps import AppConfig
 class RoutingConfig(AppConfig):
     name = "routing"
     verbose_name = "Routing"
+
+    def ready(self) -> None:
+        from django.db.models.signals import post_delete, post_save
+
+        from routing.models import Worker
+
+        # Any change to a worker's row reaches every frontend's kept rows (routing.worker_rows)
+        # at their next request; update() says so itself (routing.models.WorkerQuerySet).
+        post_save.connect(_workers_changed, sender=Worker, dispatch_uid="saved-Worker")
+        post_delete.connect(_workers_changed, sender=Worker, dispatch_uid="deleted-Worker")
+
+
+def _workers_changed(sender, **kwargs) -> None:
+    from routing.worker_rows import workers_changed
+
+    workers_changed()

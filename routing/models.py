@@ -6,6 +6,18 @@ from django.core.validators import MinValueValidator
 from django.db import models
 
 
+class WorkerQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        """An update() sends no signal: say it to every frontend's kept rows (routing.worker_rows)
+        as a save does."""
+        from routing.worker_rows import workers_changed
+
+        updated = super().update(**kwargs)
+        if updated:
+            workers_changed()
+        return updated
+
+
 class Worker(models.Model):
     """A GPU worker process. The row is the operator's handle; liveness comes from its Redis heartbeat."""
 
@@ -34,6 +46,8 @@ class Worker(models.Model):
     pid = models.PositiveIntegerField(null=True, blank=True)
     registered_at = models.DateTimeField(null=True, blank=True)
     deregistered_at = models.DateTimeField(null=True, blank=True)
+
+    objects = WorkerQuerySet.as_manager()
 
     class Meta:
         ordering = ["name"]

@@ -143,6 +143,12 @@ class WorkerRegistry:
         raw = self._client.mget([self._key(n) for n in names])
         return {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}
 
+    def alive_and_get(self, names: Iterable[str], key: str) -> tuple[bytes | None, dict[str, Heartbeat]]:
+        """`alive(names)`, and the value of one more key of the namespace, in one round trip."""
+        names = list(names)
+        first, *raw = self._client.mget([f"{self._namespace}{key}", *(self._key(n) for n in names)])
+        return first, {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}
+
     def all_alive(self) -> dict[str, Heartbeat]:
         prefix = self._key("")
         keys = [k.decode() if isinstance(k, bytes) else k for k in self._client.scan_iter(match=f"{prefix}*")]

@@ -178,6 +178,17 @@ def _no_keys_verified_by_another_test():
 
 
 @pytest.fixture(autouse=True)
+def _no_worker_rows_kept_from_another_test():
+    """Worker rows one test read are not another's: the database under them is emptied between
+    tests, which tells nobody (and the session's generation in Redis does not move)."""
+    from routing.worker_rows import kept_rows
+
+    kept_rows().clear()
+    yield
+    kept_rows().clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_image_sizes_kept_from_another_test():
     """A size one test read by URL is not another's to use (an origin may reuse a path)."""
     from inference_platform.serving import _image_sizes

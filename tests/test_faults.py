@@ -44,9 +44,13 @@ def chat(
 
 
 def set_enabled(platform, worker: str, enabled: bool) -> None:
-    """What an operator's click in the admin does: the row every frontend reads."""
+    """What an operator's click in the admin does: the row every frontend reads, then a new
+    generation in the platform's Redis, which makes them read it again (routing.worker_rows)."""
+    from routing.worker_rows import announce_change
+
     with sqlite3.connect(platform.tmp / "db.sqlite3", timeout=20) as db:
         db.execute("UPDATE routing_worker SET enabled = ? WHERE name = ?", (int(enabled), worker))
+    announce_change(platform.redis, platform.namespace)
 
 
 def active_requests(platform) -> dict[bytes, bytes]:

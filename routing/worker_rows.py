@@ -1,0 +1,112 @@
+"""The operator's side of each worker (its name, `enabled`, `draining`) as every frontend reads it
+for each request: kept in the process under a generation in Redis, not queried each time.
+
+A frontend decides per request which workers may take it, and the database query for the rows
+cost it about as much CPU as the rest of the decision's Redis work together. Every change to a
+Worker row (a save, a delete, an `update()` of a queryset, as the admin's drain and enable
+actions do) sets a new generation in Redis once it is committed. A frontend reads the generation
+in the same MGET as the workers' heartbeats and reads the rows again only when it has moved, so
+a disable or a drain in the admin still reaches every frontend at its next request.
+
+The generation is a random token, not a counter: a Redis restarted without its data would count
+from the start again and could repeat a generation that a frontend still keeps old rows under.
+A change made around Django (a database edited by hand) is picked up within MAX_AGE_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+logger = logging.getLogger("routing.worker_rows")
+
+GENERATION_KEY = "workers:generation"
+# The longest a frontend keeps rows without reading them again, whatever the generation says.
+MAX_AGE_S = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    name: str
+    enabled: bool
+    draining: bool
+
+
+class KeptRows:
+    """This process's rows, with the generation they were read under and when."""
+
+    def __init__(self, max_age_s: float = MAX_AGE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kept: tuple[bytes, float, tuple[WorkerRow, ...]] | None = None
+
+    def get(self) -> tuple[bytes, tuple[WorkerRow, ...]] | None:
+        """The rows and their generation, unless none are kept or they are too old to trust."""
+        with self._lock:
+            if self._kept is None:
+                return None
+            generation, read_at, rows = self._kept
+            if self._clock() - read_at > self.max_age_s:
+                self._kept = None
+                return None
+            return generation, rows
+
+    def put(self, generation: bytes, rows: tuple[WorkerRow, ...]) -> None:
+        with self._lock:
+            self._kept = (generation, self._clock(), rows)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept = None
+
+
+_kept = KeptRows()
+
+
+def kept_rows() -> KeptRows:
+    return _kept
+
+
+def current_generation(client: redis.Redis, namespace: str) -> bytes:
+    """The generation now; a Redis without one (new, or restarted empty) gets a fresh one, which
+    no frontend can keep rows under yet."""
+    key = f"{namespace}{GENERATION_KEY}"
+    client.set(key, uuid.uuid4().hex, nx=True)
+    value = client.get(key)
+    return value if value is not None else b""
+
+
+def announce_change(client: redis.Redis, namespace: str) -> None:
+    """Every frontend reads the rows again at its next request."""
+    client.set(f"{namespace}{GENERATION_KEY}", uuid.uuid4().hex)
+
+
+def workers_changed() -> None:
+    """A Worker row changed: this process forgets its rows now, every other frontend once the
+    change is committed (one that learned of it earlier could read the old row again and keep
+    it under the new generation). routing.apps wires this to every save and delete, and
+    routing.models.WorkerQuerySet to every update()."""
+    from django.db import transaction
+
+    _kept.clear()
+    transaction.on_commit(_announce)
+
+
+def _announce() -> None:
+    from django.conf import settings
+
+    from routing.redis_keys import redact_text, sync_client
+
+    _kept.clear()
+    try:
+        announce_change(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    except redis.RedisError as exc:
+        # Without Redis no frontend routes anything; they read the rows again within MAX_AGE_S.
+        logger.warning("could not announce a change to the workers: %s", redact_text(str(exc)))
