@@ -8,9 +8,10 @@ Verified keys: a frontend keeps the callers of the keys it verified lately, by t
 (`VerifiedKeys`, API_KEY_CACHE_SECS), so a request's key costs one Redis read instead of a
 database connection and query (under ASGI each request's database work runs on a thread of its
 own, so the connection is a new one every time). Any change to a key or a tenant, by any
-process (the admin, `api_keys revoke`, a tenant's limits edited), bumps `keys:generation` in
-Redis; a frontend that reads a generation other than the one it verified under forgets every
-key it kept. Without Redis nothing says whether a key changed: every request asks the database.
+process (the admin, `api_keys revoke`, a tenant's limits edited), sets a new random token as
+`keys:generation` in Redis; a frontend that reads a generation other than the one it verified
+under forgets every key it kept. Without Redis nothing says whether a key changed: every
+request asks the database.
 """
 
 from __future__ import annotations
@@ -242,12 +243,18 @@ def _generation() -> bytes | None:
     """The current generation of keys and tenants; None: keep nothing (turned off, or no Redis)."""
     if settings.API_KEY_CACHE_SECS <= 0:
         return None
+    key = f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}"
     try:
         client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
-        value = client.get(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+        value = client.get(key)
+        if value is None:
+            # A Redis without one (new, or restarted empty) gets a fresh token. A counter would
+            # start again from nothing and could repeat the generation of keys kept before.
+            client.set(key, secrets.token_hex(8), nx=True)
+            value = client.get(key)
     except redis.RedisError:
         return None
-    return value if value is not None else b"0"
+    return value
 
 
 def keys_changed() -> None:
@@ -268,7 +275,8 @@ def _forget_verified() -> None:
 def _announce_keys_changed() -> None:
     _forget_verified()
     try:
-        sync_client(settings.REDIS_URL).incr(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+        client = sync_client(settings.REDIS_URL)
+        client.set(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}", secrets.token_hex(8))
     except redis.RedisError:
         logger.warning(
             "could not tell other frontends that API keys changed (Redis unavailable): they keep "
