@@ -20,7 +20,7 @@ from django.test import AsyncClient
 from routing.load import LoadTracker
 from routing.models import Worker
 from routing.registry import Heartbeat, WorkerRegistry
-from routing.responses import ERROR, STARTED, ResponseWriter
+from routing.responses import ERROR, STARTED, TOKEN, ResponseEvent, ResponseWriter
 from tests.api_client import KeyedAsyncClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -274,6 +274,7 @@ async def test_a_replan_that_fails_unforeseen_fault_injected_answers_the_workers
     assert load.snapshot(["ghost"])["ghost"].active_requests == 0
 
 
+@pytest.mark.parametrize("after_a_token", [False, True], ids=["before-the-first-token", "after-a-token"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize(
     ("fault", "status", "code"),
@@ -284,13 +285,16 @@ async def test_a_replan_that_fails_unforeseen_fault_injected_answers_the_workers
     ids=["unforeseen", "redis"],
 )
 async def test_a_failure_while_following_fault_injected_still_answers_in_the_api_format_with_the_request_id(
-    client, served_demo_model, ghost_worker, monkeypatch, stream, fault, status, code
+    client, served_demo_model, ghost_worker, monkeypatch, stream, after_a_token, fault, status, code
 ):
     """Following the request raises what it should have turned into an ApiError: the client
-    gets the API's error with the request id (a lost Redis as a 503), not Django's bare 500."""
+    gets the API's error with the request id (a lost Redis as a 503), not Django's bare 500. A
+    stream says it in its status line until its first token, in its last event after it."""
     from inference_platform.api import views
 
     async def failing_follow(dispatch):
+        if after_a_token:
+            yield ResponseEvent("1-0", TOKEN, {"text": "Hel"})
         await asyncio.to_thread(dispatch.lease.release, "fault")  # as follow() frees it on its way out
         raise fault
         yield  # an async generator, as follow() is
@@ -299,17 +303,45 @@ async def test_a_failure_while_following_fault_injected_still_answers_in_the_api
     raw = json.dumps(chat_body(served_demo_model, stream=stream)).encode()
     response = await client.post("/v1/chat/completions", data=raw, content_type="application/json")
     request_id = response["X-Request-Id"]
-    if stream:
-        # The status line said 200 before the failure: the stream's last event carries it.
+    if stream and after_a_token:
+        # The status line said 200 with the first token: the stream's last event carries it.
         chunks = b"".join([chunk async for chunk in response.streaming_content]).decode()
         events = [line[len("data: ") :] for line in chunks.splitlines() if line.startswith("data: ")]
         assert (response.status_code, events[-1]) == (200, "[DONE]")
+        assert json.loads(events[1])["choices"][0]["delta"] == {"content": "Hel"}
         body = json.loads(events[-2])
     else:
         assert response.status_code == status
         body = json.loads(response.content)
     assert_openai_error(body, code=code)
     assert request_id in body["error"]["message"]
+
+
+async def test_a_stream_whose_worker_fails_before_its_first_token_answers_with_the_status_fault_injected(
+    client, served_demo_model, ghost_worker
+):
+    """The worker's own error before any token (here a 400 of the request's) is the stream's
+    status line, not a 200 with the error inside: a client can tell it from an answer, and retry
+    a 5xx."""
+    answering = asyncio.ensure_future(
+        answer_ghost_tasks(
+            1,
+            5,
+            status=400,
+            code="image_unreadable",
+            message="The picture cannot be decoded.",
+            param="messages",
+        )
+    )
+    raw = json.dumps(chat_body(served_demo_model, stream=True)).encode()
+    response = await client.post("/v1/chat/completions", data=raw, content_type="application/json")
+    assert len(await answering) == 1
+    assert response.status_code == 400
+    body = json.loads(response.content)
+    assert_openai_error(body, code="image_unreadable", param="messages")
+    assert response["X-Routed-Worker"] == "ghost"
+    load = LoadTracker(redis.Redis.from_url(django_settings.REDIS_URL), django_settings.REDIS_KEY_PREFIX)
+    assert load.snapshot(["ghost"])["ghost"].active_requests == 0
 
 
 @pytest.fixture

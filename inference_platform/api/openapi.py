@@ -301,8 +301,8 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
             "type": "object",
             "description": "One server-sent event (`data: <chunk>`) of a streamed answer; the stream "
             "ends with `data: [DONE]`. With `stream_options.include_usage`, a last chunk has no "
-            "choices and carries `usage`. A failure after the stream started is one `data:` event "
-            "holding an `Error`.",
+            "choices and carries `usage`. The stream starts with the first token: a failure before it "
+            "is the response's own status; a failure after it is one `data:` event holding an `Error`.",
             "required": ["id", "object", "created", "model", "choices"],
             "properties": {
                 "id": {"type": "string"},

@@ -26,6 +26,7 @@ from inference_platform.request_metrics import RequestClock
 from inference_platform.serving import describe_route, finish_request, plan_request, served_model
 from routing.contract import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
 from routing.model_view import ModelView
+from routing.responses import ResponseEvent
 from tenants.keys import Caller
 
 logger = logging.getLogger("inference_platform.api")
@@ -112,12 +113,7 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         return error_response(error, request_id)
 
     if chat.stream:
-        response = StreamingHttpResponse(
-            _stream(chat, dispatch, clock, caller), content_type="text/event-stream"
-        )
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        return _headers(response, dispatch)
+        return await _start_stream(chat, dispatch, clock, caller)
 
     text: list[str] = []
     done: DoneEvent | None = None
@@ -252,16 +248,62 @@ def _event(request_id: str, model: str, choices: list[dict[str, Any]], **extra: 
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _stream(
+async def _start_stream(
     chat: ChatRequest, dispatch: Dispatch, clock: RequestClock, caller: Caller
+) -> HttpResponse:
+    """A streamed answer, whose status line waits for the worker's first answer (its first token,
+    its end, or its error): a failure before it is a real status a client can act on (a 4xx of
+    the request's, a 502/503/504 of a worker's, which clients retry), not a 200 with an error
+    inside, and X-Routed-Worker names the worker that answered after a migration or a replan.
+    A failure after it ends the stream with the error as its last event."""
+    rid = dispatch.request_id
+    events = follow(dispatch)
+    try:
+        first = await anext(events, None)
+        while first is not None and not isinstance(first.event, (TokenEvent, ErrorEvent, DoneEvent)):
+            first = await anext(events, None)
+        if first is None:  # follow() should have raised
+            raise ApiError(502, f"Request {rid} ended without an answer.", code="worker_error")
+        if isinstance(first.event, ErrorEvent):
+            await events.aclose()  # frees the lease now, as the end of the stream would
+            raise _worker_error(first.event, dispatch)
+        if isinstance(first.event, TokenEvent):
+            clock.first_token()  # now, not when the server starts sending the response
+    except asyncio.CancelledError:
+        clock.finish(CLIENT_CLOSED, dispatch.worker)
+        await _cancel_quietly(rid)
+        await finish_request(caller, rid, None)
+        raise
+    except Exception as exc:
+        error = exc if isinstance(exc, ApiError) else _unexpected(exc, rid)
+        clock.finish(error.status, dispatch.worker)
+        await finish_request(caller, rid, None)
+        return _headers(error_response(error, rid), dispatch)
+    response = StreamingHttpResponse(
+        _stream(chat, dispatch, clock, caller, first, events), content_type="text/event-stream"
+    )
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return _headers(response, dispatch)
+
+
+async def _stream(
+    chat: ChatRequest,
+    dispatch: Dispatch,
+    clock: RequestClock,
+    caller: Caller,
+    first: ResponseEvent,
+    events: AsyncIterator[ResponseEvent],
 ) -> AsyncIterator[bytes]:
+    """The chunks of a stream whose first answer `first` came from `events` (`_start_stream`)."""
     rid = dispatch.request_id
     finished = False
     done: DoneEvent | None = None
     logprobs_streamed = 0
     try:
         yield _chunk(rid, chat.model, {"role": "assistant", "content": ""})
-        async for entry in follow(dispatch):
+        entry: ResponseEvent | None = first
+        while entry is not None:
             event = entry.event
             if isinstance(event, TokenEvent):
                 clock.first_token()
@@ -278,6 +320,7 @@ async def _stream(
                 yield _chunk(rid, chat.model, {}, event.finish_reason, remaining)
                 if chat.include_usage:
                     yield _event(rid, chat.model, [], usage=_usage(event))
+            entry = await anext(events, None)
         finished = True
     except Exception as exc:
         # The status line already said 200; the metric records what the client really got.
