@@ -43,6 +43,7 @@ from routing.contract import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.lease import RequestLease
 from routing.media import (
+    SIZES_FLUSHED_KEY,
     ImageSizes,
     MediaError,
     MediaPolicy,
@@ -354,7 +355,20 @@ class PreparedRequest:
 
 @functools.lru_cache(maxsize=1)
 def _image_sizes(ttl_s: float, max_entries: int) -> ImageSizes:
-    return ImageSizes(ttl_s, max_entries)
+    return ImageSizes(ttl_s, max_entries, flush_token=_sizes_flush_token)
+
+
+def _sizes_flush_token() -> bytes | None:
+    """The token `flush_caches` sets when it flushes images (None: never, or Redis failed)."""
+    try:
+        client = sync_client(settings.REDIS_URL, timeout_s=_SIZES_FLUSH_TIMEOUT_S)
+        return client.get(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}")
+    except redis.RedisError:
+        return None
+
+
+# A look that only saves work: a frozen Redis costs a request this much more, once a second.
+_SIZES_FLUSH_TIMEOUT_S = 0.25
 
 
 def image_sizes() -> ImageSizes | None:
@@ -385,6 +399,8 @@ def prepare(
     an image whose size was read lately in the same scope (`image_size_scope`) is not asked of
     its origin again.
     """
+    if sizes is not None:
+        sizes.follow_flushes()
     prepared = _prepare(chat, sizes, image_size_scope(cache_salt, scope_key))
     if cache_salt is not None:
         prepared = dataclasses.replace(prepared, view=prepared.view.salted(cache_salt))

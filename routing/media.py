@@ -12,6 +12,7 @@ import ipaddress
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -581,6 +582,11 @@ def freshness(cache_control: str, longest_s: float) -> float:
     return longest_s
 
 
+# `manage.py flush_caches` sets this to a new token when it flushes images; each frontend's
+# ImageSizes forgets what it kept when it sees the token move (`ImageSizes.follow_flushes`).
+SIZES_FLUSHED_KEY = "media:sizes-flushed"
+
+
 class ImageSizes:
     """The sizes of images read by URL, kept while they are fresh, so that a repeat question about
     a picture is routed without a round trip to its origin first (every request made one, cache
@@ -592,14 +598,47 @@ class ImageSizes:
     where the origin's Cache-Control says so (see `freshness`). A size that goes stale within it
     is caught where it matters: a worker loads the picture for any part of it its KV cache lacks,
     refuses one whose size is not the routed one (`IMAGE_CHANGED`), and the frontend then forgets
-    that request's sizes. Thread-safe; the least recently used entry goes past `max_entries`.
+    that request's sizes. An operator's `flush_caches` of images empties it too, at the frontend's
+    next request a second or more after the last look (`follow_flushes`). Thread-safe; the least
+    recently used entry goes past `max_entries`.
     """
 
+    _UNSEEN = object()
+
     def __init__(
-        self, ttl_s: float, max_entries: int = 4096, clock: Callable[[], float] | None = None
+        self,
+        ttl_s: float,
+        max_entries: int = 4096,
+        clock: Callable[[], float] | None = None,
+        *,
+        flush_token: Callable[[], object] | None = None,
+        flush_check_s: float = 1.0,
     ) -> None:
         self.ttl_s = ttl_s
         self._entries: ExpiringLru[tuple[int, int]] = ExpiringLru(max_entries, clock)
+        self._clock = clock or (lambda: time.monotonic())
+        self._flush_lock = threading.Lock()
+        self._flush_token = flush_token
+        self._flush_check_s = flush_check_s
+        self._next_flush_check = -float("inf")
+        self._seen_token: object = self._UNSEEN
+
+    def follow_flushes(self) -> None:
+        """Forget every size if images were flushed since the last look (`flush_token`, read at
+        most once per `flush_check_s`; a read that fails gives None, and costs at most one
+        needless round trip per picture)."""
+        if self._flush_token is None:
+            return
+        now = self._clock()
+        with self._flush_lock:
+            if now < self._next_flush_check:
+                return
+            self._next_flush_check = now + self._flush_check_s
+        token = self._flush_token()
+        with self._flush_lock:
+            if self._seen_token is not self._UNSEEN and token != self._seen_token:
+                self._entries.clear()
+            self._seen_token = token
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -119,6 +119,56 @@ def test_forgetting_a_requests_sizes_sends_the_next_one_to_the_origin(origin) ->
     assert origin.hits("/p.png") == 2
 
 
+def test_sizes_are_forgotten_at_the_first_look_after_the_flush_token_moved() -> None:
+    clock, token = Clock(), ["t1"]
+    sizes = ImageSizes(60.0, clock=clock, flush_token=lambda: token[0], flush_check_s=1.0)
+    sizes.follow_flushes()  # the first look only learns the token
+    sizes.put(None, "a", (1, 1))
+
+    token[0] = "t2"  # an operator flushed images
+    clock.now += 0.5
+    sizes.follow_flushes()  # looked less than a second ago: no round trip to Redis yet
+    assert sizes.get(None, "a") == (1, 1)
+    clock.now += 0.6
+    sizes.follow_flushes()
+    assert sizes.get(None, "a") is None
+    # and a token that stays put keeps what was read since
+    sizes.put(None, "b", (2, 2))
+    clock.now += 5
+    sizes.follow_flushes()
+    assert sizes.get(None, "b") == (2, 2)
+
+
+@pytest.mark.django_db
+def test_flush_caches_of_images_makes_every_frontend_ask_the_origin_again(origin, monkeypatch) -> None:
+    """No worker is live: the frontends' sizes are flushed all the same, through Redis."""
+    import io
+    import time
+
+    import redis as redis_py
+    from django.conf import settings
+    from django.core.management import call_command
+
+    from inference_platform.serving import image_sizes
+    from routing.media import SIZES_FLUSHED_KEY
+
+    url = origin.add("/p.png", noise_png("p", 64))
+    sizes = image_sizes()
+    sizes.follow_flushes()
+    resolve_images([url], LOCAL, frontend_decoding=False, sizes=sizes, scope="s")
+    try:
+        printed = io.StringIO()
+        call_command("flush_caches", "--cache", "images", stdout=printed)
+        assert "frontends: image sizes forgotten" in printed.getvalue()
+        later = time.monotonic() + 2.0  # past the frontend's once-a-second look
+        monkeypatch.setattr(time, "monotonic", lambda: later)
+        sizes.follow_flushes()
+        resolve_images([url], LOCAL, frontend_decoding=False, sizes=sizes, scope="s")
+        assert origin.hits("/p.png") == 2
+    finally:
+        redis_py.Redis.from_url(settings.REDIS_URL).delete(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}")
+
+
 def _chat(url: str, question: str = "What is in the picture?") -> dict:
     return {
         "model": "demo",
@@ -158,7 +208,10 @@ def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(p
             # the worker refuses the kept size, and the frontend reads it afresh and plans the
             # request again; the client gets the answer about the picture the origin has now
             origin.add("/product.png", noise_png("after", 224))
-            platform.manage("flush_caches", "--cache", "kv", "--cache", "embeddings", "--cache", "images")
+            # (the worker's caches only: a flush of every worker's would make the frontend forget
+            # the size as well)
+            every_cache = ("--cache", "kv", "--cache", "embeddings", "--cache", "images")
+            platform.manage("flush_caches", "--worker", "w0", *every_cache)
             changed = client.post("/v1/chat/completions", json=_chat(url))
             assert changed.status_code == 200, changed.text
             assert changed.json()["usage"]["prompt_tokens"] < first.json()["usage"]["prompt_tokens"]

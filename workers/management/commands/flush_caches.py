@@ -1,4 +1,6 @@
 """`manage.py flush_caches`: drop cached KV blocks, embeddings and images, on every worker or some.
+Flushing every worker's images (no --worker, no --scope) also makes every frontend forget the
+sizes of pictures it read by URL.
 
 Each worker's caches are flushed by the worker itself (a control task on its own queue, answered
 through a response stream), the shared image cache included: the workers know its URL and
@@ -19,6 +21,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference_platform.celery import app as celery_app
 from routing.contract import FlushCachesTask
+from routing.media import SIZES_FLUSHED_KEY
 from routing.models import Worker, worker_queue
 from routing.redis_keys import sync_client
 from routing.registry import WorkerRegistry
@@ -97,11 +100,20 @@ class Command(BaseCommand):
 
         if "shared-images" in caches:
             report["shared_images"] = _shared_images(report["workers"])
+        if "images" in caches and not options["dry_run"] and not options["worker"] and scope_key is None:
+            # The frontends keep the sizes of pictures read by URL: a flush of every worker's
+            # images makes them forget those too, each at its next request a second or more
+            # after it last looked (routing.media.ImageSizes). One limited to some workers or
+            # to a session scope leaves them.
+            client.set(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}", uuid.uuid4().hex)
+            report["frontend_image_sizes"] = "forgotten at each frontend's next request"
 
         if options["json"]:
             self.stdout.write(json.dumps(report))
             return
         verb = "would flush" if options["dry_run"] else "flushed"
+        if "frontend_image_sizes" in report:
+            self.stdout.write(f"frontends: image sizes {report['frontend_image_sizes']}")
         if not targets:
             self.stdout.write("no live worker: nothing to flush (the caches live in the workers)")
             return
