@@ -140,14 +140,13 @@ class WorkerRegistry:
         names = list(names)
         if not names:
             return {}
-        raw = self._client.mget([self._key(n) for n in names])
-        return {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}
+        return _beats(names, self._client.mget([self._key(n) for n in names]))
 
     def alive_and_get(self, names: Iterable[str], key: str) -> tuple[bytes | None, dict[str, Heartbeat]]:
         """`alive(names)`, and the value of one more key of the namespace, in one round trip."""
         names = list(names)
         first, *raw = self._client.mget([f"{self._namespace}{key}", *(self._key(n) for n in names)])
-        return first, {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}
+        return first, _beats(names, raw)
 
     def all_alive(self) -> dict[str, Heartbeat]:
         prefix = self._key("")
@@ -156,3 +155,8 @@ class WorkerRegistry:
 
     def next_round_robin(self) -> int:
         return int(self._client.incr(f"{self._namespace}{ROUND_ROBIN_KEY}"))
+
+
+def _beats(names: list[str], raw: list) -> dict[str, Heartbeat]:
+    """The heartbeats of an MGET of `names`' keys, by name (a missing one: not live)."""
+    return {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}
