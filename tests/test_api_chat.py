@@ -344,6 +344,57 @@ async def test_a_stream_whose_worker_fails_before_its_first_token_answers_with_t
     assert load.snapshot(["ghost"])["ghost"].active_requests == 0
 
 
+async def test_a_stream_whose_client_leaves_before_its_first_token_is_cancelled_fault_injected(
+    served_demo_model, ghost_worker, api_headers
+):
+    """The ghost never answers; the client goes away while the frontend waits for the first
+    token (the real /v1 ASGI handler, which cancels the view): nothing is sent, the worker is
+    told to stop, and the reservation is freed."""
+    from inference_platform.api.handler import ApiHandler
+    from routing.responses import cancel_key
+
+    body = json.dumps(chat_body(served_demo_model, stream=True)).encode()
+    given = False
+
+    async def receive():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(0.5)  # waits half a second for a first token, then goes
+        return {"type": "http.disconnect"}
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"authorization", api_headers["Authorization"].encode()),
+    ]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+        "headers": headers, "client": ("127.0.0.1", 40000), "server": ("testserver", 80),
+    }  # fmt: skip
+    await asyncio.wait_for(ApiHandler()(scope, receive, send), 10)
+
+    assert [m for m in sent if m["type"] == "http.response.start"] == []
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
+    queued = conn.rpop(f"{prefix}worker.ghost")  # the task the ghost never took
+    args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(queued)["body"]))
+    request_id = args[0]["request_id"]
+    assert conn.exists(cancel_key(prefix, request_id))
+    load = LoadTracker(conn, prefix)
+    deadline = time.monotonic() + 5
+    while load.snapshot(["ghost"])["ghost"].active_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert load.snapshot(["ghost"])["ghost"].active_requests == 0
+    conn.delete(cancel_key(prefix, request_id))
+
+
 @pytest.fixture
 def silent_redis_url():
     """A TCP server that accepts connections and never answers: a hung Redis (fault injection)."""
