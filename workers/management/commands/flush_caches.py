@@ -106,7 +106,7 @@ class Command(BaseCommand):
             # after it last looked (routing.media.ImageSizes). One limited to some workers or
             # to a session scope leaves them.
             client.set(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}", uuid.uuid4().hex)
-            report["frontend_image_sizes"] = "forgotten at each frontend's next request"
+            report["frontend_image_sizes"] = "forgotten by every frontend within about a second"
 
         if options["json"]:
             self.stdout.write(json.dumps(report))
