@@ -22,6 +22,7 @@ from routing.hashing import MediaPlacement, block_hashes
 from routing.kv_events import KvEvent
 from routing.media import routing_hash, url_identity
 from workers.engine import (
+    WARM_UP_PROMPT,
     Engine,
     GenerationRequest,
     GenerationResult,
@@ -523,3 +524,29 @@ def test_an_image_whose_size_changed_since_routing_is_refused(make_engine) -> No
         engine.generate(request(chat("What is this?", images=1), [lying]))
     # the frontend's cue to read the picture's size afresh, and the client's to send it again
     assert (refused.value.status, refused.value.code) == (409, "image_changed")
+
+
+def test_a_warm_up_runs_the_model_and_leaves_nothing_behind(make_engine) -> None:
+    # given an engine whose KV events the router would replay
+    events = EventLog()
+    engine = make_engine(events=events)
+    kinds_before = list(events.kinds)  # the `cleared` a new engine says of its previous life
+
+    # when it warms up before taking requests
+    took_ms = engine.warm_up()
+
+    # then the model ran (a forward pass took time), and nothing of it is left: no block cached or
+    # announced, and the counters a heartbeat reports, the prefill rate first, as a new engine's
+    assert took_ms > 0
+    assert events.kinds == kinds_before
+    assert engine.kv_block_hashes() == set()
+    report = engine.load_report()
+    assert (report.kv_blocks_cached, report.kv_blocks_used, report.forward_passes) == (0, 0, 0)
+    assert (report.generated_tokens, report.running_peak, report.prefill_tokens_per_s) == (0, 0, 0.0)
+    # and it serves as before: the warm-up's own prompt is computed in full, and the prefill rate
+    # is measured afresh
+    answer = engine.generate(
+        GenerationRequest(request_id="again", prompt=WARM_UP_PROMPT, images=[], max_tokens=2, ignore_eos=True)
+    )
+    assert answer.cached_tokens == 0
+    assert engine.load_report().prefill_tokens_per_s > 0

@@ -76,6 +76,9 @@ DEFAULT_MAX_RUNNING = 16
 # says more about per-step overhead than about how fast a prompt goes through.
 _RATE_MIN_PROMPT_TOKENS = 32
 _RATE_SMOOTHING = 0.25  # weight of the newest step
+# `Engine.warm_up`'s prompt: plain text any tokenizer takes, long enough to be a prefill step
+# (at least _RATE_MIN_PROMPT_TOKENS tokens) rather than a decode-sized one.
+WARM_UP_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
 
 __all__ = [
     "LLAVA_MODEL_TYPES",
@@ -556,6 +559,29 @@ class Engine:
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
+
+    def warm_up(self) -> float:
+        """Runs a short text prompt through the model once, before the worker takes requests;
+        returns how long it took (ms). A process's first forward pass pays allocations and lazy
+        initialisation, which a user's first request paid before: on the demo model, one torch
+        thread, a 100-word prompt's first token took 71 ms the first time and 31 ms after.
+
+        Leaves nothing behind: no block cached or announced to the router, and the counters the
+        heartbeat reports as they were. The prefill rate above all: that slow step would have
+        been its first measurement, and the router drains reservations at it."""
+        started = time.perf_counter()
+        with self.kv_pool.unannounced():
+            self.generate(
+                GenerationRequest(
+                    request_id="warm-up", prompt=WARM_UP_PROMPT, images=[], max_tokens=2, ignore_eos=True
+                )
+            )
+            self.close()  # the engine thread has let go of the request's blocks
+            self.kv_pool.clear()
+        self.forward_passes = self.generated_tokens = self.preemptions = self.running_peak = 0
+        self.prefill_tokens_per_s = 0.0
+        self._encoder_seconds = 0.0
+        return (time.perf_counter() - started) * 1000
 
     def clear_kv_cache(self) -> int:
         return self.kv_pool.clear()

@@ -12,11 +12,12 @@ This module is bookkeeping only (block ids, hashes, reference counts); the tenso
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from routing.kv_events import KvEvent
@@ -201,6 +202,16 @@ class KvPool:
                 events.append(self._stored_event(run))
             self._emit(events)
             return cached
+
+    @contextlib.contextmanager
+    def unannounced(self) -> Iterator[None]:
+        """Blocks cached and dropped inside publish no event (the engine's warm-up, before the
+        worker takes requests: the router never hears of what it never held)."""
+        publish, self._publish = self._publish, None
+        try:
+            yield
+        finally:
+            self._publish = publish
 
     def clear(self) -> int:
         """Forgets every cached block (held ones stay with their requests); returns how many."""

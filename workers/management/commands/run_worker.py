@@ -141,6 +141,7 @@ class Command(BaseCommand):
             )
             towers.attach(runtime.encoder.vision_module)
             kv_capacity = 0
+            warmed = ""
         else:
             runtime = _generating_runtime(
                 name, role, model_path, options["device"], client, encoders, features, image_loader, publisher
@@ -150,12 +151,14 @@ class Command(BaseCommand):
             else:
                 runtime.engine.on_vision_loaded = towers.attach
             kv_capacity = settings.KV_CAPACITY_BLOCKS
+            # Before the first heartbeat: no request waits for the first forward pass's setup.
+            warmed = f" (a warm-up prompt took {runtime.engine.warm_up():.0f} ms)"
         runtime.instance = instance
         runtime.stats = stats
         model_name = settings.MODEL_NAME or model_path.resolve().name
         self.stdout.write(
             f"worker {name} ({role}): loaded {model_path} on {options['device']} "
-            f"in {time.monotonic() - started:.1f} s"
+            f"in {time.monotonic() - started:.1f} s{warmed}"
         )
         install_runtime(runtime)
         if role != ROLE_ENCODE:
