@@ -71,6 +71,34 @@ def _client_options(*, asyncio: bool = False) -> dict[str, object]:
     }
 
 
+# --- generations ---------------------------------------------------------------------------------
+# What processes keep in memory (verified API keys, the worker rows, image sizes) is kept under a
+# generation in Redis that every change sets anew. A random token, not a counter: a Redis
+# restarted without its data would count from nothing again and could repeat a generation
+# something is still kept under.
+
+
+def read_generation(client, key: str) -> bytes:  # client: redis.Redis
+    """The generation at `key` now; a Redis without one (new, or restarted empty) gets a fresh
+    one, which nothing can be kept under yet."""
+    value = client.get(key)
+    if value is None:
+        client.set(key, _new_generation(), nx=True)
+        value = client.get(key)
+    return value if value is not None else b""
+
+
+def renew_generation(client, key: str) -> None:  # client: redis.Redis
+    """What is kept under the generation at `key` is stale from now on, in every process."""
+    client.set(key, _new_generation())
+
+
+def _new_generation() -> str:
+    import secrets
+
+    return secrets.token_hex(8)
+
+
 _sync_clients: dict[tuple[str, float | None], object] = {}
 
 

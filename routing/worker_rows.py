@@ -8,8 +8,7 @@ actions do) sets a new generation in Redis once it is committed. A frontend read
 in the same MGET as the workers' heartbeats and reads the rows again only when it has moved, so
 a disable or a drain in the admin still reaches every frontend at its next request.
 
-The generation is a random token, not a counter: a Redis restarted without its data would count
-from the start again and could repeat a generation that a frontend still keeps old rows under.
+The generation is a random token (routing.redis_keys.read_generation and renew_generation).
 A change made around Django (a database edited by hand) is picked up within MAX_AGE_S.
 """
 
@@ -18,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+
+from routing.redis_keys import read_generation, redact_text, renew_generation, sync_client
 
 logger = logging.getLogger("routing.worker_rows")
 
@@ -75,17 +75,13 @@ def kept_rows() -> KeptRows:
 
 
 def current_generation(client: redis.Redis, namespace: str) -> bytes:
-    """The generation now; a Redis without one (new, or restarted empty) gets a fresh one, which
-    no frontend can keep rows under yet."""
-    key = f"{namespace}{GENERATION_KEY}"
-    client.set(key, uuid.uuid4().hex, nx=True)
-    value = client.get(key)
-    return value if value is not None else b""
+    """The generation now (routing.redis_keys.read_generation)."""
+    return read_generation(client, f"{namespace}{GENERATION_KEY}")
 
 
 def announce_change(client: redis.Redis, namespace: str) -> None:
     """Every frontend reads the rows again at its next request."""
-    client.set(f"{namespace}{GENERATION_KEY}", uuid.uuid4().hex)
+    renew_generation(client, f"{namespace}{GENERATION_KEY}")
 
 
 def workers_changed() -> None:
@@ -101,8 +97,6 @@ def workers_changed() -> None:
 
 def _announce() -> None:
     from django.conf import settings
-
-    from routing.redis_keys import redact_text, sync_client
 
     _kept.clear()
     try:

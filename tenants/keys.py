@@ -33,7 +33,7 @@ from django.utils import timezone
 
 from routing.expiring import ExpiringLru
 from routing.hashing import cache_salt
-from routing.redis_keys import sync_client
+from routing.redis_keys import read_generation, renew_generation, sync_client
 from tenants.models import ApiKey, Tenant
 
 logger = logging.getLogger("tenants.keys")
@@ -181,7 +181,7 @@ def authenticate(presented: str) -> Caller:
     return caller
 
 
-GENERATION_KEY = "keys:generation"  # Redis: bumped by every change to a key or a tenant
+GENERATION_KEY = "keys:generation"  # Redis: set anew by every change to a key or a tenant
 # The generation is read before each key check: a Redis that does not answer within this makes
 # the check ask the database instead, and costs the request no more than this wait (its own
 # Redis operations then fail within REDIS_TIMEOUT_SECS, as they would have anyway).
@@ -243,18 +243,11 @@ def _generation() -> bytes | None:
     """The current generation of keys and tenants; None: keep nothing (turned off, or no Redis)."""
     if settings.API_KEY_CACHE_SECS <= 0:
         return None
-    key = f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}"
     try:
         client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
-        value = client.get(key)
-        if value is None:
-            # A Redis without one (new, or restarted empty) gets a fresh token. A counter would
-            # start again from nothing and could repeat the generation of keys kept before.
-            client.set(key, secrets.token_hex(8), nx=True)
-            value = client.get(key)
+        return read_generation(client, f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:
         return None
-    return value
 
 
 def keys_changed() -> None:
@@ -275,8 +268,7 @@ def _forget_verified() -> None:
 def _announce_keys_changed() -> None:
     _forget_verified()
     try:
-        client = sync_client(settings.REDIS_URL)
-        client.set(f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}", secrets.token_hex(8))
+        renew_generation(sync_client(settings.REDIS_URL), f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:
         logger.warning(
             "could not tell other frontends that API keys changed (Redis unavailable): they keep "

@@ -23,7 +23,7 @@ from inference_platform.celery import app as celery_app
 from routing.contract import FlushCachesTask
 from routing.media import SIZES_FLUSHED_KEY
 from routing.models import Worker, worker_queue
-from routing.redis_keys import sync_client
+from routing.redis_keys import renew_generation, sync_client
 from routing.registry import WorkerRegistry
 from routing.responses import DONE, ERROR, parse_stream_entries, response_key
 from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
@@ -105,7 +105,7 @@ class Command(BaseCommand):
             # images makes them forget those too, each at its next request a second or more
             # after it last looked (routing.media.ImageSizes). One limited to some workers or
             # to a session scope leaves them.
-            client.set(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}", uuid.uuid4().hex)
+            renew_generation(client, f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}")
             report["frontend_image_sizes"] = "forgotten by every frontend within about a second"
 
         if options["json"]:
