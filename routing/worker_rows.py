@@ -15,13 +15,12 @@ A change made around Django (a database edited by hand) is picked up within MAX_
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
 
+from routing.expiring import ExpiringLru
 from routing.redis_keys import read_generation, redact_text, renew_generation, sync_client
 
 logger = logging.getLogger("routing.worker_rows")
@@ -39,32 +38,21 @@ class WorkerRow:
 
 
 class KeptRows:
-    """This process's rows, with the generation they were read under and when."""
+    """This process's rows, with the generation they were read under, for at most `max_age_s`."""
 
-    def __init__(self, max_age_s: float = MAX_AGE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_age_s: float = MAX_AGE_S, clock: Callable[[], float] | None = None) -> None:
         self.max_age_s = max_age_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._kept: tuple[bytes, float, tuple[WorkerRow, ...]] | None = None
+        self._entry: ExpiringLru[tuple[bytes, tuple[WorkerRow, ...]]] = ExpiringLru(1, clock)
 
     def get(self) -> tuple[bytes, tuple[WorkerRow, ...]] | None:
-        """The rows and their generation, unless none are kept or they are too old to trust."""
-        with self._lock:
-            if self._kept is None:
-                return None
-            generation, read_at, rows = self._kept
-            if self._clock() - read_at > self.max_age_s:
-                self._kept = None
-                return None
-            return generation, rows
+        """The rows' generation and the rows, unless none are kept or they are too old to trust."""
+        return self._entry.get(None)
 
     def put(self, generation: bytes, rows: tuple[WorkerRow, ...]) -> None:
-        with self._lock:
-            self._kept = (generation, self._clock(), rows)
+        self._entry.put(None, (generation, rows), self.max_age_s)
 
     def clear(self) -> None:
-        with self._lock:
-            self._kept = None
+        self._entry.clear()
 
 
 _kept = KeptRows()
