@@ -104,11 +104,8 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
     try:
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         dispatch = await plan_request(chat, request_id, dict(request.headers), caller)
-    except ApiError as error:
-        clock.finish(error.status, None)
-        return error_response(error, request_id)
     except Exception as exc:
-        error = _unexpected(exc, request_id)
+        error = _api_error(exc, request_id)
         clock.finish(error.status, None)
         return error_response(error, request_id)
 
@@ -134,7 +131,7 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
     except Exception as exc:
         # Anything follow() did not turn into an ApiError still answers in the API's format with
         # the request id (a lost Redis a 503), never Django's bare 500.
-        error = exc if isinstance(exc, ApiError) else _unexpected(exc, request_id)
+        error = _api_error(exc, request_id)
         clock.finish(error.status, dispatch.worker)
         return _headers(error_response(error, request_id), dispatch)
     finally:
@@ -174,10 +171,8 @@ async def route(request: HttpRequest, body: dict[str, Any], request_id: str) -> 
         body.setdefault("model", served_model().name)
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         description = await describe_route(chat, dict(request.headers), request.caller)
-    except ApiError as error:
-        return error_response(error, request_id)
     except Exception as exc:
-        return error_response(_unexpected(exc, request_id), request_id)
+        return error_response(_api_error(exc, request_id), request_id)
     response = JsonResponse(description)
     response["X-Request-Id"] = request_id
     return response
@@ -192,8 +187,11 @@ async def _cancel_quietly(request_id: str) -> None:
         logger.warning("could not cancel request %s: Redis failed", request_id)
 
 
-def _unexpected(exc: Exception, request_id: str) -> ApiError:
-    """Anything unforeseen still answers in the API's format, with the request id."""
+def _api_error(exc: Exception, request_id: str) -> ApiError:
+    """What a failure answers: an ApiError as it is; anything unforeseen still in the API's
+    format, with the request id (a lost Redis a 503, the rest a logged 500)."""
+    if isinstance(exc, ApiError):
+        return exc
     if isinstance(exc, redis.RedisError):
         return state_unavailable(request_id, exc)
     logger.exception("request %s failed", request_id)
@@ -275,7 +273,7 @@ async def _start_stream(
         await finish_request(caller, rid, None)
         raise
     except Exception as exc:
-        error = exc if isinstance(exc, ApiError) else _unexpected(exc, rid)
+        error = _api_error(exc, rid)
         clock.finish(error.status, dispatch.worker)
         await finish_request(caller, rid, None)
         return _headers(error_response(error, rid), dispatch)
@@ -324,7 +322,7 @@ async def _stream(
         finished = True
     except Exception as exc:
         # The status line already said 200; the metric records what the client really got.
-        error = exc if isinstance(exc, ApiError) else _unexpected(exc, rid)
+        error = _api_error(exc, rid)
         clock.finish(error.status, dispatch.worker)
         logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)
         yield f"data: {json.dumps(error.body())}\n\n".encode()
