@@ -564,7 +564,8 @@ class Engine:
         """Runs a short text prompt through the model once, before the worker takes requests;
         returns how long it took (ms). A process's first forward pass pays allocations and lazy
         initialisation, which a user's first request paid before: on the demo model, one torch
-        thread, a 100-word prompt's first token took 71 ms the first time and 31 ms after.
+        thread, a 100-word prompt's first token took 41-45 ms the first time and 29-32 ms after
+        (docs/ARCHITECTURE.md).
 
         Leaves nothing behind: no block cached or announced to the router, and the counters the
         heartbeat reports as they were. The prefill rate above all: that slow step would have
