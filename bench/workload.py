@@ -2,7 +2,7 @@
 and random, over three seeds, with medians and their spread.
 
 Usage: `.venv/bin/python bench/workload.py [--requests N] [--seeds N] [--shapes a,b,c,d]
-[--products N] [--kv-blocks N] [--origin-latency-ms MS] [--load F] [--noise-floor]`
+[--products N] [--kv-blocks N] [--origin-latency-ms MS] [--load F] [--think-ms MS] [--noise-floor]`
 (Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
 deleted afterwards; the model at MODEL_PATH, default var/models/demo, built into a temporary
 directory if absent). Bounded: 4 shapes x 3 modes x 3 seeds x REQUESTS requests (36 runs of 30),
@@ -62,10 +62,11 @@ gap by chance. The line "arrived in a burst of all users" below counts them: 40-
 requests in the runs of 30 and 60 measured, in every mode. Between runs each seed's p50 moves by
 10-15% either way (9-14% coefficient of variation at 30, 60 and 90 requests alike: it is the run,
 not the sample) and the median of three seeds by up to about 10%, so one run tells a tie from a
-loss only beyond that. A think time between turns (exponential, 100 ms) breaks the bursts (13% of
-requests) and merges the groups, and the tie stays a tie (kv and round robin 193 ms, medians of six
-runs of 30). `--noise-floor` measures the noise in the same run: round robin goes a second time per
-seed and shape, and its TTFT p50 over round robin's is printed beside kv's (not in the last line).
+loss only beyond that. A think time between turns (`--think-ms 100`: exponential, 100 ms) breaks
+most bursts (13-27% of requests came in one) and merges the groups, and the tie stays a tie (kv 182
+ms, round robin 181 ms, medians over the three seeds). `--noise-floor` measures the noise in the
+same run: round robin goes a second time per seed and shape, and its TTFT p50 over round robin's is
+printed beside kv's (not in the last line).
 
 `--load F` runs an open loop instead: sessions start at Poisson times (the same times in every
 mode for one seed), each asking its turns one after another, at F times the requests a second
@@ -376,11 +377,13 @@ def run_sessions(
     headers: dict[str, str],
     session_rate: float | None = None,
     arrivals_seed: int = 0,
+    think_s: float = 0.0,
 ) -> tuple[list[Outcome], float, list[str]]:
     """Closed loop (session_rate None): CONCURRENCY users, each taking the next session and asking
     its turns one after another. Open loop: sessions start at Poisson times, `session_rate` a
     second (the same times in every mode for one seed), each asking its turns one after another,
-    however many are open at once."""
+    however many are open at once. `think_s` > 0: a user waits an exponential time of that mean
+    before each turn (the same waits in every mode for one seed)."""
     pending: queue.Queue[list[Turn]] = queue.Queue()
     for session in sessions:
         pending.put(session)
@@ -390,6 +393,8 @@ def run_sessions(
 
     def ask(client: httpx.Client, session: list[Turn]) -> None:
         for turn in session:
+            if think_s > 0:
+                time.sleep(random.Random(f"think-{arrivals_seed}-{turn.key}").expovariate(1 / think_s))
             try:
                 outcome = send(client, base_url, turn, session_salt)
             except (httpx.HTTPError, RuntimeError, KeyError) as exc:
@@ -499,7 +504,13 @@ class Bench:
         return [(int(o), int(b), r) for o, b, r in _SENT_LINE.findall(self.platform.log(label))]
 
     def run(
-        self, shape: str, mode: str, seed: int, sessions: list[list[Turn]], session_rate: float | None = None
+        self,
+        shape: str,
+        mode: str,
+        seed: int,
+        sessions: list[list[Turn]],
+        session_rate: float | None = None,
+        think_s: float = 0.0,
     ) -> RunResult:
         self.reset()
         logged = len(self.decisions(mode))
@@ -512,6 +523,7 @@ class Bench:
             self.platform.headers,
             session_rate,
             seed,
+            think_s,
         )
         time.sleep(1.2)
         after = self.routing_counters()
@@ -596,6 +608,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         " p50 and hit rate over round robin's: how far a ratio moves when only the run differs",
     )
     parser.add_argument(
+        "--think-ms",
+        type=float,
+        default=0.0,
+        help="each user waits an exponential time of this mean before each turn (default 0)",
+    )
+    parser.add_argument(
         "--load",
         type=float,
         default=None,
@@ -605,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.load is not None and not 0 < args.load < float("inf"):
         parser.error("--load must be a positive fraction of the closed-loop rate")
+    if not 0 <= args.think_ms < float("inf"):
+        parser.error("--think-ms must be a finite number of milliseconds >= 0")
     shapes = [s for s in args.shapes.split(",") if s]
     seeds = (
         SEEDS[: args.seeds] if args.seeds <= len(SEEDS) else tuple(SEEDS[0] + i for i in range(args.seeds))
@@ -644,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             )
                         rate = args.load * capacity[shape] / (len(turns) / len(sessions))
                     for mode in order:
-                        result = bench.run(shape, mode, seed, sessions, rate)
+                        result = bench.run(shape, mode, seed, sessions, rate, args.think_ms / 1000)
                         results.setdefault((shape, mode), []).append(result)
                         warm, warm_p50, cold_p50 = result.split_ttft_p50()
                         print(
