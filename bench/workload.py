@@ -58,7 +58,7 @@ one's prompt), so both users ask again at once, and the two workers keep one per
 requests arriving together on two workers that each compute one prompt at a time, two wait for
 another's prompt whoever routes them: TTFT falls into two groups about a prompt's wait apart (about
 185 and 270 ms here), about half the requests in each, and a run's p50 lands on either side of the
-gap by chance. The line "arrived in a burst of all users" below counts them: 40-68% of (d)'s
+gap by chance. The line "arrived in a burst of all users" below counts them: 40-80% of (d)'s
 requests in the runs of 30 and 60 measured, in every mode. Between runs each seed's p50 moves by
 10-15% either way (9-14% coefficient of variation at 30, 60 and 90 requests alike: it is the run,
 not the sample) and the median of three seeds by up to about 10%, so one run tells a tie from a
