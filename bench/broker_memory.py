@@ -56,8 +56,8 @@ def _measure(client, namespace: str, images: list[bytes], *, by_reference: bool)
     from django.conf import settings
 
     from inference_platform.celery import app as celery_app
-    from routing.contract import GenerateTask, ImageRef
-    from routing.media_store import media_store_from_settings
+    from routing.contract.tasks import GenerateTask, ImageRef
+    from routing.media.store import media_store_from_settings
 
     client.flushdb()
     time.sleep(0.2)

@@ -49,7 +49,7 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 
 from bench.samples import noise_png, quantile, stream_chat  # noqa: E402
-from routing.encoders import EncoderPool, summarize  # noqa: E402
+from routing.fleet.encoders import EncoderPool, summarize  # noqa: E402
 from tests.image_server import ImageServer  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 

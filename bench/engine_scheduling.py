@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.samples import demo_model_dir, noise_png, quantile  # noqa: E402
-from routing.media import url_identity  # noqa: E402
+from routing.media.images import url_identity  # noqa: E402
 from workers.engine import Engine, GenerationRequest, ImageInput  # noqa: E402
 from workers.scheduler import FCFS, SHORTEST_FIRST, Scheduler  # noqa: E402
 

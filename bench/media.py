@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from PIL import Image
 
-from routing.media import MediaPolicy, resolve_images, url_identity
+from routing.media.images import MediaPolicy, resolve_images, url_identity
 from tests.image_server import ImageServer
 
 IMAGES = 8

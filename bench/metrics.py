@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 import redis
 
-from routing import telemetry
-from routing.telemetry import MetricsRecorder
+from routing.observe import telemetry
+from routing.observe.telemetry import MetricsRecorder
 
 REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 WORKERS = [f"gpu{i}" for i in range(4)]
@@ -36,7 +36,7 @@ WORKERS = [f"gpu{i}" for i in range(4)]
 _MULTIPROC_CHILD = r"""
 import json, sys, time
 from prometheus_client import Histogram
-from routing.metric_catalog import LATENCY_BUCKETS
+from routing.observe.metric_catalog import LATENCY_BUCKETS
 n, workers = int(sys.argv[1]), sys.argv[2].split(",")
 ttft = Histogram("mmr_ttft_seconds", "TTFT", ["worker"], buckets=LATENCY_BUCKETS)
 children = [ttft.labels(worker=w) for w in workers]
@@ -136,7 +136,7 @@ def main() -> None:
     mp_record, mp_scrape = multiprocess(args.observations, args.processes)
 
     print(f"{'':<34}{'record µs/obs':>14}{'scrape ms':>11}")
-    print(f"{'Redis-summed (routing.telemetry)':<34}{record:>14.2f}{scrape:>11.2f}")
+    print(f"{'Redis-summed (routing.observe.telemetry)':<34}{record:>14.2f}{scrape:>11.2f}")
     print(f"{'prometheus_client multiprocess':<34}{mp_record:>14.2f}{mp_scrape:>11.2f}")
     print(
         f"(ours also flushes once a second off the request path: {flush:.1f} ms for {args.observations} obs)"

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from bench.samples import demo_model_dir  # noqa: E402
-from routing.media import url_identity  # noqa: E402
+from routing.media.images import url_identity  # noqa: E402
 from workers.engine import Engine, GenerationRequest, GenerationResult, ImageInput  # noqa: E402
 
 RUNS = int(os.environ.get("BENCH_RUNS", "5"))

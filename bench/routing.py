@@ -19,15 +19,16 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from routing.hashing import MediaPlacement, block_hashes
-from routing.index import KvIndex
-from routing.kv_events import KvEvent, KvEventPublisher
-from routing.layouts import layout_for_config
-from routing.load import LoadTracker
-from routing.registry import Heartbeat, WorkerRegistry
-from routing.router import KvRouter, WorkerReport
-from routing.selection import RoutingPolicy
-from routing.token_view import ImageFacts, build_token_view
+from routing.contract.kv_events import KvEvent
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
+from routing.kv.router import KvRouter, WorkerReport
+from routing.kv.selection import RoutingPolicy
+from routing.prompt.hashing import MediaPlacement, block_hashes
+from routing.prompt.layouts import layout_for_config
+from routing.prompt.token_view import ImageFacts, build_token_view
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2_000

@@ -16,7 +16,7 @@ What it does, and why:
   frontend fetches it again (the origin may have changed) but finds its decode by the bytes' hash,
   routes to the worker holding its blocks, and the worker prefills only the question.
 - TTFT is what a client sees: from sending the request to the first streamed token.
-- frontend_decode_ms is the median time of `routing.video.sample_video` on one clip with its decode
+- frontend_decode_ms is the median time of `routing.media.video.sample_video` on one clip with its decode
   cache off (fetch, decode, sample, hash, resize), measured in this process.
 - Cold and warm are medians over the clips (--clips, default 3). One worker, one frontend, no other
   load. Figures on a shared machine are noisy: compare the ratio, not the milliseconds.
@@ -92,9 +92,9 @@ def cached(usage: dict) -> int | None:
 
 
 def frontend_decode_ms(model: Path, clip: bytes, runs: int = 3) -> float:
-    from routing.media import MediaPolicy
-    from routing.video import VideoLimits, sample_video
-    from routing.video_layouts import video_layout_for_model_dir
+    from routing.media.images import MediaPolicy
+    from routing.media.video import VideoLimits, sample_video
+    from routing.prompt.video_layouts import video_layout_for_model_dir
     from tests.video_files import data_url
 
     layout = video_layout_for_model_dir(model)

@@ -16,10 +16,10 @@ from django.shortcuts import render
 from django.urls import path, reverse
 from django.views.decorators.http import require_GET
 
-from routing.cache_stats import CACHES
-from routing.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
 from routing.models import Worker
-from routing.redis_keys import redact_text, redact_url, sync_client
+from routing.observe.cache_stats import CACHES
+from routing.observe.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
+from routing.state.redis_keys import redact_text, redact_url, sync_client
 
 POLL_INTERVAL_MS = 5000
 

@@ -8,6 +8,6 @@ class InferencePlatformConfig(AppConfig):
     def ready(self) -> None:
         from django.conf import settings
 
-        from routing.redis_keys import configure_timeouts
+        from routing.state.redis_keys import configure_timeouts
 
         configure_timeouts(settings.REDIS_TIMEOUT_SECS)

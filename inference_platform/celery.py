@@ -13,4 +13,4 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
 # The task names the web process dispatches by (it never imports the worker's code) are in
-# routing.contract, with the payloads.
+# routing.contract.tasks, with the payloads.

@@ -27,9 +27,14 @@ from django.conf import settings
 
 from inference_platform.api.errors import ApiError
 from inference_platform.celery import app as celery_app
-from routing import telemetry
-from routing.affinity import SessionAffinity
-from routing.contract import (
+from routing.contract.responses import (
+    ResponseEvent,
+    cancel_key,
+    live_key,
+    read_response_events,
+    response_key,
+)
+from routing.contract.tasks import (
     CONTRACT_VERSION,
     DONE,
     ERROR,
@@ -40,22 +45,17 @@ from routing.contract import (
     ErrorEvent,
     GenerateTask,
 )
-from routing.index import KvIndex
-from routing.lease import RESERVED, RequestLease
-from routing.load import LoadTracker
-from routing.media_store import MediaRef, MediaStore, media_store_from_settings
+from routing.fleet.registry import Heartbeat, WorkerRegistry, heartbeat_key
+from routing.fleet.worker_rows import GENERATION_KEY, WorkerRow, current_generation, kept_rows
+from routing.kv.affinity import SessionAffinity
+from routing.kv.index import KvIndex
+from routing.kv.lease import RESERVED, RequestLease
+from routing.kv.load import LoadTracker
+from routing.kv.router import KvRouter, RoutingDecision, WorkerReport
+from routing.media.store import MediaRef, MediaStore, media_store_from_settings
 from routing.models import Worker, worker_queue
-from routing.redis_keys import async_client, redact_text, sync_client
-from routing.registry import Heartbeat, WorkerRegistry, heartbeat_key
-from routing.responses import (
-    ResponseEvent,
-    cancel_key,
-    live_key,
-    read_response_events,
-    response_key,
-)
-from routing.router import KvRouter, RoutingDecision, WorkerReport
-from routing.worker_rows import GENERATION_KEY, WorkerRow, current_generation, kept_rows
+from routing.observe import telemetry
+from routing.state.redis_keys import async_client, redact_text, sync_client
 
 logger = logging.getLogger("inference_platform.dispatch")
 
@@ -196,7 +196,7 @@ def _eligibility(
         return f"serves {beat.model}"
     if beat.block_size != block_size:
         return f"block size {beat.block_size}, not {block_size}"
-    # E/PD: encode workers take image encoding (routing.encoders), never a whole request.
+    # E/PD: encode workers take image encoding (routing.fleet.encoders), never a whole request.
     if beat.role == ROLE_ENCODE and not encoders:
         return "encode worker"
     if beat.role != ROLE_ENCODE and encoders:
@@ -219,7 +219,7 @@ async def worker_states(model: str, block_size: int, *, encoders: bool = False) 
 
 
 async def _rows_and_heartbeats() -> tuple[tuple[WorkerRow, ...], dict[str, Heartbeat]]:
-    """The operator's rows (kept under their generation, routing.worker_rows) and the live
+    """The operator's rows (kept under their generation, routing.fleet.worker_rows) and the live
     heartbeats of their workers: one Redis round trip, and no query, while the rows kept are
     current."""
     kept = kept_rows().get()

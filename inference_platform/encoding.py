@@ -2,7 +2,7 @@
 
 With at least one live encode worker, the images the chosen LLM worker's cached prefix does not
 wholly cover are candidates: the encode worker with the best embedding-cache affinity weighed
-against the images already waiting on it (routing.encoders) is chosen, then its backlog (pending
+against the images already waiting on it (routing.fleet.encoders) is chosen, then its backlog (pending
 images times its measured milliseconds per image) is weighed against the LLM worker's own
 (`split_images`, EPD_SPLIT / EPD_LOCAL_ENCODE_WEIGHT): the images it would make wait longer stay
 on the LLM worker, which encodes them itself as in the aggregated path. The encoder gets a
@@ -23,8 +23,8 @@ from django.conf import settings
 
 from inference_platform.celery import app as celery_app
 from inference_platform.dispatch import eligible_encoders, worker_states
-from routing.contract import EncodeTask, GenerateTask
-from routing.encoders import (
+from routing.contract.tasks import EncodeTask, GenerateTask
+from routing.fleet.encoders import (
     EncoderPool,
     EncoderScore,
     EncodeSplit,
@@ -33,8 +33,8 @@ from routing.encoders import (
     split_images,
 )
 from routing.models import worker_queue
-from routing.redis_keys import sync_client
-from routing.token_view import TokenView
+from routing.prompt.token_view import TokenView
+from routing.state.redis_keys import sync_client
 
 logger = logging.getLogger("inference_platform.encoding")
 
@@ -76,7 +76,7 @@ def _candidate_images(task: GenerateTask, view: TokenView, overlap_blocks: int) 
 
 
 def _split(pool: EncoderPool, choice: EncoderScore, llm_worker: str, tags: list[str]) -> EncodeSplit:
-    """The chosen encoder's backlog against the LLM worker's (a pure rule, routing.encoders)."""
+    """The chosen encoder's backlog against the LLM worker's (a pure rule, routing.fleet.encoders)."""
     encode_ms = choice.encode_ms or settings.EPD_ENCODE_MS_DEFAULT
     weight = settings.EPD_LOCAL_ENCODE_WEIGHT if settings.EPD_SPLIT else float("inf")
     return split_images(

@@ -12,7 +12,7 @@ from django.views.decorators.http import require_GET
 
 from inference_platform.dispatch import eligible_workers
 from inference_platform.serving import served_model
-from routing.model_view import ModelDirectoryError
+from routing.prompt.model_view import ModelDirectoryError
 
 
 @require_GET
@@ -24,7 +24,7 @@ def health(request: HttpRequest) -> HttpResponse:
 async def ready(request: HttpRequest) -> HttpResponse:
     from django.conf import settings
 
-    from routing.redis_keys import async_client
+    from routing.state.redis_keys import async_client
 
     checks: dict[str, object] = {}
     try:

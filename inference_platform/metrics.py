@@ -1,7 +1,7 @@
 """GET /metrics: the deployment's metrics for Prometheus, in its text format or OpenMetrics.
 
 Everything comes from Redis (the dashboard's snapshot for worker state and cache counters,
-`routing.telemetry` for the request histograms, counters and engine gauges), so every frontend
+`routing.observe.telemetry` for the request histograms, counters and engine gauges), so every frontend
 process answers the same. prometheus_client renders it, and picks the format from the scraper's
 Accept header (OpenMetrics when asked for, Prometheus text 0.0.4 otherwise).
 """
@@ -27,13 +27,13 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from inference_platform.api.auth import api_key_required
-from routing import telemetry
-from routing.cache_stats import CACHES
-from routing.dashboard import Snapshot, shared_reader
-from routing.encoders import FALLBACK_CAUSES
-from routing.metric_catalog import CATALOG
+from routing.fleet.encoders import FALLBACK_CAUSES
 from routing.models import Worker
-from routing.redis_keys import redact_text, sync_client
+from routing.observe import telemetry
+from routing.observe.cache_stats import CACHES
+from routing.observe.dashboard import Snapshot, shared_reader
+from routing.observe.metric_catalog import CATALOG
+from routing.state.redis_keys import redact_text, sync_client
 
 PREFIX = "mmr_"
 
@@ -70,7 +70,7 @@ CACHE_COUNTERS: tuple[tuple[str, str], ...] = (
     ("errors", "Cache operations that failed."),
     ("bytes", "Bytes the cache served."),
 )
-# E/PD, per worker (routing.encoders): gauges of the snapshot's entry, and counters with their scale
+# E/PD, per worker (routing.fleet.encoders): gauges of the snapshot's entry, and counters with their scale
 # to the exposition's units (microseconds become seconds).
 ENCODER_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("encoder_pending_images", "pending", "Images sent to the encode worker and not finished (its queue)."),

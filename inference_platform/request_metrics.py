@@ -1,15 +1,15 @@
 """What the frontend records about each chat request: status, worker, tokens, TTFT, latency.
 
 The view makes one `RequestClock` when the request arrives, marks the first token, and calls
-`finish` exactly once, whatever the outcome; `routing.telemetry` sums it across frontends.
+`finish` exactly once, whatever the outcome; `routing.observe.telemetry` sums it across frontends.
 """
 
 from __future__ import annotations
 
 import time
 
-from routing import telemetry
-from routing.contract import DoneEvent
+from routing.contract.tasks import DoneEvent
+from routing.observe import telemetry
 
 NO_WORKER = "none"
 

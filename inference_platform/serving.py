@@ -37,12 +37,12 @@ from inference_platform.dispatch import (
     worker_states,
 )
 from inference_platform.encoding import describe_encoding, plan_encoding
-from inference_platform.policy import current_policy
-from routing import telemetry
-from routing.contract import DoneEvent, GenerateTask, ImageRef, VideoRef
-from routing.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
-from routing.lease import RequestLease
-from routing.media import (
+from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
+from routing.fleet.registry import Heartbeat
+from routing.kv.lease import RequestLease
+from routing.kv.router import AllWorkersBusy, RoutingDecision
+from routing.kv.selection import Score
+from routing.media.images import (
     SIZES_FLUSHED_KEY,
     ImageSizes,
     MediaError,
@@ -53,17 +53,17 @@ from routing.media import (
     routing_hash,
     url_identity,
 )
-from routing.media_store import MediaRef, MediaStoreError
-from routing.model_view import ModelDirectoryError, ModelView, model_view
-from routing.processor_view import tensors_by_reference
-from routing.redis_keys import sync_client
-from routing.registry import Heartbeat
-from routing.router import AllWorkersBusy, RoutingDecision
-from routing.selection import Score
-from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
-from routing.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
-from routing.video import SampledVideo, VideoLimits, resolve_videos
-from routing.video_layouts import video_expansion_ids
+from routing.media.store import MediaRef, MediaStoreError
+from routing.media.video import SampledVideo, VideoLimits, resolve_videos
+from routing.observe import telemetry
+from routing.policy import current_policy
+from routing.prompt.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
+from routing.prompt.model_view import ModelDirectoryError, ModelView, model_view
+from routing.prompt.processor_view import tensors_by_reference
+from routing.prompt.session_scope import SessionScopeError, resolve_session_scope, scope_hash
+from routing.prompt.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
+from routing.prompt.video_layouts import video_expansion_ids
+from routing.state.redis_keys import sync_client
 from tenants.keys import ANONYMOUS, Caller
 from tenants.limits import LimitExceeded, TenantLimiter
 from tenants.usage import TenantUsage
@@ -301,8 +301,8 @@ class PreparedRequest:
         media: Mapping[int, MediaRef] | None = None,
         video_media: Mapping[int, MediaRef] | None = None,
     ) -> GenerateTask:
-        """The worker's task for this request (routing.contract); `media` maps an image's index
-        to its bytes in the side store (routing.media_store), `video_media` a video's to its frames."""
+        """The worker's task for this request (routing.contract.tasks); `media` maps an image's index
+        to its bytes in the side store (routing.media.store), `video_media` a video's to its frames."""
         media = media or {}
         video_media = video_media or {}
         images = tuple(
@@ -623,7 +623,7 @@ def _processor_view(
     model: ModelView, prompt: str, images: list[ResolvedImage]
 ) -> tuple[TokenView, dict] | None:
     """The token view from the model's own processor; None (text-prefix routing) if it can't say."""
-    from routing.processor_view import UnsupportedProcessorLayout, processor_token_view
+    from routing.prompt.processor_view import UnsupportedProcessorLayout, processor_token_view
 
     policy = media_policy()
     pixels = [decode_image(image.data, policy) for image in images if image.data is not None]

@@ -154,7 +154,7 @@ IMAGE_LOCAL_CACHE_ENTRIES = env_int("IMAGE_LOCAL_CACHE_ENTRIES", 8, minimum=0)  
 # E/PD (encode workers): how long an LLM worker waits for an image's features before it encodes the
 # image itself (they travel through the media side store, MEDIA_STORE_*).
 EPD_ENCODE_WAIT_SECS = env_float("EPD_ENCODE_WAIT_SECS", 30.0, positive=True)
-# E/PD split (routing.encoders.split_images): an image stays on the LLM worker (aggregated path)
+# E/PD split (routing.fleet.encoders.split_images): an image stays on the LLM worker (aggregated path)
 # when the encoder's backlog would make it wait longer than the LLM worker would take to encode it,
 # its own backlog included, at EPD_LOCAL_ENCODE_WEIGHT times the encoder's measured milliseconds
 # per image (above 1: the LLM worker also prefills every request, and its encoding stalls its
@@ -194,7 +194,7 @@ ROUTER_MODE = (env_str("ROUTER_MODE") or "kv").lower()  # kv | round_robin | ran
 if ROUTER_MODE not in ("kv", "round_robin", "random"):
     raise ValueError(f"ROUTER_MODE={ROUTER_MODE!r} must be kv, round_robin or random")
 ROUTER_OVERLAP_CREDIT = env_float("ROUTER_OVERLAP_CREDIT", 1.0, minimum=0.0)
-# Prefill weighs 32x a decode block: TTFT is queued prefill (see routing.selection.RoutingPolicy).
+# Prefill weighs 32x a decode block: TTFT is queued prefill (see routing.kv.selection.RoutingPolicy).
 ROUTER_PREFILL_LOAD_SCALE = env_float("ROUTER_PREFILL_LOAD_SCALE", 32.0, minimum=0.0)
 ROUTER_TEMPERATURE = env_float("ROUTER_TEMPERATURE", 0.0, minimum=0.0)
 ROUTER_SESSION_AFFINITY = env_bool("ROUTER_SESSION_AFFINITY", True)
@@ -204,12 +204,12 @@ ROUTER_LOAD_ENTRY_TTL_SECS = env_float("ROUTER_LOAD_ENTRY_TTL_SECS", 300.0, posi
 # Predicted blocks: a routed prompt counts as cached on its worker for this long, until the
 # worker's own events arrive (Dynamo's --router-predicted-ttl-secs). 0 turns it off.
 ROUTER_PREDICTED_TTL_SECS = env_float("ROUTER_PREDICTED_TTL_SECS", 3.0, minimum=0.0)
-# Session affinity as a bounded preference (see routing.selection.RoutingPolicy).
+# Session affinity as a bounded preference (see routing.kv.selection.RoutingPolicy).
 ROUTER_AFFINITY_COST_SLACK = env_float("ROUTER_AFFINITY_COST_SLACK", 0.25, minimum=0.0)
 ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS = env_int("ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS", 2, minimum=0)
 # Bounded loads: a worker this many requests in flight ahead of the least loaded one, and this
 # many times its load, is passed over when another would serve the request within its queue's
-# wait (routing.selection.RoutingPolicy).
+# wait (routing.kv.selection.RoutingPolicy).
 ROUTER_LOAD_BOUND_GAP = env_int("ROUTER_LOAD_BOUND_GAP", 2, minimum=0)  # 0: off
 ROUTER_LOAD_BOUND_RATIO = env_float("ROUTER_LOAD_BOUND_RATIO", 1.5, minimum=1.0)
 # Reserved prefill drains at each worker's measured prefill rate (its heartbeat carries it), so
@@ -251,10 +251,10 @@ MEDIA_FETCH_DEADLINE_SECS = env_float("MEDIA_FETCH_DEADLINE_SECS", 30.0, positiv
 # How long a frontend keeps an image's size read by URL, so a repeat question about a picture is
 # routed without a round trip to its origin (s; 0 asks the origin every time). The origin's
 # Cache-Control max-age shortens it; no-store, no-cache and private keep nothing. Per caller
-# partition and, with DYN_MM_IMAGE_CACHE_SESSION_SCOPED, per session (routing.media.ImageSizes).
+# partition and, with DYN_MM_IMAGE_CACHE_SESSION_SCOPED, per session (routing.media.images.ImageSizes).
 MEDIA_SIZE_CACHE_SECS = env_float("MEDIA_SIZE_CACHE_SECS", 60.0, minimum=0.0)
 MEDIA_SIZE_CACHE_ENTRIES = env_int("MEDIA_SIZE_CACHE_ENTRIES", 4096, minimum=1)
-# The media side store (routing/media_store.py): image bytes travel to workers through Redis by
+# The media side store (routing/media/store.py): image bytes travel to workers through Redis by
 # reference, never inside the Celery message. Caps per request and in total; entries expire.
 MEDIA_STORE_TTL_SECS = env_float("MEDIA_STORE_TTL_SECS", 600.0, positive=True)
 MEDIA_STORE_MAX_REQUEST_BYTES = int(

@@ -10,9 +10,9 @@ from django.http import HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import escape
 
+from routing.fleet.registry import WorkerRegistry
 from routing.models import RoutingPolicySettings, Worker
-from routing.redis_keys import redact_text, sync_client
-from routing.registry import WorkerRegistry
+from routing.state.redis_keys import redact_text, sync_client
 
 
 class EscapedHelpTexts:
@@ -96,7 +96,7 @@ class RoutingPolicyAdmin(EscapedHelpTexts, admin.ModelAdmin):
     readonly_fields = ("updated_at",)
 
     def changelist_view(self, request, extra_context=None):
-        from inference_platform.policy import environment_defaults
+        from routing.policy import environment_defaults
 
         policy, _ = RoutingPolicySettings.objects.get_or_create(pk=1, defaults=environment_defaults())
         return HttpResponseRedirect(reverse("admin:routing_routingpolicysettings_change", args=[policy.pk]))
@@ -108,7 +108,7 @@ class RoutingPolicyAdmin(EscapedHelpTexts, admin.ModelAdmin):
         return False
 
     def save_model(self, request, obj, form, change) -> None:
-        from inference_platform.policy import forget_cached_policy
+        from routing.policy import forget_cached_policy
 
         super().save_model(request, obj, form, change)
         forget_cached_policy()

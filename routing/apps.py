@@ -10,13 +10,13 @@ class RoutingConfig(AppConfig):
 
         from routing.models import Worker
 
-        # Any change to a worker's row reaches every frontend's kept rows (routing.worker_rows)
+        # Any change to a worker's row reaches every frontend's kept rows (routing.fleet.worker_rows)
         # at their next request; update() says so itself (routing.models.WorkerQuerySet).
         post_save.connect(_workers_changed, sender=Worker, dispatch_uid="saved-Worker")
         post_delete.connect(_workers_changed, sender=Worker, dispatch_uid="deleted-Worker")
 
 
 def _workers_changed(sender, **kwargs) -> None:
-    from routing.worker_rows import workers_changed
+    from routing.fleet.worker_rows import workers_changed
 
     workers_changed()

@@ -8,9 +8,9 @@ from django.db import models
 
 class WorkerQuerySet(models.QuerySet):
     def update(self, **kwargs):
-        """An update() sends no signal: say it to every frontend's kept rows (routing.worker_rows)
+        """An update() sends no signal: say it to every frontend's kept rows (routing.fleet.worker_rows)
         as a save does."""
-        from routing.worker_rows import workers_changed
+        from routing.fleet.worker_rows import workers_changed
 
         updated = super().update(**kwargs)
         if updated:

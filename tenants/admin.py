@@ -18,7 +18,7 @@ from django.core.exceptions import ValidationError
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
-from routing.redis_keys import sync_client
+from routing.state.redis_keys import sync_client
 from tenants.keys import hash_key, new_key_parts, revoke_api_key
 from tenants.models import ApiKey, Tenant
 from tenants.usage import TenantUsage

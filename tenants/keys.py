@@ -31,9 +31,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from routing.expiring import ExpiringLru
-from routing.hashing import cache_salt
-from routing.redis_keys import read_generation, renew_generation, sync_client
+from routing.prompt.hashing import cache_salt
+from routing.state.expiring import ExpiringLru
+from routing.state.redis_keys import read_generation, renew_generation, sync_client
 from tenants.models import ApiKey, Tenant
 
 logger = logging.getLogger("tenants.keys")

@@ -23,7 +23,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     # The process's metrics recorder flushes in the background: stopped first, it writes
     # nothing after the keys are gone.
-    from routing import telemetry
+    from routing.observe import telemetry
 
     telemetry.process_recorder().close()
     try:
@@ -160,7 +160,7 @@ def api_headers(make_api_key) -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def _fresh_live_policy():
     """Each test sees the policy its own settings make (processes cache it for a second)."""
-    from inference_platform.policy import forget_cached_policy
+    from routing.policy import forget_cached_policy
 
     forget_cached_policy()
     yield
@@ -181,7 +181,7 @@ def _no_keys_verified_by_another_test():
 def _no_worker_rows_kept_from_another_test():
     """Worker rows one test read are not another's: the database under them is emptied between
     tests, which tells nobody (and the session's generation in Redis does not move)."""
-    from routing.worker_rows import kept_rows
+    from routing.fleet.worker_rows import kept_rows
 
     kept_rows().clear()
     yield

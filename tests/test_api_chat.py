@@ -17,10 +17,10 @@ import redis
 from django.conf import settings as django_settings
 from django.test import AsyncClient
 
-from routing.load import LoadTracker
+from routing.contract.responses import ERROR, STARTED, TOKEN, ResponseEvent, ResponseWriter
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.kv.load import LoadTracker
 from routing.models import Worker
-from routing.registry import Heartbeat, WorkerRegistry
-from routing.responses import ERROR, STARTED, TOKEN, ResponseEvent, ResponseWriter
 from tests.api_client import KeyedAsyncClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -351,7 +351,7 @@ async def test_a_stream_whose_client_leaves_before_its_first_token_is_cancelled_
     token (the real /v1 ASGI handler, which cancels the view): nothing is sent, the worker is
     told to stop, and the reservation is freed."""
     from inference_platform.api.handler import ApiHandler
-    from routing.responses import cancel_key
+    from routing.contract.responses import cancel_key
 
     body = json.dumps(chat_body(served_demo_model, stream=True)).encode()
     given = False
@@ -410,7 +410,7 @@ def silent_redis_url():
 async def test_a_redis_that_never_answers_fault_injected_is_a_503_not_a_hang(
     client, settings, served_demo_model, silent_redis_url, monkeypatch
 ):
-    from routing import redis_keys
+    from routing.state import redis_keys
 
     monkeypatch.setattr(redis_keys, "SOCKET_TIMEOUT_S", 0.5)
     settings.REDIS_URL = silent_redis_url
@@ -496,7 +496,7 @@ async def test_image_bytes_travel_to_the_worker_by_reference_not_inside_the_task
 
     from PIL import Image
 
-    from routing.media_store import MediaRef, MediaStore
+    from routing.media.store import MediaRef, MediaStore
 
     # given a 300 KB data URL image
     buffer = io.BytesIO()

@@ -217,7 +217,7 @@ def test_a_revoked_key_is_refused_at_its_next_use(django_assert_num_queries):
 def test_a_change_another_process_made_is_seen_through_redis(settings, django_assert_num_queries):
     """Another process changed the tenant's limit: its row changed, and the generation in Redis
     moved (what `keys_changed` does there); this process has only Redis to learn it from."""
-    from routing.redis_keys import sync_client
+    from routing.state.redis_keys import sync_client
 
     tenant = Tenant.objects.create(name="acme", requests_per_minute=10)
     _key, plaintext = create_api_key(tenant, "ci")
@@ -233,7 +233,7 @@ def test_a_change_another_process_made_is_seen_through_redis(settings, django_as
 def test_a_redis_restarted_empty_never_vouches_for_keys_kept_before(settings, django_assert_num_queries):
     """A generation counted from nothing again would repeat one keys were kept under: a key
     revoked elsewhere, announced, then Redis losing its data, would pass again."""
-    from routing.redis_keys import sync_client
+    from routing.state.redis_keys import sync_client
 
     client = sync_client(settings.REDIS_URL)
     generation = f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}"
@@ -255,7 +255,7 @@ def test_a_change_is_announced_to_other_frontends_once_committed(settings):
     it under the new generation."""
     from django.db import transaction
 
-    from routing.redis_keys import sync_client
+    from routing.state.redis_keys import sync_client
 
     generation = f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}"
     client = sync_client(settings.REDIS_URL)
@@ -356,7 +356,7 @@ def test_ensure_demo_key_prints_a_key_once(capsys):
 
 
 def test_the_tenant_list_shows_each_tenants_usage_and_sharing(admin_client, settings):
-    from routing.redis_keys import sync_client
+    from routing.state.redis_keys import sync_client
     from tenants.usage import TenantUsage
 
     # given two tenants, one sharing its cache, and usage the frontends counted in Redis

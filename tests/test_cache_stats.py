@@ -10,7 +10,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from routing.cache_stats import FIELDS, SERIES_TTL_SECS, CacheStats, read_all, read_series, series_key
+from routing.observe.cache_stats import FIELDS, SERIES_TTL_SECS, CacheStats, read_all, read_series, series_key
 
 
 def test_counts_reach_redis_on_flush_per_worker_and_cache(

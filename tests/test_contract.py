@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from routing.contract import (
+from routing.contract.tasks import (
     CONTRACT_VERSION,
     DONE,
     ERROR,
@@ -113,7 +113,7 @@ _ABSENT = object()
 )
 def test_a_heartbeat_says_its_engines_schedule_and_the_router_reads_it_or_assumes_its_own(said, read):
     from inference_platform.dispatch import worker_report
-    from routing.registry import Heartbeat
+    from routing.fleet.registry import Heartbeat
 
     # given: a worker's heartbeat as JSON; an older worker's has no schedule at all, and a
     # malformed one may hold anything

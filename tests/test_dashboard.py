@@ -15,14 +15,15 @@ import redis
 from django.test import Client
 
 from inference_platform.admin_dashboard import big_numbers
-from routing.cache_stats import CacheStats
-from routing.dashboard import DashboardReader, hit_rate
-from routing.index import KvIndex
-from routing.kv_events import KvEvent, KvEventPublisher
-from routing.load import LoadTracker
+from routing.contract.kv_events import KvEvent
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
 from routing.models import Worker
-from routing.registry import Heartbeat, WorkerRegistry
-from routing.telemetry import MetricsRecorder
+from routing.observe.cache_stats import CacheStats
+from routing.observe.dashboard import DashboardReader, hit_rate
+from routing.observe.telemetry import MetricsRecorder
 
 PASSWORD_IN_URL = "pw-never-shown-7f3c"
 
@@ -509,8 +510,8 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
 def test_snapshot_shows_the_overlap_the_router_gave_up(redis_client: redis.Redis, key_namespace: str) -> None:
     # given: two decisions recorded by a frontend process: one took the best overlap, one gave up 6
     from inference_platform.dispatch import record_decision
-    from routing import telemetry
-    from routing.router import RoutingDecision
+    from routing.kv.router import RoutingDecision
+    from routing.observe import telemetry
 
     recorder = telemetry.MetricsRecorder(redis_client, key_namespace, source="frontend-test")
     original = telemetry._process_recorder

@@ -20,7 +20,7 @@ import numpy
 import pytest
 from PIL import Image
 
-from routing.encoders import EncoderPool
+from routing.fleet.encoders import EncoderPool
 from tests.conftest import TEST_REDIS_URL
 from tests.image_server import ImageServer
 from tests.platform_harness import PlatformProcesses

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from routing.encoders import (
+from routing.fleet.encoders import (
     EncoderPool,
     EncoderScore,
     cache_partition,

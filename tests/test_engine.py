@@ -18,9 +18,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from PIL import Image
 
-from routing.hashing import MediaPlacement, block_hashes
-from routing.kv_events import KvEvent
-from routing.media import routing_hash, url_identity
+from routing.contract.kv_events import KvEvent
+from routing.media.images import routing_hash, url_identity
+from routing.prompt.hashing import MediaPlacement, block_hashes
 from workers.engine import (
     WARM_UP_PROMPT,
     Engine,

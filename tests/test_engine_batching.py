@@ -18,8 +18,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from PIL import Image
 
-from routing.index import KvIndex
-from routing.kv_events import KvEventPublisher
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
 from tests.test_engine import LONG_TEXT, EventLog, chat, image_input
 from workers.engine import Engine, GenerationRequest, GenerationResult, ImageInput
 

@@ -18,13 +18,13 @@ import redis
 import torch
 from PIL import Image
 
-from routing.index import KvIndex
-from routing.kv_events import KvEventPublisher
-from routing.layouts import LlavaLayout, LlavaNextLayout, layout_for_model_dir
-from routing.media import MediaPolicy, decode_image, routing_hash, url_identity
-from routing.model_view import model_view
-from routing.processor_view import decode_processed, processor_token_view
-from routing.token_view import ImageFacts, build_token_view
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.media.images import MediaPolicy, decode_image, routing_hash, url_identity
+from routing.prompt.layouts import LlavaLayout, LlavaNextLayout, layout_for_model_dir
+from routing.prompt.model_view import model_view
+from routing.prompt.processor_view import decode_processed, processor_token_view
+from routing.prompt.token_view import ImageFacts, build_token_view
 from workers.demo_model import build_demo_llava
 from workers.embedding_cache import EmbeddingCache
 from workers.engine import (

@@ -19,11 +19,11 @@ import redis
 import torch
 from PIL import Image
 
-from routing.contract import CONTRACT_VERSION
-from routing.media import MediaPolicy, decode_image, routing_hash, url_identity
-from routing.processor_view import ProcessorView, decode_processed, processor_token_view
-from routing.responses import DONE, ERROR, parse_stream_entries, response_key
-from routing.token_view import ImageFacts
+from routing.contract.responses import DONE, ERROR, parse_stream_entries, response_key
+from routing.contract.tasks import CONTRACT_VERSION
+from routing.media.images import MediaPolicy, decode_image, routing_hash, url_identity
+from routing.prompt.processor_view import ProcessorView, decode_processed, processor_token_view
+from routing.prompt.token_view import ImageFacts
 from workers.engine import (
     Engine,
     GenerationRequest,

@@ -1,7 +1,7 @@
 """Videos (and Qwen3-VL) in the engine: greedy output equals transformers' own `generate`, is the same
 with and without the cached prefix, and a repeated video costs neither its frames nor the encoder.
 
-Clips are made here with PyAV and decoded by the frontend's own code (routing.video), so the frames
+Clips are made here with PyAV and decoded by the frontend's own code (routing.media.video), so the frames
 the engine gets are exactly those a real request carries.
 """
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from routing.media import url_identity
-from routing.video import VideoLimits, decode_video
+from routing.media.images import url_identity
+from routing.media.video import VideoLimits, decode_video
 from tests.video_files import make_clip
 from workers.embedding_cache import EmbeddingCache
 from workers.engine import Engine, GenerationRequest, ImageInput, VideoInput

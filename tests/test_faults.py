@@ -45,8 +45,8 @@ def chat(
 
 def set_enabled(platform, worker: str, enabled: bool) -> None:
     """What an operator's click in the admin does: the row every frontend reads, then a new
-    generation in the platform's Redis, which makes them read it again (routing.worker_rows)."""
-    from routing.worker_rows import announce_change
+    generation in the platform's Redis, which makes them read it again (routing.fleet.worker_rows)."""
+    from routing.fleet.worker_rows import announce_change
 
     with sqlite3.connect(platform.tmp / "db.sqlite3", timeout=20) as db:
         db.execute("UPDATE routing_worker SET enabled = ? WHERE name = ?", (int(enabled), worker))
@@ -342,7 +342,7 @@ def test_a_second_process_under_a_running_workers_name_never_deregisters_the_fir
     import json
     import sys
 
-    from routing.index import KvIndex
+    from routing.kv.index import KvIndex
     from tests.platform_harness import REPO
 
     platform = two_workers

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from routing.contract import GenerateTask, ImageRef
-from routing.encoders import EncoderPool
-from routing.media_store import MediaRef, MediaStore
-from routing.registry import Heartbeat, WorkerRegistry
+from routing.contract.tasks import GenerateTask, ImageRef
+from routing.fleet.encoders import EncoderPool
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.media.store import MediaRef, MediaStore
 from workers.disaggregation import features_owner, receive_features
 from workers.embedding_transfer import EmbeddingLabel, pack_embedding
 from workers.engine import ImageInput

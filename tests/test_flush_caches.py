@@ -11,7 +11,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from routing.index import KvIndex
+from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
 from tests.platform_harness import REPO
 
@@ -123,8 +123,8 @@ def test_a_worker_that_is_not_live_is_refused_naming_the_live_set_the_router_rea
     """Heartbeats with no process behind them (fault injection): the command reads the live set."""
     from django.core.management import CommandError, call_command
 
+    from routing.fleet.registry import Heartbeat, WorkerRegistry
     from routing.models import Worker
-    from routing.registry import Heartbeat, WorkerRegistry
 
     # given two registered workers with fresh heartbeats
     registry = WorkerRegistry(redis_client, settings.REDIS_KEY_PREFIX)

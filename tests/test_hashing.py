@@ -9,7 +9,7 @@ import time
 import pytest
 import xxhash
 
-from routing.hashing import (
+from routing.prompt.hashing import (
     BLOCK_HASH_SEED,
     MediaPlacement,
     block_hashes,

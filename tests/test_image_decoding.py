@@ -10,8 +10,8 @@ import io
 import pytest
 from PIL import Image
 
-from routing.layouts import layout_for_model_dir
-from routing.media import url_identity
+from routing.media.images import url_identity
+from routing.prompt.layouts import layout_for_model_dir
 from workers.image_loader import SOURCE_SIZE, ImageLoader, ImageLoadError
 
 

@@ -18,9 +18,9 @@ import pytest
 import redis
 from PIL import Image
 
-from routing.cache_stats import CacheStats, read_all
-from routing.media import MediaPolicy, fetch_bytes
-from routing.session_scope import scope_hash
+from routing.media.images import MediaPolicy, fetch_bytes
+from routing.observe.cache_stats import CacheStats, read_all
+from routing.prompt.session_scope import scope_hash
 from tests.redis_cluster import running_redis_cluster
 from workers.image_loader import ImageLoader, ImageLoadError, LoadedImage, cache_key
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig

@@ -1,4 +1,4 @@
-"""The frontend keeps the sizes it read by URL (routing.media.ImageSizes), so a repeat question
+"""The frontend keeps the sizes it read by URL (routing.media.images.ImageSizes), so a repeat question
 about a picture is routed without a round trip to its origin; scoped, bounded, as fresh as the
 origin allows, and forgotten when a worker finds the picture changed."""
 
@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from bench.samples import noise_png
-from routing.media import ImageSizes, MediaError, MediaPolicy, freshness, resolve_images, url_identity
+from routing.media.images import ImageSizes, MediaError, MediaPolicy, freshness, resolve_images, url_identity
 from tests.image_server import ImageServer
 
 LOCAL = MediaPolicy(allowed_hosts=("127.0.0.1",), connect_timeout=2.0, read_timeout=2.0)
@@ -150,7 +150,7 @@ def test_flush_caches_of_images_makes_every_frontend_ask_the_origin_again(origin
     from django.core.management import call_command
 
     from inference_platform.serving import image_sizes
-    from routing.media import SIZES_FLUSHED_KEY
+    from routing.media.images import SIZES_FLUSHED_KEY
 
     url = origin.add("/p.png", noise_png("p", 64))
     sizes = image_sizes()

@@ -8,9 +8,9 @@ import time
 import pytest
 import redis
 
-from routing.hashing import MediaPlacement, block_hashes
-from routing.index import KvIndex
-from routing.kv_events import KvEvent
+from routing.contract.kv_events import KvEvent
+from routing.kv.index import KvIndex
+from routing.prompt.hashing import MediaPlacement, block_hashes
 
 
 def _keys(client: redis.Redis, namespace: str, family: str) -> list[bytes]:

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 import pytest
 import redis
 
-from routing.hashing import MediaPlacement, block_hashes, local_block_hashes
-from routing.index import KvIndex
-from routing.kv_events import KvEvent, KvEventPublisher
+from routing.contract.kv_events import KvEvent
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.prompt.hashing import MediaPlacement, block_hashes, local_block_hashes
 from workers.kv_cache import KvPool
 
 BLOCK = 4

@@ -7,8 +7,9 @@ import json
 import pytest
 import redis
 
-from routing.index import KvIndex
-from routing.kv_events import EVENTS_STREAM, KvEvent, KvEventPublisher, read_events
+from routing.contract.kv_events import KvEvent
+from routing.kv.events import EVENTS_STREAM, KvEventPublisher, read_events
+from routing.kv.index import KvIndex
 
 
 @pytest.fixture

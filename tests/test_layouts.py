@@ -1,4 +1,4 @@
-"""routing.layouts against transformers' own image processors, run offline.
+"""routing.prompt.layouts against transformers' own image processors, run offline.
 
 For each family the oracle is the processor built from a checkpoint directory with the published
 settings (tests/model_configs.py). Two kinds of check per family:
@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoImageProcessor, LlavaNextProcessor, LlavaProcessor, PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from routing.layouts import (
+from routing.prompt.layouts import (
     ImageSizeRefused,
     LlavaNextLayout,
     QwenVLLayout,

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from routing.layouts import (
+from routing.prompt.layouts import (
     ImageSizeRefused,
     KimiK25Layout,
     LayoutConfigError,
@@ -707,7 +707,7 @@ def processor_input_ids(
     from transformers import AutoTokenizer
 
     if model_type in QWEN3_5_FAMILIES:
-        from routing.processor_view import processor_for
+        from routing.prompt.processor_view import processor_for
 
         images = [Image.new("RGB", size, colour) for size, colour in TWO_IMAGES]
         outputs = processor_for(directory)(text=[prompt], images=images, return_tensors="pt")

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from routing.load import LoadTracker, WorkerLoad
+from routing.kv.load import LoadTracker, WorkerLoad
 
 
 @pytest.fixture

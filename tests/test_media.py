@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from routing.media import (
+from routing.media.images import (
     MediaError,
     MediaPolicy,
     decode_data_url,

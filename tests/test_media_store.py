@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from routing.media_store import MediaMissing, MediaRef, MediaStore, MediaStoreFull, MediaTooLarge
+from routing.media.store import MediaMissing, MediaRef, MediaStore, MediaStoreFull, MediaTooLarge
 
 
 def store(redis_client, key_namespace, **limits) -> MediaStore:

@@ -11,11 +11,11 @@ from django.test import Client
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing.cache_stats import CacheStats
-from routing.metric_catalog import CATALOG
-from routing.redis_keys import sync_client
-from routing.registry import Heartbeat, WorkerRegistry
-from routing.telemetry import MetricsRecorder
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.observe.cache_stats import CacheStats
+from routing.observe.metric_catalog import CATALOG
+from routing.observe.telemetry import MetricsRecorder
+from routing.state.redis_keys import sync_client
 from tests.test_dashboard import EXPECTED, closed_port, set_up_deployment
 
 Sample = tuple[str, dict[str, str], float]

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing.cache_stats import CacheStats
-from routing.telemetry import MetricsRecorder
+from routing.observe.cache_stats import CacheStats
+from routing.observe.telemetry import MetricsRecorder
 from tests.observed_platform import WORKERS, ObservedPlatform
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from openapi_spec_validator import validate
 
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.api.errors import ApiError
+from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.models import Worker
-from routing.redis_keys import sync_client
-from routing.registry import Heartbeat, WorkerRegistry
+from routing.state.redis_keys import sync_client
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("served_demo_model")]
 

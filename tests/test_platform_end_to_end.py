@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from routing.index import KvIndex
+from routing.kv.index import KvIndex
 from tests.platform_harness import REPO
 
 pytestmark = pytest.mark.integration

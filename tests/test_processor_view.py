@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from routing.layouts import layout_for_model_dir
-from routing.media import pixel_identity, routing_hash
-from routing.model_view import model_view
-from routing.processor_view import (
+from routing.media.images import pixel_identity, routing_hash
+from routing.prompt.layouts import layout_for_model_dir
+from routing.prompt.model_view import model_view
+from routing.prompt.processor_view import (
     UnsupportedProcessorLayout,
     decode_processed,
     image_spans,
     processor_for,
     processor_token_view,
 )
-from routing.token_view import ImageFacts, build_token_view
+from routing.prompt.token_view import ImageFacts, build_token_view
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -363,7 +363,10 @@ def test_the_processor_is_loaded_once_per_model_directory_across_threads(gemma3_
 
 
 def test_importing_the_module_imports_neither_torch_nor_transformers():
-    code = "import sys, routing.processor_view; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = (
+        "import sys, routing.prompt.processor_view;"
+        " print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=Path(__file__).resolve().parent.parent,

@@ -1,4 +1,4 @@
-"""The router's direct line to Redis (routing.redis_direct): what redis-py's client promised for
+"""The router's direct line to Redis (routing.state.redis_direct): what redis-py's client promised for
 the router's scripts still holds without its per-command machinery."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 import redis
 
-from routing.index import LuaScript
-from routing.redis_direct import DirectCommands, direct_commands
+from routing.kv.index import LuaScript
+from routing.state.redis_direct import DirectCommands, direct_commands
 from tests.platform_harness import PrivateRedis
 
 

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import redis
 
-from routing.affinity import SessionAffinity
-from routing.hashing import MediaPlacement, block_hashes
-from routing.index import KvIndex
-from routing.kv_events import KvEvent, KvEventPublisher
-from routing.load import LoadTracker
-from routing.router import AllWorkersBusy, KvRouter, NoEligibleWorker, RoutingDecision, WorkerReport
-from routing.selection import RoutingPolicy
+from routing.contract.kv_events import KvEvent
+from routing.kv.affinity import SessionAffinity
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
+from routing.kv.router import AllWorkersBusy, KvRouter, NoEligibleWorker, RoutingDecision, WorkerReport
+from routing.kv.selection import RoutingPolicy
+from routing.prompt.hashing import MediaPlacement, block_hashes
 
 BS = 16
 WORKERS = ["gpu0", "gpu1", "gpu2", "gpu3"]

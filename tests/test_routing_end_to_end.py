@@ -15,7 +15,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from routing.index import KvIndex
+from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
 
 pytestmark = pytest.mark.integration

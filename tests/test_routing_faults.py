@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis
 
-from routing.load import LoadTracker
+from routing.kv.load import LoadTracker
 from tests.image_server import ImageServer
 from tests.platform_harness import REPO, PlatformProcesses, free_port
 from tests.test_routing_end_to_end import image_request, overlap_of, picture

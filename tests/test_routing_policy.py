@@ -11,8 +11,8 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from inference_platform.policy import REFRESH_S, current_policy
 from routing.models import RoutingPolicySettings
+from routing.policy import REFRESH_S, current_policy
 from tests.platform_harness import REPO
 
 pytestmark = pytest.mark.django_db

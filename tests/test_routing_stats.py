@@ -9,8 +9,8 @@ import pytest
 import redis
 from django.core.management import CommandError, call_command
 
-from routing.dashboard import DashboardReader
 from routing.models import Worker
+from routing.observe.dashboard import DashboardReader
 from tests.test_dashboard import EXPECTED, closed_port, set_up_deployment
 
 

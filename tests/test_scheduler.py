@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.hashing import block_hashes, local_block_hashes
+from routing.prompt.hashing import block_hashes, local_block_hashes
 from workers.kv_cache import KvPool
 from workers.scheduler import Scheduler, SequenceState
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from routing.selection import Candidate, RoutingPolicy, Score, score_candidates, select_worker
+from routing.kv.selection import Candidate, RoutingPolicy, Score, score_candidates, select_worker
 
 
 def test_cost_terms_follow_the_design_formula() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.session_scope import (
+from routing.prompt.session_scope import (
     MAX_SCOPE_LENGTH,
     SESSION_HEADERS,
     SessionScopeError,

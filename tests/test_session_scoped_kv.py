@@ -19,12 +19,12 @@ import redis
 import torch
 from PIL import Image
 
-from routing.contract import CONTRACT_VERSION
-from routing.media import MediaPolicy, decode_image, routing_hash, url_identity
-from routing.processor_view import processor_token_view
-from routing.responses import DONE, parse_stream_entries, response_key
-from routing.session_scope import scope_hash
-from routing.token_view import ImageFacts
+from routing.contract.responses import DONE, parse_stream_entries, response_key
+from routing.contract.tasks import CONTRACT_VERSION
+from routing.media.images import MediaPolicy, decode_image, routing_hash, url_identity
+from routing.prompt.processor_view import processor_token_view
+from routing.prompt.session_scope import scope_hash
+from routing.prompt.token_view import ImageFacts
 from workers.engine import Engine, GenerationRequest, ImageInput
 from workers.runtime import WorkerRuntime
 

@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from routing.cache_stats import FIELDS, CacheStats, read_all
+from routing.observe.cache_stats import FIELDS, CacheStats, read_all
 from tests.redis_cluster import RedisClusterNodes, redis_cluster  # noqa: F401 - fixture
 from workers.shared_image_cache import (
     SharedImageCache,

@@ -11,7 +11,7 @@ import pytest
 
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.api.views import _chunk, _remaining_logprobs, _streamed_logprobs
-from routing.contract import DoneEvent, TokenEvent, event_data, parse_event
+from routing.contract.tasks import DoneEvent, TokenEvent, event_data, parse_event
 from workers.detokenizer import TextStream
 from workers.processors import load_processor
 

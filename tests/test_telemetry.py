@@ -1,13 +1,13 @@
-"""routing.telemetry: what processes record is summed in Redis, per minute and in total."""
+"""routing.observe.telemetry: what processes record is summed in Redis, per minute and in total."""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
-from routing import telemetry
-from routing.metric_catalog import CATALOG, LATENCY_BUCKETS
-from routing.telemetry import MetricsRecorder
+from routing.observe import telemetry
+from routing.observe.metric_catalog import CATALOG, LATENCY_BUCKETS
+from routing.observe.telemetry import MetricsRecorder
 
 
 def test_two_processes_counts_add_up_in_redis(redis_client: redis.Redis, key_namespace: str) -> None:

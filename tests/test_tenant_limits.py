@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from routing.hashing import block_hashes, cache_salt, local_block_hashes
+from routing.prompt.hashing import block_hashes, cache_salt, local_block_hashes
 from tenants.keys import ANONYMOUS, Caller
 from tenants.limits import LimitExceeded, TenantLimiter
 from tenants.usage import TenantUsage

@@ -15,10 +15,10 @@ from PIL import Image
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.api.errors import ApiError
 from inference_platform.serving import prepare
-from routing.hashing import MediaPlacement, block_hashes
-from routing.media import routing_hash, url_identity
-from routing.media_store import MediaRef
-from routing.model_view import model_view
+from routing.media.images import routing_hash, url_identity
+from routing.media.store import MediaRef
+from routing.prompt.hashing import MediaPlacement, block_hashes
+from routing.prompt.model_view import model_view
 from tests.api_client import KeyedAsyncClient
 
 # The frontend reads the live policy (the admin's row, if any) from the database.

@@ -13,9 +13,9 @@ import pytest
 
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.serving import prepare
-from routing.media import MediaError, MediaPolicy
-from routing.video import VideoLimits, resolve_videos, sample_video
-from routing.video_layouts import video_layout_for_config
+from routing.media.images import MediaError, MediaPolicy
+from routing.media.video import VideoLimits, resolve_videos, sample_video
+from routing.prompt.video_layouts import video_layout_for_config
 from tests.api_client import KeyedAsyncClient
 from tests.image_server import ImageServer
 from tests.video_files import (
@@ -58,7 +58,7 @@ def test_the_same_clip_behind_two_urls_has_one_identity(origin):
 
 
 def test_a_repeated_clip_is_decoded_once_per_frontend_process(origin):
-    from routing.video import DECODE_CACHE
+    from routing.media.video import DECODE_CACHE
 
     # given a clip sampled once (cold)
     clip = make_clip(frames=24, seed=7)
@@ -256,8 +256,8 @@ def ghost_worker(served_demo, settings):
     """A registered worker with a heartbeat but no process: it never takes its tasks (fault injection)."""
     import redis
 
+    from routing.fleet.registry import Heartbeat, WorkerRegistry
     from routing.models import Worker
-    from routing.registry import Heartbeat, WorkerRegistry
 
     settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS = 2.0
     conn = redis.Redis.from_url(settings.REDIS_URL)
@@ -276,7 +276,7 @@ async def test_video_frames_travel_to_the_worker_through_the_side_store_not_the_
     import asyncio
     import base64
 
-    from routing.media_store import MediaRef, MediaStore
+    from routing.media.store import MediaRef, MediaStore
 
     # given a request with a clip, and a worker that never answers (its task stays queued to read)
     body = _video_request(data_url(make_clip(frames=48, width=160, height=120, fps=12)))

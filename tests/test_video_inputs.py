@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from routing.video import VideoLimits, decode_video
+from routing.media.video import VideoLimits, decode_video
 from tests.test_video_layouts import _torchvision_import_shim
 from tests.video_files import make_clip
 from workers.video_inputs import VideoInputError, VideoPreprocessor, patchify, video_prompt_ids

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from routing.video_layouts import (
+from routing.prompt.video_layouts import (
     QWEN2_VL_VIDEO_MAX_PIXELS,
     QWEN2_VL_VIDEO_MIN_PIXELS,
     QWEN3_VL_VIDEO_MAX_PIXELS,

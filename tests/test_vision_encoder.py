@@ -21,7 +21,7 @@ import torch
 from django.core.management import call_command
 from PIL import Image
 
-from routing.media import url_identity
+from routing.media.images import url_identity
 from workers.demo_model import HEAVY_VISION, build_demo_llava
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.engine import Engine, GenerationRequest, ImageInput, load_image_directly

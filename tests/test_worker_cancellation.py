@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from routing.contract import GenerateTask
-from routing.responses import DONE, TOKEN, cancel_key, live_key, parse_stream_entries, response_key
+from routing.contract.responses import DONE, TOKEN, cancel_key, live_key, parse_stream_entries, response_key
+from routing.contract.tasks import GenerateTask
 
 PROMPT = "<|im_start|>user\nWrite a very long story about a garden.<|im_end|>\n<|im_start|>assistant\n"
 MAX_TOKENS = 3000

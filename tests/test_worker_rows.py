@@ -1,4 +1,4 @@
-"""The operator's worker rows a frontend keeps between requests (routing.worker_rows): read once
+"""The operator's worker rows a frontend keeps between requests (routing.fleet.worker_rows): read once
 while their generation in the real Redis stands, read again at the next request after any
 change Django makes, and never trusted across a Redis that lost the generation."""
 
@@ -10,10 +10,10 @@ from django.conf import settings as django_settings
 from django.db import connection
 
 from inference_platform import dispatch
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.fleet.worker_rows import GENERATION_KEY, KeptRows, WorkerRow, announce_change
 from routing.models import Worker
-from routing.redis_keys import sync_client
-from routing.registry import Heartbeat, WorkerRegistry
-from routing.worker_rows import GENERATION_KEY, KeptRows, WorkerRow, announce_change
+from routing.state.redis_keys import sync_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from routing.contract import CONTRACT_VERSION, GenerateTask, ImageRef
-from routing.responses import ERROR, parse_stream_entries, response_key
+from routing.contract.responses import ERROR, parse_stream_entries, response_key
+from routing.contract.tasks import CONTRACT_VERSION, GenerateTask, ImageRef
 from tests.image_server import ImageServer
 
 
@@ -87,7 +87,7 @@ def test_an_image_reference_whose_bytes_are_gone_is_a_clear_error_at_once(
 ):
     import time
 
-    from routing.media_store import MediaStore
+    from routing.media.store import MediaStore
     from workers.runtime import WorkerRuntime
 
     # given a reference the frontend released (or that expired) before the worker got to it

@@ -298,7 +298,7 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -
 
 def _write_qwen_preprocessor_fields(preprocessor_config: Path) -> None:
     # Qwen's published preprocessor_config.json carries min/max_pixels and the slow class name;
-    # readers of the file (routing.layouts) look for those, and the PIL class accepts both.
+    # readers of the file (routing.prompt.layouts) look for those, and the PIL class accepts both.
     fields = json.loads(preprocessor_config.read_text())
     fields.update(
         {
@@ -315,7 +315,7 @@ def _write_qwen_preprocessor_fields(preprocessor_config: Path) -> None:
 
 
 # The video processor's settings as transformers saves them (video_preprocessor_config.json):
-# routing.video_layouts reads sampling and sizing from here, the worker its normalisation too.
+# routing.prompt.video_layouts reads sampling and sizing from here, the worker its normalisation too.
 QWEN2_VIDEO_SETTINGS: dict[str, Any] = {
     "video_processor_type": "Qwen2VLVideoProcessor",
     "processor_class": "Qwen2VLProcessor",

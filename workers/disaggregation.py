@@ -19,11 +19,11 @@ from typing import Any
 
 import redis
 
-from routing.contract import ContractError, EncodeTask, ErrorEvent, GenerateTask
-from routing.encoders import EncoderPool, cache_partition, cache_tag
-from routing.media_store import MediaRef, MediaStore, MediaStoreError
-from routing.registry import WorkerRegistry
-from routing.responses import ResponseWriter
+from routing.contract.responses import ResponseWriter
+from routing.contract.tasks import ContractError, EncodeTask, ErrorEvent, GenerateTask
+from routing.fleet.encoders import EncoderPool, cache_partition, cache_tag
+from routing.fleet.registry import WorkerRegistry
+from routing.media.store import MediaRef, MediaStore, MediaStoreError
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.embedding_transfer import CorruptEmbedding, EmbeddingLabel, pack_embedding, unpack_embedding
 from workers.image_loader import SOURCE_SIZE
@@ -71,7 +71,7 @@ class EncodeRuntime:
     image_loader: Any  # workers.runtime.EngineImageLoader
     session_scoped: bool = False
     instance: str = ""
-    stats: Any = None  # routing.cache_stats.CacheStats, for the image loader's counters
+    stats: Any = None  # routing.observe.cache_stats.CacheStats, for the image loader's counters
     # One task's forwards at a time: threads would only contend for the cores.
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -200,7 +200,7 @@ class EncodeRuntime:
     def flush(self, payload: dict[str, Any]) -> None:
         """`flush_caches` on an encode worker: its embedding cache (unlisted for the router as it
         goes) and its image caches; it holds no KV cache."""
-        from routing.contract import DONE, FlushCachesTask
+        from routing.contract.tasks import DONE, FlushCachesTask
 
         raw_id = str(payload.get("flush_id", "")) if isinstance(payload, dict) else ""
         writer = ResponseWriter(self.client, self.namespace, raw_id)

@@ -1,5 +1,5 @@
 """Image features on their way from an encode worker to an LLM worker (E/PD), as bytes: the blobs
-the encode worker puts in the media side store (routing.media_store) for the LLM worker to read.
+the encode worker puts in the media side store (routing.media.store) for the LLM worker to read.
 
 One blob per image: a little-endian u32 header length, a JSON header (format version, dtype,
 shape, what the features are of, and an xxh3-128 checksum of the data), then the tensor's raw

@@ -29,9 +29,16 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 from PIL import Image
 
-from routing.hashing import MediaPlacement, chain_sequence_hashes, local_block_hashes
-from routing.kv_events import KvEvent
-from routing.media import MediaPolicy, decode_data_url, decode_image, fetch_bytes, is_data_url, routing_hash
+from routing.contract.kv_events import KvEvent
+from routing.media.images import (
+    MediaPolicy,
+    decode_data_url,
+    decode_image,
+    fetch_bytes,
+    is_data_url,
+    routing_hash,
+)
+from routing.prompt.hashing import MediaPlacement, chain_sequence_hashes, local_block_hashes
 from workers.detokenizer import IncrementalDetokenizer, TextStream
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.kv_cache import KvPool
@@ -107,7 +114,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     scope_key: str | None = None  # session scope hash when scoping is on
-    cache_salt: int | None = None  # the caller's cache partition (routing.hashing.cache_salt)
+    cache_salt: int | None = None  # the caller's cache partition (routing.prompt.hashing.cache_salt)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -115,7 +122,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     # False when scoping is on and the request has no scope: it must not read or fill shared caches.
     use_embedding_cache: bool = True
-    # The frontend processor's model inputs (routing.processor_view.decode_processed): input_ids,
+    # The frontend processor's model inputs (routing.prompt.processor_view.decode_processed): input_ids,
     # pixel_values, and image_grid_thw (Qwen) or image_sizes (LLaVA-NeXT). When present the engine
     # neither loads nor preprocesses images.
     processed: dict[str, Any] | None = None
@@ -160,7 +167,7 @@ class EngineLoad:
     preemptions: int  # requests sent back to waiting because the pool ran dry, since start
     # Prompt tokens computed per second of step time (images encoded, decodes riding along),
     # averaged over recent steps that prefilled; 0 until one has. The router drains the prefill
-    # it reserved on this worker at this rate (routing.router, "Prefill drain").
+    # it reserved on this worker at this rate (routing.kv.router, "Prefill drain").
     prefill_tokens_per_s: float = 0.0
 
 

@@ -26,10 +26,10 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 from PIL import Image
 
-from routing import telemetry
+from routing.observe import telemetry
 
 if TYPE_CHECKING:
-    from routing.cache_stats import CacheStats
+    from routing.observe.cache_stats import CacheStats
     from workers.shared_image_cache import SharedImageCache
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from routing.kv_events import KvEvent
+from routing.contract.kv_events import KvEvent
 
 PublishEvents = Callable[[Sequence[KvEvent]], None]
 

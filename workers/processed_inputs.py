@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from routing.processor_view import token_runs
+from routing.prompt.processor_view import token_runs
 from workers.prompt_layout import ImageInput, PromptError, PromptImage, PromptLayout
 
 

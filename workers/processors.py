@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from routing.processor_view import images_only
+from routing.prompt.processor_view import images_only
 
 
 def load_processor(model_dir: Path) -> Any:

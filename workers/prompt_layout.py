@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from routing.contract import IMAGE_CHANGED
+from routing.contract.tasks import IMAGE_CHANGED
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +58,7 @@ class ImageInput:
 
 @dataclass
 class VideoInput:
-    """A video as the frontend decoded and sampled it (routing.contract.VideoRef): laid out from
+    """A video as the frontend decoded and sampled it (routing.contract.tasks.VideoRef): laid out from
     these facts; its frames are read (from the media side store) only if the prefix misses it."""
 
     identity: str  # hash of the sampled, decoded frames

@@ -18,9 +18,8 @@ from typing import Any
 import redis
 from PIL import Image
 
-from routing import telemetry
-from routing.cache_stats import CacheStats
-from routing.contract import (
+from routing.contract.responses import ResponseWriter
+from routing.contract.tasks import (
     DONE,
     ContractError,
     DoneEvent,
@@ -32,9 +31,10 @@ from routing.contract import (
     TokenEvent,
     VideoRef,
 )
-from routing.media import MediaError, MediaPolicy, fetch_bytes
-from routing.media_store import MediaRef, MediaStore, MediaStoreError
-from routing.responses import ResponseWriter
+from routing.media.images import MediaError, MediaPolicy, fetch_bytes
+from routing.media.store import MediaRef, MediaStore, MediaStoreError
+from routing.observe import telemetry
+from routing.observe.cache_stats import CacheStats
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
@@ -57,7 +57,7 @@ class WorkerRuntime:
     session_scoped: bool = False
     stats: CacheStats | None = None
     image_loader: ImageLoader | None = None
-    instance: str = ""  # this process's instance id (routing.registry.new_instance_id)
+    instance: str = ""  # this process's instance id (routing.fleet.registry.new_instance_id)
     media: MediaStore | None = None  # the side store the frontend put image bytes in
     features: Any = None  # workers.disaggregation.FeatureReceiver: E/PD features from encode workers
 
@@ -65,7 +65,7 @@ class WorkerRuntime:
         if self.media is None:
             from django.conf import settings
 
-            from routing.media_store import media_store_from_settings
+            from routing.media.store import media_store_from_settings
 
             self.media = media_store_from_settings(self.client, self.namespace, settings)
 
@@ -283,7 +283,7 @@ class WorkerRuntime:
             return False
         from django.conf import settings
 
-        from routing.load import LoadTracker
+        from routing.kv.load import LoadTracker
 
         load = LoadTracker(self.client, self.namespace, entry_ttl_s=settings.ROUTER_LOAD_ENTRY_TTL_SECS)
         freed = load.free(self.name, task.follow_id)
@@ -357,7 +357,7 @@ def processor_target_size(model_path: Any):
     """(width, height) -> the (width, height) the model's processor resizes an image to, for the
     families whose processor resizes every image to a size computed from its own (Qwen-VL); None
     for others (LLaVA-NeXT's token count depends on the pixels it is given)."""
-    from routing.layouts import layout_for_model_dir
+    from routing.prompt.layouts import layout_for_model_dir
 
     layout = layout_for_model_dir(model_path)
     resized_size = getattr(layout, "resized_size", None)
@@ -440,7 +440,7 @@ def _processed_inputs(processed: dict[str, Any] | None, media: MediaStore | None
     Their tensors come from the media side store (MediaMissing if gone, answered as such)."""
     if processed is None:
         return None
-    from routing.processor_view import decode_processed
+    from routing.prompt.processor_view import decode_processed
     from workers.engine import PromptError
 
     def load(payload: Mapping[str, Any]) -> bytes:

@@ -32,10 +32,10 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from routing.redis_keys import redact_text, redact_url
+from routing.state.redis_keys import redact_text, redact_url
 
 if TYPE_CHECKING:
-    from routing.cache_stats import CacheStats
+    from routing.observe.cache_stats import CacheStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Celery tasks of the worker process. They only unpack arguments: the work is in workers.runtime.
 
-The names and payloads are routing.contract's (`GenerateTask`, `FlushCachesTask`); the
+The names and payloads are routing.contract.tasks's (`GenerateTask`, `FlushCachesTask`); the
 runtime checks a payload's contract version before it reads anything else.
 
 Celery's autodiscovery imports this module in every process, the web included, so the
@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import shared_task
 
-from routing.contract import ENCODE_TASK, FLUSH_CACHES_TASK, GENERATE_TASK
+from routing.contract.tasks import ENCODE_TASK, FLUSH_CACHES_TASK, GENERATE_TASK
 
 
 @shared_task(name=GENERATE_TASK, ignore_result=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from routing.video_layouts import QwenVideoLayout, video_expansion_ids, video_layout_for_model_dir
+from routing.prompt.video_layouts import QwenVideoLayout, video_expansion_ids, video_layout_for_model_dir
 
 if TYPE_CHECKING:
     import torch

@@ -24,9 +24,9 @@ from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
 from inference_platform.request_metrics import RequestClock
 from inference_platform.serving import describe_route, finish_request, plan_request, served_model
-from routing.contract import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
-from routing.model_view import ModelView
-from routing.responses import ResponseEvent
+from routing.contract.responses import ResponseEvent
+from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
+from routing.prompt.model_view import ModelView
 from tenants.keys import Caller
 
 logger = logging.getLogger("inference_platform.api")

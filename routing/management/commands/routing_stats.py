@@ -10,10 +10,10 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from routing.cache_stats import CACHES
-from routing.dashboard import DEFAULT_MINUTES, MAX_MINUTES, DashboardReader, Snapshot
 from routing.models import Worker
-from routing.redis_keys import redact_text, redact_url, sync_client
+from routing.observe.cache_stats import CACHES
+from routing.observe.dashboard import DEFAULT_MINUTES, MAX_MINUTES, DashboardReader, Snapshot
+from routing.state.redis_keys import redact_text, redact_url, sync_client
 
 SPARK_LEVELS = "▁▂▃▄▅▆▇█"
 CACHE_HEADINGS = {"kv": "kv", "embedding": "embed", "local_image": "local img", "shared_image": "shared img"}

@@ -27,17 +27,18 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
-from routing import telemetry
-from routing.cache_stats import CacheStats
-from routing.contract import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
-from routing.encoders import EncoderPool
-from routing.index import KvIndex
-from routing.kv_events import KvEvent, KvEventPublisher
-from routing.load import LoadTracker
-from routing.media_store import media_store_from_settings
+from routing.contract.kv_events import KvEvent
+from routing.contract.tasks import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
+from routing.fleet.encoders import EncoderPool
+from routing.fleet.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
+from routing.media.store import media_store_from_settings
 from routing.models import Worker, worker_queue
-from routing.redis_keys import redact_url, sync_client
-from routing.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
+from routing.observe import telemetry
+from routing.observe.cache_stats import CacheStats
+from routing.state.redis_keys import redact_url, sync_client
 
 logger = logging.getLogger("workers.run_worker")
 

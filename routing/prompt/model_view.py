@@ -22,8 +22,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from routing.layouts import layout_for_model_dir
-from routing.video_layouts import video_layout_for_model_dir
+from routing.prompt.layouts import layout_for_model_dir
+from routing.prompt.video_layouts import video_layout_for_model_dir
 
 
 class ModelDirectoryError(RuntimeError):
@@ -162,7 +162,7 @@ class ModelView:
         )
 
     @cached_property
-    def image_layout(self):  # -> routing.layouts.ImageLayout | None
+    def image_layout(self):  # -> routing.prompt.layouts.ImageLayout | None
         """How this model's images expand into placeholder tokens; None for a family we can't count."""
         return layout_for_model_dir(self.path)
 
@@ -179,7 +179,7 @@ class ModelView:
         return self.token_id(layout.placeholder_token) if layout is not None else None
 
     @cached_property
-    def video_layout(self):  # -> routing.video_layouts.QwenVideoLayout | None
+    def video_layout(self):  # -> routing.prompt.video_layouts.QwenVideoLayout | None
         """How this model samples and lays out a video; None for a family that takes no video."""
         return video_layout_for_model_dir(self.path)
 

@@ -9,7 +9,7 @@ other's reservations: requests with different prefixes spread over idle workers 
 piling onto the one that looked idle to both.
 
 `route` is the same decision without the writes (`/v1/route`, the benches); `decide` returns a
-`RequestLease` (routing.lease), the one owner of the request's load from then on.
+`RequestLease` (routing.kv.lease), the one owner of the request's load from then on.
 
 The cost is `selection.score_workers`'s, computed again in Lua from the same numbers; the
 scores returned for display and logs are Python's, from the numbers the script read, computed
@@ -18,7 +18,7 @@ only if something reads them.
 Prefill drain: a worker's reserved prefill is what is left of it at the rate the worker's engine
 measures (`WorkerReport.prefill_tokens_per_s`), not all of it until the first token; the script
 keeps when each worker's reserved prompts should be done (in the worker's `load:totals` field,
-routing.load) and the prefill column it returns is the drained one, so the scores shown are the
+routing.kv.load) and the prefill column it returns is the drained one, so the scores shown are the
 ones it chose by.
 """
 
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from routing.affinity import SessionAffinity
-from routing.index import (
+from routing.fleet.registry import ROUND_ROBIN_KEY
+from routing.kv.affinity import SessionAffinity
+from routing.kv.index import (
     DEFAULT_APPROXIMATE_TTL_S,
     INDEX_LUA_FUNCTIONS,
     OVERLAPS_LUA_FUNCTIONS,
@@ -44,10 +45,9 @@ from routing.index import (
     checked_workers,
     pack_hashes,
 )
-from routing.lease import RequestLease
-from routing.load import SWEEP_LUA_FUNCTIONS, LoadTracker
-from routing.registry import ROUND_ROBIN_KEY
-from routing.selection import DeferredScores, RoutingPolicy, Score, score_workers
+from routing.kv.lease import RequestLease
+from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
+from routing.kv.selection import DeferredScores, RoutingPolicy, Score, score_workers
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 MODES = ("kv", "round_robin", "random")
@@ -120,7 +120,7 @@ for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_a
 
 load_sweep(ns)
 local overlaps = {overlaps}(ns, packed, names, position)
--- Each worker's running sums (routing.load, `load:totals`), read whole: HMGET would scan the
+-- Each worker's running sums (routing.kv.load, `load:totals`), read whole: HMGET would scan the
 -- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
 local done_at = {}
 do

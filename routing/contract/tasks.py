@@ -4,7 +4,7 @@ Pure (no Django, no torch): the web process builds a `GenerateTask` and sends
 `task.to_payload()` by the task name; the worker rebuilds it with `GenerateTask.from_payload`,
 which refuses a payload of a contract version this worker does not speak
 (`UnsupportedContract`). Workers answer on the request's response stream
-(`routing.responses`) with `StartedEvent`, `TokenEvent`, then one `DoneEvent` or `ErrorEvent`.
+(`routing.contract.responses`) with `StartedEvent`, `TokenEvent`, then one `DoneEvent` or `ErrorEvent`.
 Heartbeats carry `CONTRACT_VERSION`, so the frontend sends only to workers that speak its
 version and a rolling upgrade never hands a task to a worker that would misread it.
 
@@ -53,7 +53,7 @@ DONE = "done"  # the whole result, with usage and timings
 ERROR = "error"  # the request failed on the worker: status, code, message
 
 # ErrorEvent.code of a picture whose size at its origin is no longer the one the request was
-# routed with: the frontend forgets the size it kept (routing.media.ImageSizes), and the client
+# routed with: the frontend forgets the size it kept (routing.media.images.ImageSizes), and the client
 # may send the request again.
 IMAGE_CHANGED = "image_changed"
 
@@ -114,7 +114,7 @@ class ImageRef:
     # Frontend decoding: the bytes, base64; the worker must not fetch the origin again.
     data_b64: str | None = None
     # Bytes the frontend holds (fetched, or a data URL's), in the media side store
-    # (routing.media_store.MediaRef): the worker reads them there once and fetches nothing.
+    # (routing.media.store.MediaRef): the worker reads them there once and fetches nothing.
     media_ref: str | None = None
     media_bytes: int = 0
 
@@ -137,7 +137,7 @@ class VideoRef:
     height: int
     grid_thw: tuple[int, int, int]
     frame_shape: tuple[int, int, int, int]
-    media_ref: str | None = None  # the frames in the side store (routing.media_store)
+    media_ref: str | None = None  # the frames in the side store (routing.media.store)
     media_bytes: int = 0
 
 
@@ -159,7 +159,7 @@ class GenerateTask:
     # image and embedding caches by it, and bypasses them for a request without one.
     scope_key: str | None = None
     block_hashes: tuple[int, ...] = ()  # the router's view of the prompt's blocks
-    # The frontend processor's encoded model inputs (routing.processor_view.encode_processed):
+    # The frontend processor's encoded model inputs (routing.prompt.processor_view.encode_processed):
     # the worker then skips its own preprocessing.
     processed: dict[str, Any] | None = None
     # The request's videos, in prompt order (a worker that takes no video refuses the prompt).
@@ -172,13 +172,13 @@ class GenerateTask:
     encoder: str | None = None
     encoded_images: tuple[int, ...] = ()
     encode_wait_s: float = 0.0
-    # The caller's cache partition (routing.hashing.cache_salt, 16 hex digits; None: the shared
+    # The caller's cache partition (routing.prompt.hashing.cache_salt, 16 hex digits; None: the shared
     # pool): the worker folds it into the first block's hash, as the router did, and partitions
     # its image and embedding caches by it. A worker that ignored it would share one tenant's
     # cache with another: hence contract version 4.
     cache_salt: str | None = None
     # The frontend's request id (the task's own id changes when the request migrates): the key of
-    # the frontend's liveness mark (routing.responses.live_key) and of the request's load entry.
+    # the frontend's liveness mark (routing.contract.responses.live_key) and of the request's load entry.
     # The worker drops the request once the mark expires (its frontend died) and frees that load.
     # None (an older frontend): no liveness check.
     follow_id: str | None = None
@@ -242,7 +242,7 @@ def _video_ref(data: Mapping[str, Any]) -> VideoRef:
 class EncodeTask:
     """The payload of `workers.encode`: some of one request's images for an encode worker, which
     puts each image's features in the media side store and signals the LLM worker
-    (routing.encoders) with the reference, or with why it could not."""
+    (routing.fleet.encoders) with the reference, or with why it could not."""
 
     name: ClassVar[str] = ENCODE_TASK
 
@@ -255,7 +255,7 @@ class EncodeTask:
     # partitioned by it exactly as the LLM worker's is.
     cache_salt: str | None = None
     # The frontend's request id (the task's own id changes when the request migrates): the key of
-    # the frontend's liveness mark (routing.responses.live_key) and of the request's load entry.
+    # the frontend's liveness mark (routing.contract.responses.live_key) and of the request's load entry.
     # The worker drops the request once the mark expires (its frontend died) and frees that load.
     # None (an older frontend): no liveness check.
     follow_id: str | None = None
@@ -315,7 +315,7 @@ class FlushCachesTask:
 class StartedEvent:
     type: ClassVar[str] = STARTED
     worker: str = ""
-    instance: str = ""  # the worker process's instance id (routing.registry)
+    instance: str = ""  # the worker process's instance id (routing.fleet.registry)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Any
 
 from django.conf import settings
 
+from routing.kv.selection import RoutingPolicy
 from routing.models import RoutingPolicySettings
-from routing.selection import RoutingPolicy
 
 REFRESH_S = 1.0
 

@@ -1,6 +1,6 @@
 """A small in-process map whose entries expire: the frontend's kept image sizes
-(`routing.media.ImageSizes`), verified API keys (`tenants.keys.VerifiedKeys`) and worker rows
-(`routing.worker_rows.KeptRows`, one entry) are each one.
+(`routing.media.images.ImageSizes`), verified API keys (`tenants.keys.VerifiedKeys`) and worker rows
+(`routing.fleet.worker_rows.KeptRows`, one entry) are each one.
 
 Each entry lives until its own deadline on `clock` (monotonic seconds); at most `max_entries`
 are kept, the least recently used going first. Thread-safe: requests run on several threads.

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 # The event types are the contract's; re-exported for the stream's readers.
-from routing.contract import DONE, ERROR, STARTED, TOKEN, StreamEvent, event_data, parse_event
+from routing.contract.tasks import DONE, ERROR, STARTED, TOKEN, StreamEvent, event_data, parse_event
 
 __all__ = [
     "CANCEL_FAMILY",
@@ -60,7 +60,7 @@ class ResponseEvent:
 
     @property
     def event(self) -> StreamEvent | None:
-        """The typed event (routing.contract); None for a type the contract does not know."""
+        """The typed event (routing.contract.tasks); None for a type the contract does not know."""
         return parse_event(self.type, self.data)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from routing.layouts import FAMILY_NAMES, QWEN_MAX_ASPECT_RATIO, qwen_smart_resize
+from routing.prompt.layouts import FAMILY_NAMES, QWEN_MAX_ASPECT_RATIO, qwen_smart_resize
 
 QWEN_VIDEO_PLACEHOLDER = "<|video_pad|>"
 QWEN_VISION_START = "<|vision_start|>"

@@ -8,7 +8,7 @@ actions do) sets a new generation in Redis once it is committed. A frontend read
 in the same MGET as the workers' heartbeats and reads the rows again only when it has moved, so
 a disable or a drain in the admin still reaches every frontend at its next request.
 
-The generation is a random token (routing.redis_keys.read_generation and renew_generation).
+The generation is a random token (routing.state.redis_keys.read_generation and renew_generation).
 A change made around Django (a database edited by hand) is picked up within MAX_AGE_S.
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import redis
 
-from routing.expiring import ExpiringLru
-from routing.redis_keys import read_generation, redact_text, renew_generation, sync_client
+from routing.state.expiring import ExpiringLru
+from routing.state.redis_keys import read_generation, redact_text, renew_generation, sync_client
 
-logger = logging.getLogger("routing.worker_rows")
+logger = logging.getLogger("routing.fleet.worker_rows")
 
 GENERATION_KEY = "workers:generation"
 # The longest a frontend keeps rows without reading them again, whatever the generation says.
@@ -63,7 +63,7 @@ def kept_rows() -> KeptRows:
 
 
 def current_generation(client: redis.Redis, namespace: str) -> bytes:
-    """The generation now (routing.redis_keys.read_generation)."""
+    """The generation now (routing.state.redis_keys.read_generation)."""
     return read_generation(client, f"{namespace}{GENERATION_KEY}")
 
 

@@ -20,13 +20,13 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from inference_platform.celery import app as celery_app
-from routing.contract import FlushCachesTask
-from routing.media import SIZES_FLUSHED_KEY
+from routing.contract.responses import DONE, ERROR, parse_stream_entries, response_key
+from routing.contract.tasks import FlushCachesTask
+from routing.fleet.registry import WorkerRegistry
+from routing.media.images import SIZES_FLUSHED_KEY
 from routing.models import Worker, worker_queue
-from routing.redis_keys import renew_generation, sync_client
-from routing.registry import WorkerRegistry
-from routing.responses import DONE, ERROR, parse_stream_entries, response_key
-from routing.session_scope import SessionScopeError, resolve_session_scope, scope_hash
+from routing.prompt.session_scope import SessionScopeError, resolve_session_scope, scope_hash
+from routing.state.redis_keys import renew_generation, sync_client
 
 CACHES = ("kv", "embeddings", "images", "shared-images")
 
@@ -103,7 +103,7 @@ class Command(BaseCommand):
         if "images" in caches and not options["dry_run"] and not options["worker"] and scope_key is None:
             # The frontends keep the sizes of pictures read by URL: a flush of every worker's
             # images makes them forget those too, each at its next request a second or more
-            # after it last looked (routing.media.ImageSizes). One limited to some workers or
+            # after it last looked (routing.media.images.ImageSizes). One limited to some workers or
             # to a session scope leaves them.
             renew_generation(client, f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}")
             report["frontend_image_sizes"] = "forgotten by every frontend within about a second"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from routing.metric_catalog import CATALOG, Metric
+from routing.observe.metric_catalog import CATALOG, Metric
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def sources_key(namespace: str) -> str:
 def _metric(name: str, kind: str) -> Metric:
     metric = CATALOG.get(name)
     if metric is None:
-        raise ValueError(f"metric {name!r} is not declared in routing.metric_catalog")
+        raise ValueError(f"metric {name!r} is not declared in routing.observe.metric_catalog")
     if metric.kind != kind:
         raise ValueError(f"metric {name!r} is a {metric.kind}, not a {kind}")
     return metric

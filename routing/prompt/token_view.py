@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from routing.hashing import MediaPlacement, block_hashes
-from routing.layouts import ImageLayout
+from routing.prompt.hashing import MediaPlacement, block_hashes
+from routing.prompt.layouts import ImageLayout
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class TokenView:
 
 @dataclass(frozen=True)
 class ImageFacts:
-    """What the view needs of an image: its identity and size (routing.media.ResolvedImage fits)."""
+    """What the view needs of an image: its identity and size (routing.media.images.ResolvedImage fits)."""
 
     identity: str
     routing_hash: int

@@ -11,7 +11,7 @@ Layout:
 - `load:totals`: hash, worker -> its running sums, four big-endian i64s (`parse_totals`): prefill
   tokens reserved, decode blocks, requests in flight, and when its reserved prefill should be done
   (Redis time, ms; 0: no estimate), the last written by the router's decision script
-  (routing.router, "Prefill drain") and zeroed by `adjust` when the reserved prefill reaches 0.
+  (routing.kv.router, "Prefill drain") and zeroed by `adjust` when the reserved prefill reaches 0.
   One small hash whatever the number of requests in flight, one field per worker, which goes
   when the worker has no request left: a decision reads it whole in one call, and unpacks one
   string per worker rather than parse four numbers out of four hashes (about 60 us less inside
@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 
 import redis
 
-from routing.index import LuaScript, check_worker_name, execute_pipeline
+from routing.contract.kv_events import check_worker_name
+from routing.kv.index import LuaScript, execute_pipeline
 
 REQUESTS_FAMILY = "load:req:"
 TOTALS_KEY = "load:totals"

@@ -21,8 +21,8 @@ from io import BytesIO
 
 import xxhash
 
-from routing.media import MediaError, MediaPolicy, fetch_bytes, is_data_url, routing_hash
-from routing.video_layouts import QwenVideoLayout, VideoExpansion, VideoRefused
+from routing.media.images import MediaError, MediaPolicy, fetch_bytes, is_data_url, routing_hash
+from routing.prompt.video_layouts import QwenVideoLayout, VideoExpansion, VideoRefused
 
 # Demuxers allowed on untrusted bytes: the containers clips come in. Never playlists or
 # concatenation (hls, concat, ...), which open further URLs or files on their own.

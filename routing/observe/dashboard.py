@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 import redis
 
-from routing import telemetry
-from routing.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
-from routing.encoders import EncoderPool, dashboard_section
-from routing.index import KvIndex, execute_pipeline
-from routing.load import IDLE, LoadTracker, WorkerLoad
-from routing.registry import Heartbeat, WorkerRegistry
+from routing.fleet.encoders import EncoderPool, dashboard_section
+from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.kv.index import KvIndex, execute_pipeline
+from routing.kv.load import IDLE, LoadTracker, WorkerLoad
+from routing.observe import telemetry
+from routing.observe.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
 
 DEFAULT_MINUTES = 30
 # The windows the dashboard offers (minutes); any 1..MAX_MINUTES is accepted.

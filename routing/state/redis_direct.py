@@ -10,7 +10,7 @@ per request, so they go through `DirectCommands` instead:
   each take their own connection, and no lock is held across a round trip;
 - a reply that is an error (`ResponseError`, `NoScriptError`) leaves the connection usable;
   any other failure closes it, so a half-read reply is never read by the next caller;
-- the platform client's retry policy (routing.redis_keys) is kept: a reused connection the
+- the platform client's retry policy (routing.state.redis_keys) is kept: a reused connection the
   server dropped (a restart, an idle timeout) fails with ConnectionError at once, and the
   command goes once more on a fresh connection; a timeout is never retried (a frozen Redis costs
   one timeout), nor is a fresh connection that fails (Redis is down: the caller answers);

@@ -34,7 +34,7 @@ from PIL import (  # the decoders allowed on untrusted bytes, registered here (s
     WebPImagePlugin,  # noqa: F401
 )
 
-from routing.expiring import ExpiringLru
+from routing.state.expiring import ExpiringLru
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # DYN_MM_MAX_FILE_SIZE_MB's default
 HEADER_READ_BYTES = 64 * 1024  # Dynamo's ranged read; enough for nearly every image header

@@ -14,7 +14,7 @@ Key families, all under the deployment's namespace and owned by this module only
   so the total cap counts only what can still be read.
 
 A reference (`MediaRef`) travels in the task as `{"media_ref": key, "media_bytes": n}` (the fields
-of `routing.contract.ImageRef`). A reader gets
+of `routing.contract.tasks.ImageRef`). A reader gets
 the bytes with `get` (one round trip for many with `get_many`); a reference whose blob is gone
 (expired, released, never stored) is `MediaMissing`, at once: never a wait.
 """

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from routing.redis_direct import direct_commands
+from routing.contract.kv_events import check_worker_name
+from routing.state.redis_direct import direct_commands
 
 if TYPE_CHECKING:
-    from routing.kv_events import KvEvent
+    from routing.contract.kv_events import KvEvent
 
 BLOCK_FAMILY = "kv:blk:"
 WORKER_FAMILY = "kv:w:"
@@ -336,13 +337,6 @@ def unpack_hashes(packed: bytes) -> list[int]:
     return list(struct.unpack(f">{len(packed) // 8}Q", packed))
 
 
-def check_worker_name(worker: str) -> str:
-    # Names end up inside keys and the load tracker's `worker\\nrequest` members.
-    if not worker or "\n" in worker:
-        raise ValueError(f"invalid worker name {worker!r}")
-    return worker
-
-
 def checked_workers(workers: Sequence[str]) -> Sequence[str]:
     """The names, refused if one cannot be a key part; one scan for the whole list."""
     # A name holding a newline shows as an extra separator, an empty name as a falsy element.
@@ -357,7 +351,7 @@ class LuaScript:
 
     redis-py's own Script checks SCRIPT EXISTS before every pipeline, an extra round trip the
     router's one-round-trip decision cannot afford; here a pipeline just sends EVALSHA. A call
-    goes on the client's direct line (routing.redis_direct): the scripts are the router's hot
+    goes on the client's direct line (routing.state.redis_direct): the scripts are the router's hot
     path, and redis-py's per-command overhead is as long as the round trip.
     """
 

@@ -13,7 +13,7 @@ import redis
 AFFINITY_FAMILY = "aff:"
 DEFAULT_AFFINITY_TTL_S = 1800.0
 
-# A keyed hash from routing.session_scope.scope_hash is hex; anything else may be a raw scope.
+# A keyed hash from routing.prompt.session_scope.scope_hash is hex; anything else may be a raw scope.
 _SCOPE_HASH = re.compile(r"[0-9a-f]{16,128}")
 
 

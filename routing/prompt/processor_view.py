@@ -28,7 +28,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from routing.token_view import ImageFacts, ImageInView, TokenView
+from routing.prompt.token_view import ImageFacts, ImageInView, TokenView
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -379,7 +379,7 @@ def tensors_by_reference(
     processed: Mapping[str, Any], put_all: Callable[[list[bytes]], Sequence[Mapping[str, Any]]]
 ) -> dict[str, Any]:
     """`processed` with each tensor's raw bytes (pixel values: megabytes) stored by `put_all`,
-    which returns one reference payload per blob (routing.media_store's `media_ref`/`media_bytes`);
+    which returns one reference payload per blob (routing.media.store's `media_ref`/`media_bytes`);
     the tensor keeps its dtype and shape, so the message that carries it stays small."""
     blobs: list[bytes] = []
     carried: list[dict[str, Any]] = []  # the tensors that will carry a reference, by blob

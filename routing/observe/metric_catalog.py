@@ -1,6 +1,6 @@
 """Every metric the platform records, declared once: name, kind, labels, help and buckets.
 
-`routing.telemetry` refuses a name that is not declared here, `/metrics` writes HELP and TYPE
+`routing.observe.telemetry` refuses a name that is not declared here, `/metrics` writes HELP and TYPE
 from here, and a test checks the README documents each one. Naming conventions are in
 docs/ARCHITECTURE.md ("Metrics"): names here carry neither the `mmr_` prefix nor a counter's
 `_total` (the exposition adds both); seconds and bytes are the units, named as a suffix.

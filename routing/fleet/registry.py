@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from routing.contract import CONTRACT_VERSION
+from routing.contract.tasks import CONTRACT_VERSION
 
 HEARTBEAT_FAMILY = "hb:"
 ROUND_ROBIN_KEY = "rr"
@@ -35,9 +35,9 @@ class Heartbeat:
     stopping: bool = False  # SIGTERM received: finishing current work, taking nothing new
     session_scoped: bool = False  # DYN_MM_IMAGE_CACHE_SESSION_SCOPED on this worker
     shared_image_cache: str = "off"  # its shared image cache URL, password redacted, or "off"
-    contract_version: int = CONTRACT_VERSION  # the task contract it speaks (routing.contract)
+    contract_version: int = CONTRACT_VERSION  # the task contract it speaks (routing.contract.tasks)
     instance: str = ""  # this process's instance id: a restart under the same name is a new one
-    role: str = "both"  # routing.contract.ROLES: `encode` workers take no generate tasks
+    role: str = "both"  # routing.contract.tasks.ROLES: `encode` workers take no generate tasks
     # The engine's state when the beat was sent (workers.engine.EngineLoad; 0 for encode workers).
     running: int = 0  # requests in the engine's batch
     waiting: int = 0  # requests accepted, not yet in the batch

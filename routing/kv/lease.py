@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from routing.load import LoadTracker
-    from routing.router import RoutingDecision
+    from routing.kv.load import LoadTracker
+    from routing.kv.router import RoutingDecision
 
-logger = logging.getLogger("routing.lease")
+logger = logging.getLogger("routing.kv.lease")
 
 RESERVED, DECODING, RELEASED = "reserved", "decoding", "released"
 

@@ -58,7 +58,7 @@ class RoutingPolicy:
     # Busy thresholds (Dynamo's): a worker at or past one is no candidate. 0 turns one off.
     busy_max_requests: int = 0  # requests running + waiting on the worker
     busy_kv_fraction: float = 0.0  # KV blocks held by active requests / the worker's capacity
-    # Reserved prefill drains at each worker's measured prefill rate (routing.router, "Prefill
+    # Reserved prefill drains at each worker's measured prefill rate (routing.kv.router, "Prefill
     # drain"); off: a request's prompt counts in full until its first token, as in Dynamo.
     prefill_drain: bool = True
 

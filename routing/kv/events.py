@@ -1,4 +1,4 @@
-"""KV cache events (stored / removed / cleared) and their publication by a worker process.
+"""The publication of a worker's KV events (`routing.contract.kv_events`) into the index.
 
 A publish applies the events to the router's index and appends them to the capped stream
 `kv:events` in one Lua call, so the index mirrors the worker's cache at once and in order, and
@@ -9,58 +9,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import redis
 
-from routing.index import INDEX_LUA_FUNCTIONS, KvIndex, LuaScript, check_worker_name, pack_hashes
+from routing.contract.kv_events import KvEvent
+from routing.kv.index import INDEX_LUA_FUNCTIONS, KvIndex, LuaScript, pack_hashes
 
 EVENTS_STREAM = "kv:events"
 EVENT_IDS_KEY = "kv:event-ids"  # hash: worker -> last event id given to it
 STREAM_MAXLEN = 10_000
-
-KvEventKind = Literal["stored", "removed", "cleared"]
-_KINDS = ("stored", "removed", "cleared")
-
-
-@dataclass(frozen=True)
-class KvEvent:
-    kind: KvEventKind
-    worker: str
-    block_hashes: tuple[int, ...] = ()  # sequence hashes, in prompt order
-    parent_hash: int | None = None  # sequence hash of the block before the first stored one
-    local_hashes: tuple[int, ...] = ()
-    event_id: int = 0  # per worker, increasing; assigned at publication
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise ValueError(f"unknown kv event kind {self.kind!r}")
-        check_worker_name(self.worker)
-
-    def to_dict(self) -> dict[str, Any]:
-        # JSON keeps u64s exact (Python ints); JavaScript readers should treat them as strings.
-        return {
-            "kind": self.kind,
-            "worker": self.worker,
-            "block_hashes": list(self.block_hashes),
-            "parent_hash": self.parent_hash,
-            "local_hashes": list(self.local_hashes),
-            "event_id": self.event_id,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KvEvent:
-        parent = data.get("parent_hash")
-        return cls(
-            kind=data["kind"],
-            worker=str(data["worker"]),
-            block_hashes=tuple(int(h) for h in data.get("block_hashes", ())),
-            parent_hash=None if parent is None else int(parent),
-            local_hashes=tuple(int(h) for h in data.get("local_hashes", ())),
-            event_id=int(data.get("event_id", 0)),
-        )
-
 
 _PUBLISH_LUA = (
     INDEX_LUA_FUNCTIONS
