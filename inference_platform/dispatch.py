@@ -48,10 +48,11 @@ from routing.contract.tasks import (
 from routing.fleet.registry import Heartbeat, WorkerRegistry, heartbeat_key
 from routing.fleet.worker_rows import GENERATION_KEY, WorkerRow, current_generation, kept_rows
 from routing.kv.affinity import SessionAffinity
+from routing.kv.decision import RoutingDecision, WorkerReport
 from routing.kv.index import KvIndex
 from routing.kv.lease import RESERVED, RequestLease
 from routing.kv.load import LoadTracker
-from routing.kv.router import KvRouter, RoutingDecision, WorkerReport
+from routing.kv.router import KvRouter
 from routing.media.store import MediaRef, MediaStore, media_store_from_settings
 from routing.models import Worker, worker_queue
 from routing.observe import telemetry

@@ -39,8 +39,8 @@ from inference_platform.dispatch import (
 from inference_platform.encoding import describe_encoding, plan_encoding
 from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.fleet.registry import Heartbeat
+from routing.kv.decision import AllWorkersBusy, RoutingDecision
 from routing.kv.lease import RequestLease
-from routing.kv.router import AllWorkersBusy, RoutingDecision
 from routing.kv.selection import Score
 from routing.media.images import (
     SIZES_FLUSHED_KEY,

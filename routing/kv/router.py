@@ -30,12 +30,12 @@ import math
 import random
 import struct
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import redis
 
 from routing.fleet.registry import ROUND_ROBIN_KEY
 from routing.kv.affinity import SessionAffinity
+from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, WorkerReport
 from routing.kv.index import (
     DEFAULT_APPROXIMATE_TTL_S,
     INDEX_LUA_FUNCTIONS,
@@ -47,7 +47,7 @@ from routing.kv.index import (
 )
 from routing.kv.lease import RequestLease
 from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
-from routing.kv.selection import DeferredScores, RoutingPolicy, Score, score_workers
+from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 MODES = ("kv", "round_robin", "random")
@@ -350,50 +350,6 @@ end
 return reply(chosen, reason)
 """
 )
-
-
-class NoEligibleWorker(Exception):
-    """No worker can take the request (none live, enabled and compatible)."""
-
-
-class AllWorkersBusy(Exception):
-    """Every eligible worker is past a busy threshold: the caller answers 503 with Retry-After."""
-
-    def __init__(self, workers: Sequence[str]) -> None:
-        self.workers = tuple(workers)
-        super().__init__(f"every eligible worker is busy: {', '.join(workers)}")
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """What a worker's heartbeat says of its engine; None where it reports nothing."""
-
-    capacity_blocks: int = 0
-    running_and_waiting: int | None = None
-    kv_used_blocks: int | None = None
-    prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: unknown)
-    # Whether its engine computes the shortest prompt first (None: it does not say; the policy's
-    # `shortest_first_queues` is assumed).
-    shortest_first: bool | None = None
-
-
-@dataclass(frozen=True)
-class RoutingDecision:
-    worker: str
-    overlap: int  # leading blocks the chosen worker holds
-    total_blocks: int  # ceil(isl / block_size)
-    scores: Sequence[Score]  # DeferredScores from the router: computed when read
-    reason: str  # "cost" | "affinity" | "load-bound" | "only-candidate" | "round_robin" | "random"
-    block_hashes: tuple[int, ...] = field(default=(), repr=False)
-    approximate: bool = False  # the worker publishes no events
-    session_key: str | None = None  # scope hash the worker was remembered for
-    best_overlap: int = 0  # the largest overlap any eligible, not busy worker had
-    busy: tuple[str, ...] = ()  # eligible workers left out as busy
-
-    @property
-    def overlap_given_up(self) -> int:
-        """Prefix blocks the choice gave up against the best candidate (load, affinity, baseline)."""
-        return max(self.best_overlap - self.overlap, 0)
 
 
 class KvRouter:
