@@ -13,10 +13,11 @@ import redis
 
 from routing.fleet.encoders import EncoderPool, dashboard_section
 from routing.fleet.registry import Heartbeat, WorkerRegistry
-from routing.kv.index import KvIndex, execute_pipeline
+from routing.kv.index import KvIndex
 from routing.kv.load import IDLE, LoadTracker, WorkerLoad
 from routing.observe import telemetry
 from routing.observe.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
+from routing.state.lua import execute_pipeline
 
 DEFAULT_MINUTES = 30
 # The windows the dashboard offers (minutes); any 1..MAX_MINUTES is accepted.
