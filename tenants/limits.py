@@ -14,62 +14,12 @@ from dataclasses import dataclass
 
 import redis
 
-_BUCKET_LUA = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
--- tokens left in a bucket of `limit` per minute at `now`, without taking any
-local function level(key, limit, now)
-  local state = redis.call('HMGET', key, 't', 'ts')
-  local tokens = tonumber(state[1]) or limit
-  local ts = tonumber(state[2]) or now
-  return math.min(limit, tokens + (now - ts) * limit / 60000)
-end
-local function take(key, tokens, cost, now)
-  redis.call('HSET', key, 't', tokens - cost, 'ts', now)
-  redis.call('PEXPIRE', key, 120000)
-end
-"""
+from routing.state.lua import lua_script, lua_text
 
-# KEYS: rpm bucket, active set. ARGV: rpm limit (0: none), max concurrent (0: none), request id,
-# slot ttl ms. Returns {0, 0} admitted, or {1, wait ms} (requests), {2, wait ms} (concurrency).
-_ADMIT_LUA = (
-    _BUCKET_LUA
-    + """
-local now = now_ms()
-local rpm, max_active = tonumber(ARGV[1]), tonumber(ARGV[2])
-local tokens = 0
-if rpm > 0 then
-  tokens = level(KEYS[1], rpm, now)
-  if tokens < 1 then return {1, math.ceil((1 - tokens) * 60000 / rpm)} end
-end
-if max_active > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= max_active then
-    return {2, 1000}
-  end
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
-end
-if rpm > 0 then take(KEYS[1], tokens, 1, now) end
-return {0, 0}
-"""
-)
-
-# KEYS: tpm bucket. ARGV: limit, cost. Returns {0, 0} charged, {1, wait ms}, or {3, 0} never fits.
-_CHARGE_LUA = (
-    _BUCKET_LUA
-    + """
-local now = now_ms()
-local limit, cost = tonumber(ARGV[1]), tonumber(ARGV[2])
-if cost > limit then return {3, 0} end
-local tokens = level(KEYS[1], limit, now)
-if tokens < cost then return {1, math.ceil((cost - tokens) * 60000 / limit)} end
-take(KEYS[1], tokens, cost, now)
-return {0, 0}
-"""
-)
+# The limiter's Lua, in tenants/lua/: the bucket functions, composed in front of each script.
+_BUCKET_LUA = lua_text(__package__, "bucket_functions.lua")
+_ADMIT_LUA = lua_script(__package__, "admit.lua", _BUCKET_LUA)
+_CHARGE_LUA = lua_script(__package__, "charge.lua", _BUCKET_LUA)
 
 
 @dataclass(frozen=True)
