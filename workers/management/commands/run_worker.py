@@ -120,8 +120,8 @@ class Command(BaseCommand):
 
             torch.set_num_threads(options["threads"])
 
-        stats = CacheStats(client, namespace, name)
         metrics = telemetry.attach(client, namespace, name)
+        stats = CacheStats(client, namespace, name, recorder=metrics)  # flushed with the metrics
         image_loader = build_image_loader(name, stats, model_path)
         role: str = options["role"]
         index = KvIndex(client, namespace)
