@@ -572,7 +572,7 @@ class Engine:
         returns how long it took (ms). A process's first forward pass pays allocations and lazy
         initialisation, which a user's first request paid before: on the demo model, one torch
         thread, a 100-word prompt's first token took 41-45 ms the first time and 29-32 ms after
-        (docs/ARCHITECTURE.md).
+        (docs/decisions/2026-12-02-engine-warm-up.md).
 
         Leaves nothing behind: no block cached or announced to the router, and the counters the
         heartbeat reports as they were. The prefill rate above all: that slow step would have
