@@ -15,13 +15,18 @@ import redis
 
 from routing.contract.kv_events import KvEvent
 from routing.kv.index import INDEX_LUA_FUNCTIONS, KvIndex, pack_hashes
-from routing.state.lua import LuaScript, lua_script
+from routing.state.lua import LuaScript, lua_constants, lua_script
 
 EVENTS_STREAM = "kv:events"
 EVENT_IDS_KEY = "kv:event-ids"  # hash: worker -> last event id given to it
 STREAM_MAXLEN = 10_000
 
-_PUBLISH_LUA = lua_script(__package__, "publish_events.lua", INDEX_LUA_FUNCTIONS)
+_PUBLISH_LUA = lua_script(
+    __package__,
+    "publish_events.lua",
+    INDEX_LUA_FUNCTIONS,
+    lua_constants(EVENTS_STREAM=EVENTS_STREAM, EVENT_IDS_KEY=EVENT_IDS_KEY),
+)
 
 
 class KvEventPublisher:

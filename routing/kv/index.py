@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from routing.contract.kv_events import check_worker_name
-from routing.state.lua import LuaScript, lua_script, lua_text
+from routing.state.lua import LuaScript, lua_constants, lua_script, lua_text
 
 if TYPE_CHECKING:
     from routing.contract.kv_events import KvEvent
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 BLOCK_FAMILY = "kv:blk:"
 WORKER_FAMILY = "kv:w:"
 APPROXIMATE_FAMILY = "kv:approx:"
+APPROXIMATE_KEY = "kv:approximate"
 # A random token set by whoever first finds it missing. Redis restarted without its data (or
 # flushed) loses it with the index: a worker that sees it change re-announces its blocks.
 EPOCH_KEY = "kv:epoch"
@@ -49,7 +50,12 @@ _U64_MAX = (1 << 64) - 1
 # append them to the stream in one atomic call), in routing/kv/lua/. Keys are built inside the
 # scripts because a prompt's blocks are only known there; the deployment is a single Redis, not a
 # cluster.
-INDEX_LUA_FUNCTIONS = lua_text(__package__, "index_functions.lua")
+INDEX_LUA_FUNCTIONS = lua_constants(
+    BLOCK_FAMILY=BLOCK_FAMILY,
+    WORKER_FAMILY=WORKER_FAMILY,
+    APPROXIMATE_FAMILY=APPROXIMATE_FAMILY,
+    APPROXIMATE_KEY=APPROXIMATE_KEY,
+) + lua_text(__package__, "index_functions.lua")
 # The overlap query, as Lua functions the router's decision script embeds too.
 OVERLAPS_LUA_FUNCTIONS = lua_text(__package__, "overlaps_functions.lua")
 

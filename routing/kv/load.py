@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import redis
 
 from routing.contract.kv_events import check_worker_name
-from routing.state.lua import LuaScript, execute_pipeline, lua_script, lua_text
+from routing.state.lua import LuaScript, execute_pipeline, lua_constants, lua_script, lua_text
 
 REQUESTS_FAMILY = "load:req:"
 TOTALS_KEY = "load:totals"
@@ -63,7 +63,9 @@ def parse_totals(raw: bytes) -> Totals:
 
 
 # The tracker's Lua, in routing/kv/lua/: its functions, composed in front of each script.
-_LOAD_LUA_FUNCTIONS = lua_text(__package__, "load_functions.lua")
+_LOAD_LUA_FUNCTIONS = lua_constants(
+    REQUESTS_FAMILY=REQUESTS_FAMILY, TOTALS_KEY=TOTALS_KEY, EXPIRY_KEY=EXPIRY_KEY
+) + lua_text(__package__, "load_functions.lua")
 # The sweep of expired entries, as a Lua function the router's decision script embeds too.
 SWEEP_LUA_FUNCTIONS = _LOAD_LUA_FUNCTIONS + lua_text(__package__, "sweep_functions.lua")
 

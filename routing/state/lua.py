@@ -4,7 +4,8 @@ Each script lives in a `lua/` folder beside the module that owns the keys it tou
 in `routing/kv/lua/`, the media store's in `routing/media/lua/` ...). A script that calls shared
 functions is composed here as Redis needs it: Redis runs one chunk per script and keeps no
 functions between scripts, so the libraries' text goes in front of the script's, and their
-`local function`s are in scope for it. Nothing else is done to the text.
+`local function`s are in scope for it; the key names a module owns go in front the same way, as
+Lua locals (`lua_constants`). Nothing else is done to the text.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ def lua_text(package: str, name: str) -> str:
     (the project is run from one, not installed) and from an installed copy.
     """
     return resources.files(package).joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def lua_constants(**names: str) -> str:
+    """`local NAME = 'value'` for each, to compose in front of the Lua that uses them: the key
+    families a module owns are named once, in its Python, and given to its scripts this way."""
+    lines = []
+    for name, value in names.items():
+        if not value.isprintable() or "'" in value or "\\" in value:
+            raise ValueError(f"{name} = {value!r} is not a plain Lua string literal")
+        lines.append(f"local {name} = '{value}'\n")
+    return "".join(lines)
 
 
 def lua_script(package: str, name: str, *libraries: str) -> str:

@@ -67,7 +67,7 @@ local overlaps = kv_overlaps(ns, packed, names, position)
 -- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
 local done_at = {}
 do
-  local flat = redis.call('HGETALL', ns .. 'load:totals')
+  local flat = redis.call('HGETALL', ns .. TOTALS_KEY)
   local unpack_totals = struct.unpack
   for i = 1, #flat, 2 do
     local j = position[flat[i]]
@@ -273,7 +273,7 @@ if request_id ~= '' then
   -- with when the worker's reserved prefill should now be done: queued behind what is left of
   -- it (all of it without an estimate).
   release(ns, worker, request_id)
-  redis.call('HSET', ns .. 'load:req:' .. worker, request_id, prefill_tokens .. ' ' .. n_blocks)
+  redis.call('HSET', ns .. REQUESTS_FAMILY .. worker, request_id, prefill_tokens .. ' ' .. n_blocks)
   local r = rate[chosen]
   now = now or server_time_ms()
   local drained_at = nil
@@ -283,7 +283,7 @@ if request_id ~= '' then
     drained_at = math.ceil(start + prefill_tokens * 1000 / r)
   end
   adjust(ns, worker, prefill_tokens, n_blocks, 1, drained_at)
-  redis.call('ZADD', ns .. 'load:expiry', now + tonumber(ARGV[16]), worker .. '\n' .. request_id)
+  redis.call('ZADD', ns .. EXPIRY_KEY, now + tonumber(ARGV[16]), worker .. '\n' .. request_id)
   -- Predicted blocks: siblings arriving before the worker's own events credit it with this
   -- prompt for a short while (approximate workers: for the approximate TTL, their only credit).
   local ttl = approximate[chosen] and tonumber(ARGV[18]) or tonumber(ARGV[17])

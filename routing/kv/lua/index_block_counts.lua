@@ -3,7 +3,7 @@
 local now = server_time_ms()
 local out = {}
 for i = 2, #ARGV do
-  out[#out + 1] = redis.call('SCARD', ARGV[1] .. 'kv:w:' .. ARGV[i])
-    + redis.call('ZCOUNT', ARGV[1] .. 'kv:approx:' .. ARGV[i], '(' .. now, '+inf')
+  out[#out + 1] = redis.call('SCARD', ARGV[1] .. WORKER_FAMILY .. ARGV[i])
+    + redis.call('ZCOUNT', ARGV[1] .. APPROXIMATE_FAMILY .. ARGV[i], '(' .. now, '+inf')
 end
 return out

@@ -6,10 +6,10 @@ local function kv_overlap_probe(ns, packed, workers)
   local any_approximate = false
   local now = 0
   if #packed > 0 and #workers > 0 then
-    local flags = redis.call('SMISMEMBER', ns .. 'kv:approximate', unpack(workers))
+    local flags = redis.call('SMISMEMBER', ns .. APPROXIMATE_KEY, unpack(workers))
     for j, worker in ipairs(workers) do
       if flags[j] == 1 then
-        approximate[worker] = ns .. 'kv:approx:' .. worker
+        approximate[worker] = ns .. APPROXIMATE_FAMILY .. worker
         any_approximate = true
       end
     end
@@ -18,7 +18,7 @@ local function kv_overlap_probe(ns, packed, workers)
   -- Splits a group into the workers that hold block b and the others, in one HMGET.
   return function(b, group)
     local h = string.sub(packed, b * 8 - 7, b * 8)
-    local held = redis.call('HMGET', ns .. 'kv:blk:' .. h, unpack(group))
+    local held = redis.call('HMGET', ns .. BLOCK_FAMILY .. h, unpack(group))
     local yes, no = {}, {}
     for j, worker in ipairs(group) do
       local holds = held[j]
@@ -78,7 +78,7 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
   local out = {}
   for i = 1, m do out[i] = 0 end
   local unassigned = m
-  local prefix, sub, call = ns .. 'kv:blk:', string.sub, redis.call
+  local prefix, sub, call = ns .. BLOCK_FAMILY, string.sub, redis.call
   local function count(b) return call('HLEN', prefix .. sub(packed, b * 8 - 7, b * 8)) end
   if n > 0 and unassigned > 0 then
     local first = count(1)
@@ -119,13 +119,13 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
       end
     end
   end
-  if n > 0 and m > 0 and redis.call('EXISTS', ns .. 'kv:approximate') == 1 then
-    local flags = redis.call('SMISMEMBER', ns .. 'kv:approximate', unpack(workers))
+  if n > 0 and m > 0 and redis.call('EXISTS', ns .. APPROXIMATE_KEY) == 1 then
+    local flags = redis.call('SMISMEMBER', ns .. APPROXIMATE_KEY, unpack(workers))
     local now = nil
     for j = 1, m do
       if flags[j] == 1 then
         now = now or server_time_ms()
-        local key = ns .. 'kv:approx:' .. workers[j]
+        local key = ns .. APPROXIMATE_FAMILY .. workers[j]
         local function held(b)
           local expiry = redis.call('ZSCORE', key, string.sub(packed, b * 8 - 7, b * 8))
           return expiry and tonumber(expiry) > now

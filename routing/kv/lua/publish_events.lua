@@ -1,9 +1,10 @@
 -- KvEventPublisher.publish (routing.kv.events), after index_functions.lua: the events are applied
--- to the index and appended to the stream in one atomic call.
+-- to the index and appended to the stream in one atomic call. EVENTS_STREAM and EVENT_IDS_KEY are
+-- locals routing.kv.events puts in front.
 -- ARGV: ns, maxlen, then (kind, worker, packed hashes, event json) per event
 local ns = ARGV[1]
-local stream = ns .. 'kv:events'
-local ids_key = ns .. 'kv:event-ids'
+local stream = ns .. EVENTS_STREAM
+local ids_key = ns .. EVENT_IDS_KEY
 local maxlen = ARGV[2]
 local ids = {}
 for i = 3, #ARGV, 4 do

@@ -3,7 +3,7 @@
 local SWEEP_BATCH = 256  -- expired entries released per sweep; the rest go at the next one
 
 local function load_sweep(ns)
-  local expired = redis.call('ZRANGEBYSCORE', ns .. 'load:expiry', '-inf', server_time_ms(),
+  local expired = redis.call('ZRANGEBYSCORE', ns .. EXPIRY_KEY, '-inf', server_time_ms(),
     'LIMIT', 0, SWEEP_BATCH)
   for _, member in ipairs(expired) do
     local cut = string.find(member, '\n', 1, true)
