@@ -16,7 +16,7 @@ from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from routing.kv.router import KvRouter
 from routing.media.store import MediaStore
-from routing.state.lua import LuaScript, lua_text
+from routing.state.lua import LuaScript, lua_constants, lua_text
 from tenants.limits import TenantLimiter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,3 +91,10 @@ def test_no_python_string_holds_lua() -> None:
                 if isinstance(text, str) and "redis.call" in text:
                     holding.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert holding == []
+
+
+def test_key_names_reach_the_lua_as_plain_string_locals() -> None:
+    assert lua_constants(TOTALS_KEY="load:totals") == "local TOTALS_KEY = 'load:totals'\n"
+    for unsafe in ("it's", "a\\b", "two\nlines"):
+        with pytest.raises(ValueError, match="plain Lua string"):
+            lua_constants(NAME=unsafe)
