@@ -34,10 +34,17 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
     )  # fmt: skip
     list_editable = ("enabled", "draining")
     list_filter = ("role", "enabled", "draining", "device")
+    # Identity comes from the worker process when it registers: the name is its Celery queue and
+    # the key of its heartbeat, so a name changed here would orphan a healthy worker (its
+    # heartbeat no longer matches a row) and leave a row that can only ever be down.
     readonly_fields = (
-        "role", "device", "model_name", "block_size", "host", "pid", "registered_at", "deregistered_at",
+        "name", "role", "device", "model_name", "block_size", "host", "pid", "registered_at",
+        "deregistered_at",
     )  # fmt: skip
     actions = ("drain", "enable")
+
+    def has_add_permission(self, request) -> bool:
+        return False  # rows are made by registration (run_worker): one made here could only be down
 
     def get_queryset(self, request):
         queryset = super().get_queryset(request)
