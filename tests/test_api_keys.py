@@ -8,7 +8,7 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
@@ -331,7 +331,9 @@ def test_the_admin_revokes_keys(admin_client):
 
 
 def test_the_api_keys_command_creates_lists_and_revokes(capsys):
-    call_command("api_keys", "create", "--tenant", "acme", "--name", "ci", "--expires-in-days", "30")
+    call_command(
+        "api_keys", "create", "--tenant", "acme", "--create-tenant", "--name", "ci", "--expires-in-days", "30"
+    )
     printed = capsys.readouterr().out
     plaintext = printed.strip().splitlines()[-1]
     caller = authenticate(plaintext)
@@ -343,6 +345,21 @@ def test_the_api_keys_command_creates_lists_and_revokes(capsys):
     assert "Revoked" in capsys.readouterr().out
     call_command("api_keys", "list", "--tenant", "acme")
     assert "revoked" in capsys.readouterr().out
+
+
+def test_a_misspelt_tenant_is_refused_with_the_tenants_there_are_not_created(capsys):
+    # given one tenant
+    Tenant.objects.create(name="acme", requests_per_minute=60)
+    # when a key is asked for a tenant nobody made (a typo)
+    with pytest.raises(CommandError) as refused:
+        call_command("api_keys", "create", "--tenant", "acmee", "--name", "ci")
+    # then nothing is made, and the message lists the tenants and says how to create one
+    assert "acme" in str(refused.value) and "--create-tenant" in str(refused.value)
+    assert list(Tenant.objects.values_list("name", flat=True)) == ["acme"]
+    assert not ApiKey.objects.exists()
+    # and the existing tenant still takes a key without the flag
+    call_command("api_keys", "create", "--tenant", "acme", "--name", "ci")
+    assert authenticate(capsys.readouterr().out.strip().splitlines()[-1]).requests_per_minute == 60
 
 
 def test_ensure_demo_key_prints_a_key_once(capsys):
