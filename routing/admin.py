@@ -6,12 +6,18 @@ from __future__ import annotations
 import redis
 from django.conf import settings
 from django.contrib import admin, messages
-from django.http import HttpResponseRedirect
-from django.urls import reverse
+from django.contrib.admin.models import LogEntry
+from django.contrib.contenttypes.models import ContentType
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import path, reverse
+from django.utils.decorators import method_decorator
 from django.utils.html import escape
+from django.views.decorators.http import require_POST
 
 from routing.fleet.registry import WorkerRegistry
 from routing.models import RoutingPolicySettings, Worker
+from routing.policy import environment_defaults, forget_cached_policy
 from routing.state.redis_keys import redact_text, sync_client
 
 
@@ -94,28 +100,103 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
 
 @admin.register(RoutingPolicySettings)
 class RoutingPolicyAdmin(EscapedHelpTexts, admin.ModelAdmin):
-    """One row: the list page opens it, created from the environment's settings the first time."""
+    """One row, which exists only once an operator saved the page. Until then (and after a reset)
+    the page shows the environment's settings unsaved, and a GET never writes: a visit must not
+    freeze the ROUTER_* values in the database, where they would silently outlive the
+    environment they came from."""
 
     fields = (
-        "mode", "overlap_credit", "prefill_load_scale", "temperature", "session_affinity",
-        "frontend_decoding", "updated_at",
+        "source", "mode", "overlap_credit", "prefill_load_scale", "temperature", "session_affinity",
+        "frontend_decoding",
     )  # fmt: skip
-    readonly_fields = ("updated_at",)
+    readonly_fields = ("source",)
+    change_form_template = "admin/routing/routingpolicysettings/change_form.html"
+
+    def get_urls(self):
+        reset = path(
+            "reset/", self.admin_site.admin_view(self.reset_view), name="routing_routingpolicysettings_reset"
+        )
+        return [reset, *super().get_urls()]
 
     def changelist_view(self, request, extra_context=None):
-        from routing.policy import environment_defaults
+        return HttpResponseRedirect(reverse("admin:routing_routingpolicysettings_change", args=[POLICY_PK]))
 
-        policy, _ = RoutingPolicySettings.objects.get_or_create(pk=1, defaults=environment_defaults())
-        return HttpResponseRedirect(reverse("admin:routing_routingpolicysettings_change", args=[policy.pk]))
+    def get_object(self, request, object_id, from_field=None):
+        """The saved row, or (none saved) an unsaved one holding the environment's values: the
+        form shows what applies, and its first save creates the row."""
+        if str(object_id) != str(POLICY_PK):
+            return None
+        saved = RoutingPolicySettings.objects.filter(pk=POLICY_PK).first()
+        return saved if saved is not None else RoutingPolicySettings(pk=POLICY_PK, **environment_defaults())
 
     def has_add_permission(self, request) -> bool:
         return False
 
     def has_delete_permission(self, request, obj=None) -> bool:
-        return False
+        return False  # "reset to the environment" is the way back, and it says so in the log
+
+    @admin.display(description="Source")
+    def source(self, policy: RoutingPolicySettings) -> str:
+        return policy_source(policy)
+
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        context["policy_saved"] = RoutingPolicySettings.objects.filter(pk=POLICY_PK).exists()
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def save_model(self, request, obj, form, change) -> None:
-        from routing.policy import forget_cached_policy
-
         super().save_model(request, obj, form, change)
         forget_cached_policy()
+
+    @method_decorator(require_POST)
+    def reset_view(self, request: HttpRequest) -> HttpResponse:
+        """Forget the saved policy: the environment's settings apply again, in every process
+        within a second; the admin's log says who did it and when."""
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        saved = RoutingPolicySettings.objects.filter(pk=POLICY_PK).first()
+        if saved is None:
+            self.message_user(request, "Nothing was saved: the environment's settings apply already.")
+        else:
+            self.log_change(request, saved, RESET_MESSAGE)
+            saved.delete()
+            forget_cached_policy()
+            self.message_user(request, "Reset: the environment's settings (ROUTER_*) apply again.")
+        return HttpResponseRedirect(reverse("admin:routing_routingpolicysettings_change", args=[POLICY_PK]))
+
+
+POLICY_PK = 1
+RESET_MESSAGE = "Reset to the environment's settings."
+
+
+def policy_source(policy: RoutingPolicySettings) -> str:
+    """Where the values on the policy page come from, in the operator's words."""
+    if not RoutingPolicySettings.objects.filter(pk=policy.pk).exists():
+        return (
+            "The environment (ROUTER_MODE, ROUTER_OVERLAP_CREDIT, ROUTER_PREFILL_LOAD_SCALE, "
+            "ROUTER_TEMPERATURE, ROUTER_SESSION_AFFINITY, DYN_MM_FRONTEND_DECODING): nothing is saved "
+            "here, so a change of those settings applies at the next restart. Saving this page "
+            "replaces them until it is reset."
+        )
+    entry = (
+        LogEntry.objects.filter(
+            content_type=ContentType.objects.get_for_model(RoutingPolicySettings), object_id=str(policy.pk)
+        )
+        .select_related("user")
+        .order_by("-action_time")
+        .first()
+    )
+    saved_by = f" by {entry.user.get_username()}" if entry and entry.change_message != RESET_MESSAGE else ""
+    changed = [
+        f"{name} {value!r}"
+        for name, value in environment_defaults().items()
+        if getattr(policy, name) != value
+    ]
+    differs = (
+        f" The environment says {', '.join(changed)}."
+        if changed
+        else " It equals the environment's settings."
+    )
+    return (
+        f"Saved{saved_by} at {policy.updated_at:%Y-%m-%d %H:%M:%S} UTC: the environment's ROUTER_* "
+        f"settings do not apply until it is reset.{differs}"
+    )
