@@ -1,21 +1,27 @@
 """Operators' admin for tenants (limits, cache sharing, usage) and their API keys.
 
-A key's plaintext exists once: on the page that answers its creation, rendered straight from
-the request (no message, session or cookie holds it). After that only its prefix is shown.
-The add form carries a one-time token (kept in the session; it opens nothing): reloading the page
-that showed the key sends the form again, which must not make a second key nobody has seen.
+A key's plaintext is shown once. The add form's POST answers with a redirect (POST/redirect/GET)
+to the key's "created" page, which takes the plaintext out of the operator's session and forgets
+it there as it renders: a reload of that page asks for nothing and shows the key no more. The
+session holds it only between the POST and that GET (at most NEW_KEY_TTL_SECS). After that only
+its prefix is shown. The add form also carries a one-time token (kept in the session; it opens
+nothing): sending the same form again (the browser's "back", then "submit") makes no second key.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 
 import redis
 from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils import timezone
 
 from routing.state.redis_keys import sync_client
@@ -106,6 +112,8 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 ADD_TOKENS_SESSION_KEY = "tenants-apikey-add-tokens"
+NEW_KEY_SESSION_KEY = "tenants-apikey-new"  # {key pk: [plaintext, created at (unix)]}, popped once shown
+NEW_KEY_TTL_SECS = 300  # a redirect never followed leaves no usable key in the session after this
 SENT_ALREADY = (
     "This form was sent already (a reload of the page that showed the new key?): that key exists, "
     "listed under API keys, and cannot be shown again. Open a new form to create another."
@@ -181,18 +189,40 @@ class ApiKeyAdmin(admin.ModelAdmin):
         plaintext = getattr(request, "_new_api_key", None)
         if plaintext is None:
             return super().response_add(request, obj, post_url_continue)
+        request.session[NEW_KEY_SESSION_KEY] = {
+            **_fresh_new_keys(request.session.get(NEW_KEY_SESSION_KEY, {})),
+            str(obj.pk): [plaintext, time.time()],
+        }
+        return HttpResponseRedirect(reverse("admin:tenants_apikey_created", args=[obj.pk]))
+
+    def get_urls(self):
+        created = path(
+            "<int:key_id>/created/",
+            self.admin_site.admin_view(self.created_view),
+            name="tenants_apikey_created",
+        )
+        return [created, *super().get_urls()]
+
+    def created_view(self, request: HttpRequest, key_id: int) -> HttpResponse:
+        """The new key, once: taken out of the session as the page renders."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        key = get_object_or_404(ApiKey.objects.select_related("tenant"), pk=key_id)
+        kept = _fresh_new_keys(request.session.get(NEW_KEY_SESSION_KEY, {}))
+        plaintext = (kept.pop(str(key_id), None) or [None])[0]
+        request.session[NEW_KEY_SESSION_KEY] = kept
         response = TemplateResponse(
             request,
             "admin/tenants/apikey/created.html",
             {
                 **self.admin_site.each_context(request),
-                "title": "API key created",
-                "key": obj,
+                "title": "API key created" if plaintext else "API key shown already",
+                "key": key,
                 "plaintext": plaintext,
                 "opts": self.model._meta,
             },
         )
-        response["Cache-Control"] = "no-store"
+        response["Cache-Control"] = "no-store"  # the browser's history keeps no copy of the key
         return response
 
     @admin.action(description="Revoke the selected keys")
@@ -203,3 +233,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
             f"Revoked {revoked} key(s) as of {timezone.now():%Y-%m-%d %H:%M:%S} UTC.",
             messages.SUCCESS,
         )
+
+
+def _fresh_new_keys(kept: dict[str, list]) -> dict[str, list]:
+    """The new keys still waiting to be shown, without those older than NEW_KEY_TTL_SECS."""
+    oldest = time.time() - NEW_KEY_TTL_SECS
+    return {pk: entry for pk, entry in kept.items() if entry[1] >= oldest}

@@ -141,13 +141,18 @@ def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
     response = admin_client.post(
         "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
     )
-    assert response.status_code == 200, response.content[:2000]
-    assert "no-store" in response["Cache-Control"]
     key = ApiKey.objects.get(name="laptop")
-    page = response.content.decode()
+    # the POST answers with a redirect (POST/redirect/GET), and the key is on the page it names
+    assert response.status_code == 302, response.content[:2000]
+    assert response["Location"] == f"/admin/tenants/apikey/{key.pk}/created/"
+    assert b"sk-" not in response.content
+    shown = admin_client.get(response["Location"])
+    assert shown.status_code == 200 and "no-store" in shown["Cache-Control"]
+    page = shown.content.decode()
     start = page.index(f"sk-{key.prefix}.")
     plaintext = page[start : page.index("<", start)]
     assert authenticate(plaintext).tenant_name == "acme"
+    assert 'id="copy-api-key"' in page
     for url in (
         "/admin/tenants/apikey/",
         f"/admin/tenants/apikey/{key.pk}/change/",
@@ -161,27 +166,45 @@ def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
     assert key.masked in admin_client.get("/admin/tenants/apikey/").content.decode()
 
 
-def test_reloading_the_page_that_showed_a_new_key_makes_no_second_key(admin_client):
+def test_reloading_the_page_that_showed_a_new_key_makes_no_second_key_and_shows_it_no_more(admin_client):
     tenant = Tenant.objects.create(name="acme")
     form = add_key_form(admin_client, tenant=tenant.pk, name="laptop")
-    first = admin_client.post("/admin/tenants/apikey/add/", form)
-    assert first.status_code == 200 and b"shown only this once" in first.content
+    created = admin_client.post("/admin/tenants/apikey/add/", form)
+    first = admin_client.get(created["Location"])
+    assert b"shown only this once" in first.content
+    secret = re.search(r'id="new-api-key">sk-[0-9a-f]{8}\.([^<]+)<', first.content.decode())[1]
 
-    # a reload sends the same form again
-    again = admin_client.post("/admin/tenants/apikey/add/", form)
-    assert again.status_code == 200
-    assert b"This form was sent already" in again.content
-    assert b"sk-" not in again.content.split(b'id="content"')[1]
+    # a reload asks for the same page again: no key is made, and the secret is gone
+    again = admin_client.get(created["Location"])
+    assert again.status_code == 200 and b"shown once already" in again.content
+    assert secret not in again.content.decode()
     assert ApiKey.objects.filter(name="laptop").count() == 1
+    session = admin_client.session.get("tenants-apikey-new", {})
+    assert session == {}, "the session forgot the key once it was shown"
 
-    # a form that was never handed out makes nothing either; a fresh one makes the next key
+    # the same form sent again (back, then submit) makes nothing either; a fresh one makes the next key
+    resent = admin_client.post("/admin/tenants/apikey/add/", form)
+    assert resent.status_code == 200 and b"This form was sent already" in resent.content
     forged = admin_client.post("/admin/tenants/apikey/add/", {**form, "once": "made-up"})
     assert b"This form was sent already" in forged.content
     fresh = admin_client.post(
         "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
     )
-    assert b"shown only this once" in fresh.content
+    assert b"shown only this once" in admin_client.get(fresh["Location"]).content
     assert ApiKey.objects.filter(name="laptop").count() == 2
+
+
+def test_a_new_key_the_operator_never_came_to_see_leaves_the_session(admin_client, monkeypatch):
+    import time
+
+    tenant = Tenant.objects.create(name="acme")
+    created = admin_client.post(
+        "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
+    )
+    later = time.time() + 301
+    monkeypatch.setattr(time, "time", lambda: later)
+    page = admin_client.get(created["Location"])
+    assert b"shown once already" in page.content and b"shown only this once" not in page.content
 
 
 def test_a_key_verified_once_is_answered_without_the_database(django_assert_num_queries):
