@@ -75,10 +75,13 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
             return None
         return worker.name in getattr(self, "_alive", {})
 
-    @admin.display(boolean=True, description="Scoped")
-    def session_scoped(self, worker: Worker) -> bool | None:
+    @admin.display(description="Scoped")
+    def session_scoped(self, worker: Worker) -> str:
+        """In words: "not scoped" is a configuration, not a fault to mark with a red cross."""
         beat = getattr(self, "_alive", {}).get(worker.name)
-        return None if beat is None else beat.session_scoped
+        if beat is None:
+            return "—"
+        return "scoped" if beat.session_scoped else "not scoped"
 
     @admin.display(description="Shared cache")
     def shared_image_cache(self, worker: Worker) -> str:

@@ -23,8 +23,11 @@ from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.decorators import method_decorator
+from django.views.decorators.http import require_POST
 
 from routing.state.redis_keys import sync_client
+from tenants.key_use import last_used
 from tenants.keys import hash_key, new_key_parts, revoke_api_key
 from tenants.models import ApiKey, Tenant
 from tenants.usage import TenantUsage
@@ -32,8 +35,8 @@ from tenants.usage import TenantUsage
 
 class ApiKeyInline(admin.TabularInline):
     model = ApiKey
-    fields = ("name", "masked", "staff", "created_at", "expires_at", "revoked_at")
-    readonly_fields = ("name", "masked", "staff", "created_at", "expires_at", "revoked_at")
+    fields = ("name", "masked", "kind", "state", "created_at", "expires_at")
+    readonly_fields = ("name", "masked", "kind", "state", "created_at", "expires_at")
     extra = 0
     can_delete = False
     show_change_link = True
@@ -41,11 +44,19 @@ class ApiKeyInline(admin.TabularInline):
     def has_add_permission(self, request, obj=None) -> bool:
         return False  # from the API key page, which shows the new key once
 
+    @admin.display(description="Kind")
+    def kind(self, key: ApiKey) -> str:
+        return key_kind(key)
+
+    @admin.display(description="State")
+    def state(self, key: ApiKey) -> str:
+        return key.refusal() or "active"
+
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
     list_display = (
-        "name", "share_prefix_cache", "requests_per_minute", "prompt_tokens_per_minute",
+        "name", "sharing", "requests_per_minute", "prompt_tokens_per_minute",
         "max_concurrent_requests", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
         "usage_completion_tokens", "usage_refused",
     )  # fmt: skip
@@ -61,6 +72,10 @@ class TenantAdmin(admin.ModelAdmin):
         "usage_refused", "created_at",
     )  # fmt: skip
     inlines = (ApiKeyInline,)
+
+    @admin.display(description="Prefix cache", ordering="share_prefix_cache")
+    def sharing(self, tenant: Tenant) -> str:
+        return "shared" if tenant.share_prefix_cache else "own"
 
     def _usage(self, tenant: Tenant) -> dict[str, int]:
         """The tenant's counters; read for every tenant of a list page at once (changelist_view)."""
@@ -130,7 +145,8 @@ class ApiKeyAddForm(forms.ModelForm):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ("name", "tenant", "masked", "staff", "state", "created_at", "expires_at", "revoked_at")
+    # What an operator acts on, short enough for 800 px: the revocation's date is on the key's page.
+    list_display = ("name", "tenant", "masked", "kind", "state", "last_used", "expires_at")
     list_filter = ("staff", "tenant")
     search_fields = ("name", "prefix", "tenant__name")
     actions = ("revoke",)
@@ -138,20 +154,45 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_fields(self, request, obj=None):
         if obj is None:
             return ("tenant", "name", "staff", "expires_at", "once")
-        return ("tenant", "name", "masked", "staff", "state", "created_at", "expires_at", "revoked_at")
+        return (
+            "tenant", "name", "masked", "staff", "state", "last_used", "created_at", "expires_at",
+            "revoked_at",
+        )  # fmt: skip
 
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
             return ()
-        return ("tenant", "masked", "state", "created_at", "revoked_at")
+        return ("tenant", "masked", "state", "last_used", "created_at", "revoked_at")
 
     @admin.display(description="Key")
     def masked(self, key: ApiKey) -> str:
         return key.masked
 
+    @admin.display(description="Kind")
+    def kind(self, key: ApiKey) -> str:
+        return key_kind(key)
+
     @admin.display(description="State")
     def state(self, key: ApiKey) -> str:
         return key.refusal() or "active"
+
+    @admin.display(description="Last used")
+    def last_used(self, key: ApiKey) -> str:
+        if not hasattr(key, "_last_used"):  # a key's own page: read it alone
+            key._last_used = (last_used([key.prefix]) or {}).get(key.prefix, UNKNOWN)
+        used = key._last_used
+        if used is UNKNOWN:
+            return "unknown (Redis unavailable)"
+        return "never" if used is None else f"{used:%Y-%m-%d %H:%M} UTC"
+
+    def changelist_view(self, request, extra_context=None):
+        response = super().changelist_view(request, extra_context)
+        keys = getattr(getattr(response, "context_data", {}).get("cl"), "result_list", None)
+        if keys is not None:  # one Redis read for the page, before it renders
+            used = last_used(key.prefix for key in keys)
+            for key in keys:
+                key._last_used = UNKNOWN if used is None else used.get(key.prefix)
+        return response
 
     def get_form(self, request, obj=None, change=False, **kwargs):
         if obj is not None:
@@ -201,7 +242,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
             self.admin_site.admin_view(self.created_view),
             name="tenants_apikey_created",
         )
-        return [created, *super().get_urls()]
+        revoke = path(
+            "<int:key_id>/revoke/",
+            self.admin_site.admin_view(self.revoke_view),
+            name="tenants_apikey_revoke",
+        )
+        return [created, revoke, *super().get_urls()]
 
     def created_view(self, request: HttpRequest, key_id: int) -> HttpResponse:
         """The new key, once: taken out of the session as the page renders."""
@@ -233,6 +279,27 @@ class ApiKeyAdmin(admin.ModelAdmin):
             f"Revoked {revoked} key(s) as of {timezone.now():%Y-%m-%d %H:%M:%S} UTC.",
             messages.SUCCESS,
         )
+
+    @method_decorator(require_POST)
+    def revoke_view(self, request: HttpRequest, key_id: int) -> HttpResponse:
+        """The key's page's Revoke button: refused from now on, the row kept (Delete forgets it)."""
+        key = get_object_or_404(ApiKey, pk=key_id)
+        if not self.has_change_permission(request, key):
+            raise PermissionDenied
+        if revoke_api_key(key):
+            self.log_change(request, key, "Revoked.")
+            self.message_user(request, f"Revoked {key.masked} ({key.name}).", messages.SUCCESS)
+        else:
+            self.message_user(request, f"{key.masked} was revoked already.", messages.WARNING)
+        return HttpResponseRedirect(reverse("admin:tenants_apikey_change", args=[key.pk]))
+
+
+UNKNOWN = object()  # a key's last use when Redis could not say
+
+
+def key_kind(key: ApiKey) -> str:
+    """Staff or not, in words: not being an operator's key is no fault to mark in red."""
+    return "operator" if key.staff else "tenant"
 
 
 def _fresh_new_keys(kept: dict[str, list]) -> dict[str, list]:

@@ -414,4 +414,53 @@ def test_the_tenant_list_shows_each_tenants_usage_and_sharing(admin_client, sett
     # then both show the counters, and the list shows who shares
     for shown in (listing, page):
         assert "1234" in shown and "987" in shown and "55" in shown
-    assert "Cached tokens" in listing and "Share prefix cache" in listing
+    assert "Cached tokens" in listing and "Prefix cache" in listing and "shared" in listing
+
+
+def test_a_keys_page_revokes_it_and_shows_when_it_was_last_used(admin_client):
+    from django.contrib.admin.models import LogEntry
+
+    from tenants.key_use import forget_recorded_uses
+
+    # given a key that was never used, and one that opened a request
+    tenant = Tenant.objects.create(name="acme")
+    idle, _ = create_api_key(tenant, "idle")
+    used, plaintext = create_api_key(tenant, "used")
+    forget_recorded_uses()
+    authenticate(plaintext)
+    # then the list and each key's page say when each was last used
+    listing = admin_client.get("/admin/tenants/apikey/").content.decode()
+    assert "Last used" in listing and "never" in listing
+    assert (
+        f"{timezone.now():%Y-%m-%d}"
+        in admin_client.get(f"/admin/tenants/apikey/{used.pk}/change/").content.decode()
+    )
+    page = admin_client.get(f"/admin/tenants/apikey/{idle.pk}/change/").content.decode()
+    assert "never" in page and 'id="revoke-key"' in page
+
+    # when the operator presses Revoke on the key's page (a GET of its address does nothing)
+    assert admin_client.get(f"/admin/tenants/apikey/{used.pk}/revoke/").status_code == 405
+    response = admin_client.post(f"/admin/tenants/apikey/{used.pk}/revoke/")
+
+    # then the key is refused from now on, kept in the list, and the history says who revoked it
+    assert response.status_code == 302
+    with pytest.raises(KeyRefused, match="revoked"):
+        authenticate(plaintext)
+    assert ApiKey.objects.filter(pk=used.pk).exists()
+    assert LogEntry.objects.get(object_id=str(used.pk)).get_change_message() == "Revoked."
+    assert 'id="revoke-key"' not in admin_client.get(response["Location"]).content.decode()
+
+
+def test_not_being_staff_or_sharing_is_written_in_words_not_a_red_cross(admin_client):
+    tenant = Tenant.objects.create(name="acme")
+    key, _ = create_api_key(tenant, "ci")
+    for url in (
+        "/admin/tenants/apikey/",
+        f"/admin/tenants/apikey/{key.pk}/change/",
+        "/admin/tenants/tenant/",
+        f"/admin/tenants/tenant/{tenant.pk}/change/",
+    ):
+        page = admin_client.get(url).content.decode()
+        assert "icon-no.svg" not in page, url
+    assert "tenant" in admin_client.get("/admin/tenants/apikey/").content.decode()
+    assert ">own<" in admin_client.get("/admin/tenants/tenant/").content.decode()

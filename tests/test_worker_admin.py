@@ -36,3 +36,20 @@ def test_the_admin_makes_no_worker_rows_registration_does(admin_client):
     assert admin_client.get("/admin/routing/worker/add/").status_code == 403
     admin_client.post("/admin/routing/worker/add/", {"name": "gpu9", "enabled": "on"})
     assert not Worker.objects.exists()
+
+
+def test_a_live_worker_without_session_scoping_reads_not_scoped_without_a_red_cross(admin_client, settings):
+    from routing.fleet.registry import Heartbeat, WorkerRegistry
+    from routing.state.redis_keys import sync_client
+
+    # given a live worker whose caches are not session-scoped
+    Worker.objects.create(name="gpu0", model_name="demo")
+    registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    registry.beat(Heartbeat(name="gpu0", model="demo", block_size=16, session_scoped=False), ttl_s=30)
+    try:
+        page = admin_client.get("/admin/routing/worker/").content.decode()
+    finally:
+        registry.remove("gpu0")
+    # then the list says so in words; only the live state keeps its icon (a green check here)
+    assert "not scoped" in page
+    assert "icon-no.svg" not in page and "icon-yes.svg" in page
