@@ -12,10 +12,11 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import path, reverse
 from django.utils.decorators import method_decorator
-from django.utils.html import escape
+from django.utils.html import escape, format_html
 from django.views.decorators.http import require_POST
 
 from routing.fleet.registry import WorkerRegistry
+from routing.kv.load import TOTALS_KEY, LoadTracker
 from routing.models import RoutingPolicySettings, Worker
 from routing.policy import environment_defaults, forget_cached_policy
 from routing.state.redis_keys import redact_text, sync_client
@@ -35,19 +36,28 @@ class EscapedHelpTexts:
 class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
     # Fits 1,400 px without scrolling sideways; block size, host and pid are on each worker's page.
     list_display = (
-        "name", "live", "role", "enabled", "draining", "device", "model_name", "session_scoped",
-        "shared_image_cache",
+        "name", "live", "role", "enabled", "draining", "in_flight", "device", "model_name",
+        "session_scoped", "shared_image_cache",
     )  # fmt: skip
     list_editable = ("enabled", "draining")
     list_filter = ("role", "enabled", "draining", "device")
     # Identity comes from the worker process when it registers: the name is its Celery queue and
     # the key of its heartbeat, so a name changed here would orphan a healthy worker (its
     # heartbeat no longer matches a row) and leave a row that can only ever be down.
+    fields = (
+        "worker_name", "enabled", "draining", "role", "device", "model_name", "block_size", "host", "pid",
+        "registered_at", "deregistered_at",
+    )  # fmt: skip
     readonly_fields = (
-        "name", "role", "device", "model_name", "block_size", "host", "pid", "registered_at",
+        "worker_name", "role", "device", "model_name", "block_size", "host", "pid", "registered_at",
         "deregistered_at",
     )  # fmt: skip
     actions = ("drain", "enable")
+
+    @admin.display(description="Name", ordering="name")
+    def worker_name(self, worker: Worker) -> str:
+        # Shown, never a form field (a read-only model field would show its help text unescaped).
+        return format_html('{} <span class="help">(Celery queue {})</span>', worker.name, worker.queue)
 
     def has_add_permission(self, request) -> bool:
         return False  # rows are made by registration (run_worker): one made here could only be down
@@ -55,13 +65,19 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
     def get_queryset(self, request):
         queryset = super().get_queryset(request)
         # By name: a SCAN for heartbeats would walk every KV index key in the database.
-        registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+        client = sync_client(settings.REDIS_URL)
+        registry = WorkerRegistry(client, settings.REDIS_KEY_PREFIX)
+        names = list(queryset.values_list("name", flat=True))
         try:
-            self._alive = registry.alive(queryset.values_list("name", flat=True))
+            self._alive = registry.alive(names)
+            # Read, not swept: a GET changes nothing (workers sweep expired entries as they beat).
+            totals = client.hgetall(f"{settings.REDIS_KEY_PREFIX}{TOTALS_KEY}")
+            loads = LoadTracker.loads(totals, names)
+            self._routed = {n: load.active_requests for n, load in zip(names, loads, strict=True)}
             self._live_known = True
         except redis.RedisError as exc:
             # Like the dashboard: the rows still show and stay editable; the live state is unknown.
-            self._alive, self._live_known = {}, False
+            self._alive, self._routed, self._live_known = {}, {}, False
             messages.warning(
                 request,
                 f"Redis unavailable ({type(exc).__name__}: {redact_text(str(exc))}): "
@@ -74,6 +90,20 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
         if not getattr(self, "_live_known", True):
             return None
         return worker.name in getattr(self, "_alive", {})
+
+    @admin.display(description="In flight")
+    def in_flight(self, worker: Worker) -> str:
+        """Requests routed to the worker and not finished, or, once a drained worker has none,
+        that it may be stopped: what an operator waits for after "Drain"."""
+        beat = getattr(self, "_alive", {}).get(worker.name)
+        if beat is None:
+            return "—"
+        # The router's count covers requests still queued for the worker; the engine's, what
+        # it holds (a request routed by a frontend that died is in the engine's count only).
+        count = max(getattr(self, "_routed", {}).get(worker.name, 0), beat.running + beat.waiting)
+        if count == 0 and (worker.draining or not worker.enabled or beat.stopping):
+            return "drained, safe to stop"
+        return str(count)
 
     @admin.display(description="Scoped")
     def session_scoped(self, worker: Worker) -> str:
