@@ -24,6 +24,8 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.decorators import method_decorator
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_POST
 
 from routing.state.redis_keys import sync_client
@@ -55,9 +57,10 @@ class ApiKeyInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
+    # The limits share one column and numbers break only between groups of digits, so every
+    # usage column README promises is in sight at 800 px (tests/test_admin_browser.py).
     list_display = (
-        "name", "sharing", "requests_per_minute", "prompt_tokens_per_minute",
-        "max_concurrent_requests", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
+        "name", "sharing", "limits", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
         "usage_completion_tokens", "usage_refused",
     )  # fmt: skip
     list_filter = ("share_prefix_cache",)
@@ -77,6 +80,16 @@ class TenantAdmin(admin.ModelAdmin):
     def sharing(self, tenant: Tenant) -> str:
         return "shared" if tenant.share_prefix_cache else "own"
 
+    @admin.display(description="Limits")
+    def limits(self, tenant: Tenant) -> str:
+        parts = [
+            (tenant.requests_per_minute, "requests/min"),
+            (tenant.prompt_tokens_per_minute, "prompt tokens/min"),
+            (tenant.max_concurrent_requests, "at once"),
+        ]
+        shown = [format_html("{} {}", counted(value), unit) for value, unit in parts if value is not None]
+        return format_html_join(mark_safe("<br>"), "{}", ((part,) for part in shown)) if shown else "none"
+
     def _usage(self, tenant: Tenant) -> dict[str, int]:
         """The tenant's counters; read for every tenant of a list page at once (changelist_view)."""
         cache = getattr(self, "_usage_cache", None) or {}
@@ -95,6 +108,8 @@ class TenantAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request, extra_context=None):
         self._usage_cache = {}  # counters are read afresh for each page
+        # Ten columns need the page's width more than the models' sidebar needs a third of it.
+        extra_context = {"is_nav_sidebar_enabled": False, **(extra_context or {})}
         response = super().changelist_view(request, extra_context)
         tenants = getattr(getattr(response, "context_data", {}).get("cl"), "result_list", None)
         if tenants is not None:
@@ -106,24 +121,24 @@ class TenantAdmin(admin.ModelAdmin):
         return super().change_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="Requests")
-    def usage_requests(self, tenant: Tenant) -> int | str:
-        return self._usage(tenant).get("requests", "?")
+    def usage_requests(self, tenant: Tenant) -> str:
+        return counted(self._usage(tenant).get("requests"))
 
     @admin.display(description="Prompt tokens")
-    def usage_prompt_tokens(self, tenant: Tenant) -> int | str:
-        return self._usage(tenant).get("prompt_tokens", "?")
+    def usage_prompt_tokens(self, tenant: Tenant) -> str:
+        return counted(self._usage(tenant).get("prompt_tokens"))
 
     @admin.display(description="Cached tokens")
-    def usage_cached_tokens(self, tenant: Tenant) -> int | str:
-        return self._usage(tenant).get("cached_tokens", "?")
+    def usage_cached_tokens(self, tenant: Tenant) -> str:
+        return counted(self._usage(tenant).get("cached_tokens"))
 
     @admin.display(description="Completion tokens")
-    def usage_completion_tokens(self, tenant: Tenant) -> int | str:
-        return self._usage(tenant).get("completion_tokens", "?")
+    def usage_completion_tokens(self, tenant: Tenant) -> str:
+        return counted(self._usage(tenant).get("completion_tokens"))
 
-    @admin.display(description="Refused (over a limit)")
-    def usage_refused(self, tenant: Tenant) -> int | str:
-        return self._usage(tenant).get("refused", "?")
+    @admin.display(description="Refused")
+    def usage_refused(self, tenant: Tenant) -> str:
+        return counted(self._usage(tenant).get("refused"))
 
 
 ADD_TOKENS_SESSION_KEY = "tenants-apikey-add-tokens"
@@ -186,6 +201,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         return "never" if used is None else f"{used:%Y-%m-%d %H:%M} UTC"
 
     def changelist_view(self, request, extra_context=None):
+        extra_context = {"is_nav_sidebar_enabled": False, **(extra_context or {})}
         response = super().changelist_view(request, extra_context)
         keys = getattr(getattr(response, "context_data", {}).get("cl"), "result_list", None)
         if keys is not None:  # one Redis read for the page, before it renders
@@ -306,3 +322,11 @@ def _fresh_new_keys(kept: dict[str, list]) -> dict[str, list]:
     """The new keys still waiting to be shown, without those older than NEW_KEY_TTL_SECS."""
     oldest = time.time() - NEW_KEY_TTL_SECS
     return {pk: entry for pk, entry in kept.items() if entry[1] >= oldest}
+
+
+def counted(value: int | None) -> str:
+    """A count with thousands separators that a narrow column may break after ("?": unknown,
+    Redis did not answer), never inside a group of digits."""
+    if value is None:
+        return "?"
+    return mark_safe(f"{value:,}".replace(",", ",<wbr>"))  # digits and commas only
