@@ -107,8 +107,8 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
         beat = getattr(self, "_alive", {}).get(worker.name)
         if beat is None:
             return "—"
-        # The router's count covers requests still queued for the worker; the engine's, what
-        # it holds (a request routed by a frontend that died is in the engine's count only).
+        # The router's count includes requests sent and not yet taken from the worker's queue;
+        # the heartbeat's, what its engine runs and holds waiting. Both zero: nothing is left.
         count = max(getattr(self, "_routed", {}).get(worker.name, 0), beat.running + beat.waiting)
         if count == 0 and (worker.draining or not worker.enabled or beat.stopping):
             return "drained, safe to stop"
@@ -227,7 +227,10 @@ def policy_source(policy: RoutingPolicySettings) -> str:
         .order_by("-action_time")
         .first()
     )
-    saved_by = f" by {entry.user.get_username()}" if entry and entry.change_message != RESET_MESSAGE else ""
+    # The admin logs a save just after it writes the row: an entry older than the row (a reset,
+    # or a save from a shell since) does not say who saved these values.
+    by_admin = entry is not None and entry.action_time >= policy.updated_at
+    saved_by = f" by {entry.user.get_username()}" if by_admin else ""
     changed = [
         f"{name} {value!r}"
         for name, value in environment_defaults().items()

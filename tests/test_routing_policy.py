@@ -105,6 +105,15 @@ def test_the_policy_page_says_who_saved_it_and_a_reset_gives_the_environment_bac
     assert "The environment (ROUTER_MODE" in staff_client.get(response["Location"]).content.decode()
 
 
+def test_a_policy_saved_outside_the_admin_is_not_credited_to_the_last_operator(staff_client):
+    # given an operator's save, then another from a shell (no admin log entry)
+    staff_client.post("/admin/routing/routingpolicysettings/1/change/", POLICY_FORM)
+    RoutingPolicySettings(mode="random").save()
+    # then the page says when it was saved, not that the operator saved it
+    page = staff_client.get("/admin/routing/routingpolicysettings/1/change/").content.decode()
+    assert "Saved at" in page and "Saved by operator" not in page
+
+
 @pytest.mark.integration
 def test_an_edit_reaches_a_running_frontend_without_a_restart(platform_processes):
     platform = platform_processes()
