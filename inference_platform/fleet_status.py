@@ -41,9 +41,14 @@ class Availability:
             return ""
         parts = [f"{', '.join(names)} {why}" for why, names in self.held_back.items()]
         if self.held_back:
+            what_to_do = []
+            if set(self.held_back) - {"shutting down"}:
+                what_to_do.append("in the admin, Workers: 'Enable and stop draining' ends a drain")
+            if "shutting down" in self.held_back:
+                what_to_do.append("a worker shutting down takes requests again once restarted")
             return (
-                f"No worker takes new requests for '{self.model}': {'; '.join(parts)}. An operator "
-                "drained or disabled them in the admin (Workers: 'Enable and stop draining' ends it)"
+                f"No worker takes new requests for '{self.model}': {'; '.join(parts)} "
+                f"({'; '.join(what_to_do)})"
             )
         down = f" (registered but down: {', '.join(self.down)})" if self.down else ""
         return f"No live worker serves '{self.model}' right now{down}"

@@ -102,3 +102,20 @@ def row(listing: str, name: str) -> str:
     """The list's table row of one worker."""
     start = listing.index(f">{name}</a>")
     return listing[listing.rindex("<tr", 0, start) : listing.index("</tr>", start)]
+
+
+def test_a_fleet_shutting_down_is_told_apart_from_one_an_operator_drained():
+    from inference_platform.fleet_status import Availability
+
+    stopping = Availability(model="demo", accepting=(), held_back={"shutting down": ("gpu0",)}, live=1)
+    assert "gpu0 shutting down" in stopping.reason and "once restarted" in stopping.reason
+    assert "Enable and stop draining" not in stopping.reason
+    mixed = Availability(
+        model="demo",
+        accepting=(),
+        held_back={"draining": ("gpu0",), "disabled in the admin": ("gpu1",)},
+        live=2,
+    )
+    assert "gpu0 draining; gpu1 disabled in the admin" in mixed.reason
+    assert "Enable and stop draining" in mixed.reason
+    assert Availability(model="demo", accepting=("gpu0",)).reason == ""
