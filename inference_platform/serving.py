@@ -37,6 +37,7 @@ from inference_platform.dispatch import (
     worker_states,
 )
 from inference_platform.encoding import describe_encoding, plan_encoding
+from inference_platform.fleet_status import no_worker_error
 from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.fleet.registry import Heartbeat
 from routing.kv.decision import AllWorkersBusy, RoutingDecision
@@ -660,12 +661,8 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
 
     workers = await eligible_workers(model.name, view.block_size)
-    if not workers:
-        raise ApiError(
-            503,
-            f"No live worker serves '{model.name}' right now (request {request_id}).",
-            code="no_live_worker",
-        )
+    if not workers:  # why none, naming the workers, with Retry-After (drained, disabled, down)
+        raise await no_worker_error(model.name, view.block_size, request_id)
     started = time.perf_counter()
     try:
         lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, request_id)

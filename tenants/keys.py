@@ -34,6 +34,7 @@ from django.utils import timezone
 from routing.prompt.hashing import cache_salt
 from routing.state.expiring import ExpiringLru
 from routing.state.redis_keys import read_generation, renew_generation, sync_client
+from tenants.key_use import note_key_used
 from tenants.models import ApiKey, Tenant
 
 logger = logging.getLogger("tenants.keys")
@@ -166,6 +167,7 @@ def authenticate(presented: str) -> Caller:
     if generation is not None:
         caller = verified_keys().get(digest, generation)
         if caller is not None:
+            note_key_used(shape.group(1))
             return caller
     key = ApiKey.objects.select_related("tenant").filter(prefix=shape.group(1)).first()
     # Compared in constant time, and a missing row costs the same hash as a present one.
@@ -178,6 +180,7 @@ def authenticate(presented: str) -> Caller:
     caller = caller_for(key)
     if generation is not None:
         verified_keys().put(digest, generation, caller, key.expires_at)
+    note_key_used(key.prefix)
     return caller
 
 

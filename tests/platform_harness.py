@@ -81,7 +81,7 @@ import django
 django.setup()
 from django.core.management import call_command
 call_command("migrate", interactive=False, verbosity=0)
-call_command("api_keys", "create", "--tenant", "harness", "--name", "harness", "--staff")
+call_command("api_keys", "create", "--tenant", "harness", "--create-tenant", "--name", "harness", "--staff")
 """
 
 

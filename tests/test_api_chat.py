@@ -155,17 +155,20 @@ async def test_no_live_worker_is_a_503(client, served_demo_model):
     assert_openai_error(body, code="no_live_worker")
     assert body["error"]["type"] == "server_error"
     assert response["X-Request-Id"] in body["error"]["message"]
+    assert int(response["Retry-After"]) > 0  # a worker starting or restarting helps
 
 
 async def test_a_disabled_or_draining_worker_receives_nothing(client, served_demo_model, ghost_worker):
     await Worker.objects.filter(name="ghost").aupdate(draining=True)
-    status, body, _ = await post(client, chat_body(served_demo_model))
-    assert status == 503
-    assert body["error"]["code"] == "no_live_worker"
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 503 and response["Retry-After"]
+    assert body["error"]["code"] == "no_worker_accepting"
+    assert "ghost draining" in body["error"]["message"]
     await Worker.objects.filter(name="ghost").aupdate(draining=False, enabled=False)
     status, body, _ = await post(client, chat_body(served_demo_model))
     assert status == 503
-    assert body["error"]["code"] == "no_live_worker"
+    assert body["error"]["code"] == "no_worker_accepting"
+    assert "ghost disabled in the admin" in body["error"]["message"]
 
 
 async def test_a_worker_that_never_answers_fault_injected_is_a_504_with_the_request_id(

@@ -109,6 +109,7 @@ def test_health_answers_without_a_key_and_ready_needs_a_live_worker(served_demo_
             "status": "ready",
             "redis": "ok",
             "live_workers": 1,
+            "accepting_workers": 1,
         }
     finally:
         registry.remove("readyness")

@@ -366,6 +366,7 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                 "status": {"type": "string", "enum": ["ready", "unavailable"]},
                 "redis": {"type": "string"},
                 "live_workers": {"type": "integer", "minimum": 0},
+                "accepting_workers": {"type": "integer", "minimum": 0},
                 "reason": {"type": "string"},
             },
         },
