@@ -16,6 +16,7 @@ from django.shortcuts import render
 from django.urls import path, reverse
 from django.views.decorators.http import require_GET
 
+from routing.deployment import statistics_namespace
 from routing.models import Worker
 from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
@@ -40,7 +41,7 @@ CACHE_TITLES = {
 
 def deployment_snapshot(minutes: int) -> Snapshot:
     """The snapshot of this deployment: its Redis, its prefix, its worker rows."""
-    reader = shared_reader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    reader = shared_reader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, statistics_namespace())
     return reader.snapshot(Worker.objects.all(), minutes=minutes)
 
 

@@ -27,6 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from inference_platform.api.auth import api_key_required
+from routing.deployment import statistics_namespace
 from routing.fleet.encoders import FALLBACK_CAUSES
 from routing.models import Worker
 from routing.observe import telemetry
@@ -119,11 +120,12 @@ def metrics(request: HttpRequest) -> HttpResponse:
 
 def deployment_families() -> list[Metric]:
     client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
-    snapshot = shared_reader(client, namespace).snapshot(Worker.objects.all(), minutes=0)
+    statistics = statistics_namespace()
+    snapshot = shared_reader(client, namespace, statistics).snapshot(Worker.objects.all(), minutes=0)
     return [
         *snapshot_families(snapshot),
         *telemetry_families(
-            telemetry.read_totals(client, namespace), telemetry.read_gauges(client, namespace)
+            telemetry.read_totals(client, statistics), telemetry.read_gauges(client, statistics)
         ),
     ]
 

@@ -16,6 +16,7 @@ from django.test import Client
 
 from inference_platform.admin_dashboard import big_numbers
 from routing.contract.kv_events import KvEvent
+from routing.deployment import statistics_namespace
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
@@ -97,8 +98,10 @@ ROWS = [
 ]
 
 
-def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
-    """Write what running workers and frontends would, through the classes they use."""
+def populate(client: redis.Redis, namespace: str, *, now: float, statistics: str | None = None) -> None:
+    """Write what running workers and frontends would, through the classes they use: live state
+    under `namespace`, counters under `statistics` (the deployment's; `namespace` if not given)."""
+    counted = namespace if statistics is None else statistics
     registry = WorkerRegistry(client, namespace)
     for name, device, capacity in (("gpu0", "cuda:0", 1000), ("gpu1", "cuda:1", 500), ("gpu3", "cpu", 64)):
         beat = Heartbeat(name, "demo", block_size=16, device=device, kv_capacity_blocks=capacity)
@@ -125,11 +128,11 @@ def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
     load.free("gpu1", "r3")
 
     # Two minutes ago gpu0 hit half its prompt tokens; this minute three quarters of them.
-    earlier = CacheStats(client, namespace, "gpu0", clock=lambda: now - 120)
+    earlier = CacheStats(client, counted, "gpu0", clock=lambda: now - 120)
     earlier.incr("kv", "cached_tokens", 10)
     earlier.incr("kv", "prompt_tokens", 20)
     earlier.close()
-    gpu0 = CacheStats(client, namespace, "gpu0", clock=lambda: now)
+    gpu0 = CacheStats(client, counted, "gpu0", clock=lambda: now)
     gpu0.incr("kv", "cached_tokens", 20)
     gpu0.incr("kv", "prompt_tokens", 20)
     gpu0.incr("kv", "hits", 3)
@@ -140,11 +143,11 @@ def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
     gpu0.incr("shared_image", "bytes", 2048)
     gpu0.incr("shared_image", "errors", 1)
     gpu0.close()
-    gpu1 = CacheStats(client, namespace, "gpu1", clock=lambda: now)
+    gpu1 = CacheStats(client, counted, "gpu1", clock=lambda: now)
     gpu1.incr("kv", "prompt_tokens", 10)
     gpu1.incr("local_image", "bypasses", 4)
     gpu1.close()
-    gpu3 = CacheStats(client, namespace, "gpu3", clock=lambda: now)
+    gpu3 = CacheStats(client, counted, "gpu3", clock=lambda: now)
     gpu3.incr("shared_image", "bypasses", 1)
     gpu3.close()
 
@@ -179,7 +182,7 @@ def set_up_deployment(settings, client: redis.Redis, url: str, namespace: str) -
     settings.REDIS_URL = url
     settings.REDIS_KEY_PREFIX = namespace
     now = away_from_a_minute_boundary()
-    populate(client, namespace, now=now)
+    populate(client, namespace, now=now, statistics=statistics_namespace())
     create_rows()
     return now
 

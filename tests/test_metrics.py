@@ -11,6 +11,7 @@ from django.test import Client
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
+from routing.deployment import statistics_namespace
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.observe.cache_stats import CacheStats
 from routing.observe.metric_catalog import CATALOG
@@ -61,9 +62,7 @@ def test_metrics_parse_in_both_formats_with_help_and_type_for_every_metric(
     deployment: float, accept: str
 ) -> None:
     # given: requests recorded through the telemetry every process uses
-    recorder = MetricsRecorder(
-        sync_client(live_settings.REDIS_URL), live_settings.REDIS_KEY_PREFIX, source="web:t"
-    )
+    recorder = MetricsRecorder(sync_client(live_settings.REDIS_URL), statistics_namespace(), source="web:t")
     recorder.inc("requests", labels={"status": "200", "worker": "gpu0"})
     recorder.observe("ttft_seconds", 0.2, labels={"worker": "gpu0"})
     recorder.close()
@@ -136,7 +135,7 @@ def test_label_values_are_escaped(deployment: float, redis_client: redis.Redis, 
     odd_model = 'say "hi"\nC:\\models'
     odd_name = 'odd"\\name'
     WorkerRegistry(redis_client, key_namespace).beat(Heartbeat(odd_name, odd_model, block_size=16), ttl_s=60)
-    counted = CacheStats(redis_client, key_namespace, odd_name)
+    counted = CacheStats(redis_client, statistics_namespace(), odd_name)
     counted.incr("kv", "hits")
     counted.close()
     # when

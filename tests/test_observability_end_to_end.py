@@ -60,7 +60,7 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
     observed_platform: ObservedPlatform,
 ) -> None:
     platform = observed_platform
-    redis_client, namespace = platform.processes.redis, platform.processes.namespace
+    redis_client, namespace = platform.processes.redis, platform.processes.statistics_namespace
     # given: requests answered three hours ago, recorded by the classes the processes record with
     # (their own clocks put them there; the platform's processes cannot be sent back in time)
     then = time.time() - HISTORY_AGE_S

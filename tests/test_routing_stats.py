@@ -9,6 +9,7 @@ import pytest
 import redis
 from django.core.management import CommandError, call_command
 
+from routing.deployment import statistics_namespace
 from routing.models import Worker
 from routing.observe.dashboard import DashboardReader
 from tests.test_dashboard import EXPECTED, closed_port, set_up_deployment
@@ -32,7 +33,9 @@ def test_json_output_is_the_dashboards_snapshot(
     # when
     printed = json.loads(run_command("--json", "--minutes", "5"))
     # then: the same as the reader gives the admin, bar the moment it was taken
-    direct = DashboardReader(redis_client, key_namespace).snapshot(Worker.objects.all(), minutes=5)
+    direct = DashboardReader(redis_client, key_namespace, statistics_namespace()).snapshot(
+        Worker.objects.all(), minutes=5
+    )
     assert printed.pop("generated_at") <= direct.pop("generated_at")
     assert printed == json.loads(json.dumps(direct))
     workers = {w["name"]: w for w in printed["workers"]}

@@ -72,12 +72,15 @@ class DashboardReader:
     counters.
 
     Build it once per Redis client and namespace (see `shared_reader`): the index and load
-    tracker load their Lua scripts when constructed.
+    tracker load their Lua scripts when constructed. Live state (heartbeats, index, load,
+    encoders) is read under `namespace`; counters (cache hits, telemetry) under
+    `statistics_namespace`, the deployment's own (routing.deployment; the same by default).
     """
 
-    def __init__(self, client: redis.Redis, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, statistics_namespace: str | None = None) -> None:
         self._client = client
         self._namespace = namespace
+        self._statistics = namespace if statistics_namespace is None else statistics_namespace
         self._registry = WorkerRegistry(client, namespace)
         self._index = KvIndex(client, namespace)
         self._load = LoadTracker(client, namespace)
@@ -94,7 +97,7 @@ class DashboardReader:
             raise ValueError(f"minutes must be between 0 and {MAX_MINUTES}")
         now = time.time() if now is None else now
         rows_by_name = {row.name: row for row in rows}
-        reported = {_text(name) for name in self._client.smembers(workers_key(self._namespace))}
+        reported = {_text(name) for name in self._client.smembers(workers_key(self._statistics))}
         names = sorted(rows_by_name.keys() | reported)
         # Heartbeats of known names, not WorkerRegistry.all_alive: its SCAN walks the whole
         # keyspace (every KV block is a key) on each 2 s poll. A worker process registers its
@@ -148,7 +151,7 @@ class DashboardReader:
 
     def _window(self, minute_starts: Sequence[int], caches: dict[str, Counts]) -> dict[str, Any]:
         """The window's requests, tokens, errors, latencies and routing quality, per minute and summed."""
-        per_minute = telemetry.read_minutes(self._client, self._namespace, [m // 60 for m in minute_starts])
+        per_minute = telemetry.read_minutes(self._client, self._statistics, [m // 60 for m in minute_starts])
         summed = telemetry.merge(per_minute)
         return {
             "minute_starts": list(minute_starts),
@@ -178,12 +181,12 @@ class DashboardReader:
         self._load.queue_totals(pipe)
         for name in names:
             for cache in CACHES:
-                pipe.hgetall(totals_key(self._namespace, name, cache))
+                pipe.hgetall(totals_key(self._statistics, name, cache))
         for name in names:
             for cache in CACHES:
                 for start in minute_starts:
-                    pipe.hgetall(series_key(self._namespace, name, cache, start // 60))
-        pipe.hgetall(telemetry.total_key(self._namespace))
+                    pipe.hgetall(series_key(self._statistics, name, cache, start // 60))
+        pipe.hgetall(telemetry.total_key(self._statistics))
         replies = iter(execute_pipeline(pipe, [self._load.sweep_script])[1:])
         loads = LoadTracker.loads(next(replies), names)
         totals = {name: {cache: _counts(next(replies)) for cache in CACHES} for name in names}
@@ -216,16 +219,19 @@ def routing_quality(metric_totals: telemetry.Parsed) -> dict[str, Any]:
     }
 
 
-_readers: dict[tuple[redis.Redis, str], DashboardReader] = {}
+_readers: dict[tuple[redis.Redis, str, str | None], DashboardReader] = {}
 _readers_lock = threading.Lock()
 
 
-def shared_reader(client: redis.Redis, namespace: str) -> DashboardReader:
-    """One reader per client and namespace for the process (web requests poll every 2 s)."""
+def shared_reader(
+    client: redis.Redis, namespace: str, statistics_namespace: str | None = None
+) -> DashboardReader:
+    """One reader per client and namespaces for the process (web requests poll every 5 s)."""
+    key = (client, namespace, statistics_namespace)
     with _readers_lock:
-        reader = _readers.get((client, namespace))
+        reader = _readers.get(key)
         if reader is None:
-            reader = _readers[(client, namespace)] = DashboardReader(client, namespace)
+            reader = _readers[key] = DashboardReader(client, namespace, statistics_namespace)
         return reader
 
 

@@ -10,6 +10,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from routing.deployment import statistics_namespace
 from routing.models import Worker
 from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import DEFAULT_MINUTES, MAX_MINUTES, DashboardReader, Snapshot
@@ -77,7 +78,9 @@ class Command(BaseCommand):
         if not 0 <= minutes <= MAX_MINUTES:
             raise CommandError(f"--minutes must be between 0 and {MAX_MINUTES}")
         try:
-            reader = DashboardReader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+            reader = DashboardReader(
+                sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, statistics_namespace()
+            )
             snapshot = reader.snapshot(Worker.objects.all(), minutes=minutes)
         except redis.RedisError as exc:
             raise CommandError(

@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from routing.contract.kv_events import KvEvent
 from routing.contract.tasks import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
+from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
 from routing.fleet.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
 from routing.kv.events import KvEventPublisher
@@ -120,8 +121,10 @@ class Command(BaseCommand):
 
             torch.set_num_threads(options["threads"])
 
-        stats = CacheStats(client, namespace, name)
-        metrics = telemetry.attach(client, namespace, name)
+        # Counters go under the deployment's statistics prefix (its database's id), live state not.
+        statistics = statistics_namespace()
+        stats = CacheStats(client, statistics, name)
+        metrics = telemetry.attach(client, statistics, name)
         image_loader = build_image_loader(name, stats, model_path)
         role: str = options["role"]
         index = KvIndex(client, namespace)
