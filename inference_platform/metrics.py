@@ -27,6 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from inference_platform.api.auth import api_key_required
+from inference_platform.request_metrics import counts_http_responses
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import FALLBACK_CAUSES
 from routing.models import Worker
@@ -102,6 +103,7 @@ KV_TOKEN_COUNTERS: tuple[tuple[str, str], ...] = (
 
 
 @csrf_exempt  # a scraper's POST is a 405, not the CSRF failure page
+@counts_http_responses  # a scraper with a wrong token is a 401 Prometheus shows too
 @require_GET
 @api_key_required(operator=True, metrics_token=True)
 def metrics(request: HttpRequest) -> HttpResponse:

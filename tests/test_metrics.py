@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from django.conf import settings as live_settings
@@ -157,3 +159,55 @@ def test_metrics_answer_503_when_redis_is_unreachable(deployment: float, setting
 @pytest.mark.django_db
 def test_metrics_refuse_other_methods(deployment: float) -> None:
     assert scraper().post("/metrics").status_code == 405
+
+
+def scraped_from(url: str, headers: dict[str, str]) -> list[Sample]:
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    assert response.status_code == 200
+    return [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    ]
+
+
+def counted(samples: list[Sample], name: str, **labels: str) -> float:
+    return sum(v for n, ls, v in samples if n == name and ls == labels)
+
+
+@pytest.mark.integration
+def test_refusals_at_the_edge_401_and_415_appear_in_metrics(shared_platform) -> None:
+    # given: what /metrics said before (the platform is shared by other tests)
+    url, chat = shared_platform.base_url, "/v1/chat/completions"
+    before = scraped_from(url, shared_platform.headers)
+    # when: a client with a wrong key, one with none, one sending a form, and a key guessed on /v1/models
+    wrong = {"Authorization": "Bearer sk-00000000.guessedguessedguessedguessedguessed"}
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{url}{chat}", json=body, headers=wrong, timeout=30).status_code == 401
+    assert httpx.post(f"{url}{chat}", json=body, timeout=30).status_code == 401
+    form = httpx.post(f"{url}{chat}", data={"a": "b"}, headers=shared_platform.headers, timeout=30)
+    assert form.status_code == 415
+    assert httpx.get(f"{url}/v1/models", headers=wrong, timeout=30).status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=wrong, timeout=30).status_code == 401
+
+    # then: within a flush, each is counted by route and status, and the chat ones as chat requests
+    def added(samples: list[Sample], name: str, **labels: str) -> float:
+        return counted(samples, name, **labels) - counted(before, name, **labels)
+
+    expected = {
+        ("mmr_http_requests_total", chat, "401"): 2,
+        ("mmr_http_requests_total", chat, "415"): 1,
+        ("mmr_http_requests_total", "/v1/models", "401"): 1,
+        ("mmr_http_requests_total", "/metrics", "401"): 1,
+    }
+    deadline = time.monotonic() + 15
+    while True:
+        samples = scraped_from(url, shared_platform.headers)
+        seen = {key: added(samples, key[0], handler=key[1], status=key[2]) for key in expected}
+        chat_401 = added(samples, "mmr_requests_total", status="401", worker="none")
+        chat_415 = added(samples, "mmr_requests_total", status="415", worker="none")
+        if (seen, chat_401, chat_415) == (expected, 2, 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert seen == expected
+    assert (chat_401, chat_415) == (2, 1)

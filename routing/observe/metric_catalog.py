@@ -66,6 +66,18 @@ REQUESTS = declare(
         ("status", "worker"),
     )
 )
+# Every answer of the API's edge, whatever refused it (a missing or wrong key, a wrong content
+# type, a body too large), which `requests` alone would not show for other endpoints: vLLM's
+# server exposes the same as `http_requests_total{handler,status}`. `handler` is the route's
+# pattern ("unmatched" for a path no route serves), so it stays a short list.
+HTTP_REQUESTS = declare(
+    Metric(
+        "http_requests",
+        "counter",
+        "HTTP responses of /v1/* and /metrics, by route pattern and HTTP status (401, 415 and 413 included).",
+        ("handler", "status"),
+    )
+)
 PROMPT_TOKENS = declare(
     Metric(
         "prompt_tokens", "counter", "Prompt tokens of answered requests, image tokens included.", ("worker",)
