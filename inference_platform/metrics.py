@@ -188,7 +188,9 @@ def encoder_families(section: dict) -> Iterator[Metric]:
     for name, key, help_text in ENCODER_GAUGES:
         family = GaugeMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))
         for e in entries:
-            family.add_metric((e["name"],), float(e[key]))
+            # Another role's embedding cache is its own gauge (mmr_embedding_cache_entries).
+            if key != "cached_entries" or e["role"] == "encode":
+                family.add_metric((e["name"],), float(e[key]))
         yield family
     for name, field, scale, help_text in ENCODER_COUNTERS:
         family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))

@@ -624,3 +624,29 @@ def test_latency_and_inter_token_quantiles_are_in_the_window(
     shown = {number["key"]: number["value"] for number in big_numbers(snapshot)}
     assert shown["latency_p50"].endswith(" ms") and shown["inter_token_p50"].endswith(" ms")
     assert "." in shown["inter_token_p50"], "under 10 ms is shown with a decimal"
+
+
+def test_the_epd_table_shows_the_embeddings_a_both_worker_holds_not_the_routers_empty_list(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    from routing.fleet.encoders import EncoderPool
+
+    # given: a `both` worker that ran its vision tower and holds 6 embeddings in its own cache
+    # (which it lists for no router), and an encode worker whose 2 entries the router lists
+    registry = WorkerRegistry(redis_client, key_namespace)
+    registry.beat(Heartbeat("gpu0", "demo", block_size=16, role="both"), ttl_s=60)
+    registry.beat(Heartbeat("enc0", "demo", block_size=16, role="encode"), ttl_s=60)
+    pool = EncoderPool(redis_client, key_namespace)
+    pool.count("gpu0", {"tower_forwards": 6})
+    pool.count("enc0", {"images": 2, "cache_misses": 2})
+    pool.cached("enc0", "-:aa")
+    pool.cached("enc0", "-:bb")
+    worker = MetricsRecorder(redis_client, key_namespace, source="gpu0")
+    worker.set_gauge("embedding_cache_entries", 6, labels={"worker": "gpu0"})
+    worker.close()
+    # when
+    rows = [Row("gpu0"), Row("enc0")]
+    section = DashboardReader(redis_client, key_namespace).snapshot(rows, minutes=0)["encoders"]
+    # then
+    held = {entry["name"]: entry["cached_entries"] for entry in section["workers"]}
+    assert held == {"gpu0": 6, "enc0": 2}

@@ -146,8 +146,20 @@ class DashboardReader:
             # ... and the chosen window's figures, read from the per-minute buckets only.
             "window": self._window(minute_starts, window_caches) if minutes else None,
             # E/PD: encoder load and queue, embedding-cache hit rate, transfer bytes and time per image.
-            "encoders": dashboard_section(self._encoders, {w["name"]: w["role"] for w in workers}),
+            "encoders": self._encoder_section(workers, now),
         }
+
+    def _encoder_section(self, workers: Sequence[dict[str, Any]], now: float) -> dict[str, Any]:
+        """E/PD's section. An encode worker lists its embeddings for the router; a `both` or `llm`
+        worker's own embedding cache is known only from its gauge, so its row reads that (it
+        read 0, the empty router list, while the worker held some)."""
+        section = dashboard_section(self._encoders, {w["name"]: w["role"] for w in workers})
+        held = telemetry.read_gauges(self._client, self._statistics, now=now).get("embedding_cache_entries")
+        for entry in section["workers"]:
+            if entry["role"] != "encode":
+                own = held.values.get((entry["name"],)) if held is not None else None
+                entry["cached_entries"] = None if own is None else int(own)
+        return section
 
     def _window(self, minute_starts: Sequence[int], caches: dict[str, Counts]) -> dict[str, Any]:
         """The window's requests, tokens, errors, latencies and routing quality, per minute and summed."""

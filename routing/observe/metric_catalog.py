@@ -218,6 +218,15 @@ ENGINE_WAITING = declare(
 ENGINE_KV_BLOCKS_USED = declare(
     Metric("engine_kv_blocks_used", "gauge", "KV blocks the worker's prefix cache holds now.", ("worker",))
 )
+EMBEDDING_CACHE_ENTRIES = declare(
+    Metric(
+        "embedding_cache_entries",
+        "gauge",
+        "Image embeddings the worker's own embedding cache holds (a `both` or `llm` worker's; an "
+        "encode worker's are mmr_encoder_cached_embeddings).",
+        ("worker",),
+    )
+)
 ENGINE_KV_BLOCKS_FREE = declare(
     Metric(
         "engine_kv_blocks_free", "gauge", "KV blocks the worker's prefix cache can still take.", ("worker",)

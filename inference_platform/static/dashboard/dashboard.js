@@ -259,7 +259,7 @@
       tr.dataset.worker = e.name;
       const encodes = e.role === "encode";
       tr.append(cell(e.name), cell(e.role), cell(String(e.pending), "num"), cell(String(e.busy), "num"),
-        cell(String(e.cached_entries), "num"), cell(percent(e.embedding_cache_hit_rate), "num"),
+        cell(e.cached_entries === null || e.cached_entries === undefined ? "—" : String(e.cached_entries), "num"), cell(percent(e.embedding_cache_hit_rate), "num"),
         cell(fixed(e.encode_ms_per_image, 1), "num"),
         cell(fixed(encodes ? e.put_bytes_per_image : e.received_bytes_per_image, 0), "num"),
         cell(fixed(encodes ? e.put_ms_per_image : e.get_ms_per_image, 2), "num"),
