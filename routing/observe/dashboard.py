@@ -84,7 +84,7 @@ class DashboardReader:
         self._registry = WorkerRegistry(client, namespace)
         self._index = KvIndex(client, namespace)
         self._load = LoadTracker(client, namespace)
-        self._encoders = EncoderPool(client, namespace)
+        self._encoders = EncoderPool(client, namespace, statistics_namespace=self._statistics)
 
     def snapshot(
         self, rows: Iterable[WorkerRow], *, minutes: int = DEFAULT_MINUTES, now: float | None = None

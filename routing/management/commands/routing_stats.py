@@ -153,8 +153,8 @@ class Command(BaseCommand):
             *(
                 [label, " / ".join(seconds(figures[key][q]) for q in ("p50", "p90", "p99"))]
                 for label, key in (
-                    ("latency p50/p90/p99", "latency"),
-                    ("inter-token p50/p90/p99", "inter_token"),
+                    ("e2e p50/p90/p99", "latency"),
+                    ("itl p50/p90/p99", "inter_token"),
                 )
             ),
             *([f"{CACHE_HEADINGS[cache]} hits", f"{window['caches'][cache]['hits']}"] for cache in CACHES),

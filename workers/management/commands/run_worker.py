@@ -135,7 +135,9 @@ class Command(BaseCommand):
         )
         if publisher is None:
             index.purge_worker(name)  # no `cleared` will come: forget what a previous life held
-        encoders = EncoderPool(client, namespace, pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS)
+        encoders = EncoderPool(
+            client, namespace, pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS, statistics_namespace=statistics
+        )
         features = media_store_from_settings(client, namespace, settings)  # the media side store
         towers = TowerCounter(encoders, name)
         started = time.monotonic()
