@@ -16,7 +16,7 @@ from django.shortcuts import render
 from django.urls import path, reverse
 from django.views.decorators.http import require_GET
 
-from routing.deployment import statistics_namespace
+from routing.deployment import deployment_id, statistics_namespace
 from routing.models import Worker
 from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
@@ -209,6 +209,8 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
         "title": "Live dashboard",
         "redis_url": redact_url(settings.REDIS_URL),
         "key_prefix": settings.REDIS_KEY_PREFIX,
+        # Whose figures these are: another deployment on the same Redis and prefix has its own.
+        "deployment_id": deployment_id() if snapshot else "",
         "minutes": minutes,
         "window_label": window_label(minutes),
         "windows": [{"minutes": m, "label": short_window_label(m)} for m in WINDOWS],

@@ -16,7 +16,7 @@ from django.test import Client
 
 from inference_platform.admin_dashboard import big_numbers
 from routing.contract.kv_events import KvEvent
-from routing.deployment import statistics_namespace
+from routing.deployment import deployment_id, statistics_namespace
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
@@ -348,6 +348,8 @@ def test_dashboard_page_shows_each_worker_its_state_and_kv_hit_rate(
     )
     assert embedded and [w["name"] for w in json.loads(embedded[1])["workers"]] == list(EXPECTED)
     assert re.search(r'<script src="/static/dashboard/dashboard.js"', page)
+    # whose figures: the deployment whose statistics these are
+    assert f"deployment <code>{deployment_id()}</code>" in page
     assert re.search(r'<script src="/static/vendor/uplot/uPlot.iife.min.js"', page)
 
 
