@@ -39,6 +39,7 @@ from inference_platform.dispatch import (
 from inference_platform.encoding import describe_encoding, plan_encoding
 from inference_platform.fleet_status import no_worker_error
 from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
+from routing.deployment import statistics_namespace
 from routing.fleet.registry import Heartbeat
 from routing.kv.decision import AllWorkersBusy, RoutingDecision
 from routing.kv.lease import RequestLease
@@ -128,12 +129,26 @@ def tenant_limiter() -> TenantLimiter:
 
 
 def tenant_usage() -> TenantUsage:
-    return TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    """Synchronous (the deployment id may need a database read): call it in a thread."""
+    return TenantUsage(sync_client(settings.REDIS_URL), statistics_namespace())
+
+
+def _count_refusal(usage_id: str) -> None:
+    tenant_usage().refused(usage_id)
+
+
+def _count_usage(usage_id: str, done: DoneEvent) -> None:
+    tenant_usage().record(
+        usage_id,
+        prompt=int(done.prompt_tokens),
+        cached=int(done.cached_tokens),
+        completion=int(done.completion_tokens),
+    )
 
 
 async def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
     logger.info("request %s of %s refused: over %s", request_id, caller.label, exceeded.limit)
-    await asyncio.to_thread(tenant_usage().refused, caller.tenant_id)  # type: ignore[arg-type]
+    await asyncio.to_thread(_count_refusal, caller.usage_id)  # type: ignore[arg-type]
     return ApiError(
         429,
         exceeded.describe(),
@@ -193,13 +208,7 @@ async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -
     try:
         await asyncio.to_thread(tenant_limiter().release, caller.tenant_id, request_id)
         if done is not None:
-            await asyncio.to_thread(
-                tenant_usage().record,
-                caller.tenant_id,
-                prompt=int(done.prompt_tokens),
-                cached=int(done.cached_tokens),
-                completion=int(done.completion_tokens),
-            )
+            await asyncio.to_thread(_count_usage, caller.usage_id, done)  # type: ignore[arg-type]
     except redis.RedisError:
         # The slot expires on its own; a lost usage increment must not fail an answered request.
         logger.warning("could not record the end of request %s for %s", request_id, caller.label)

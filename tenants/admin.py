@@ -28,6 +28,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_POST
 
+from routing.deployment import statistics_namespace
 from routing.state.redis_keys import sync_client
 from tenants.key_use import last_used
 from tenants.keys import hash_key, new_key_parts, revoke_api_key
@@ -94,17 +95,19 @@ class TenantAdmin(admin.ModelAdmin):
         """The tenant's counters; read for every tenant of a list page at once (changelist_view)."""
         cache = getattr(self, "_usage_cache", None) or {}
         if tenant.pk not in cache:
-            cache = {**cache, **self._read_usage([tenant.pk])}
+            cache = {**cache, **self._read_usage([tenant])}
             self._usage_cache = cache
         return cache.get(tenant.pk, {})
 
     @staticmethod
-    def _read_usage(tenant_ids: list[int]) -> dict[int, dict[str, int]]:
+    def _read_usage(tenants: list[Tenant]) -> dict[int, dict[str, int]]:
+        """Counters by tenant pk, read under each tenant's usage id in this deployment's statistics."""
         try:
-            usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-            return usage.totals(tenant_ids)
+            usage = TenantUsage(sync_client(settings.REDIS_URL), statistics_namespace())
+            totals = usage.totals(str(tenant.usage_id) for tenant in tenants)
         except redis.RedisError:
             return {}  # the page still opens; the counters show "?"
+        return {tenant.pk: totals[str(tenant.usage_id)] for tenant in tenants}
 
     def changelist_view(self, request, extra_context=None):
         self._usage_cache = {}  # counters are read afresh for each page
@@ -113,7 +116,7 @@ class TenantAdmin(admin.ModelAdmin):
         response = super().changelist_view(request, extra_context)
         tenants = getattr(getattr(response, "context_data", {}).get("cl"), "result_list", None)
         if tenants is not None:
-            self._usage_cache = self._read_usage([tenant.pk for tenant in tenants])
+            self._usage_cache = self._read_usage(list(tenants))
         return response
 
     def change_view(self, request, object_id, form_url="", extra_context=None):

@@ -59,6 +59,7 @@ class Caller:
     requests_per_minute: int | None = None
     prompt_tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
+    usage_id: str | None = None  # keys the tenant's usage counters (tenants.usage)
 
     def cache_salt(self, request_salt: str | None = None) -> int | None:
         """The salt of this caller's cache partition (None: the shared, unsalted pool).
@@ -151,6 +152,7 @@ def _tenant_caller(tenant: Tenant, *, key_prefix: str | None, staff: bool) -> Ca
         requests_per_minute=tenant.requests_per_minute,
         prompt_tokens_per_minute=tenant.prompt_tokens_per_minute,
         max_concurrent_requests=tenant.max_concurrent_requests,
+        usage_id=str(tenant.usage_id),
     )
 
 

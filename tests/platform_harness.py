@@ -182,6 +182,17 @@ class PlatformProcesses:
             _remember_template(database, api_key)
         return api_key
 
+    @property
+    def statistics_namespace(self) -> str:
+        """Where this platform's counters are (routing.deployment): its prefix and its database's
+        deployment id, which its first process to count anything made."""
+        import sqlite3
+
+        with sqlite3.connect(self.tmp / "db.sqlite3") as db:
+            row = db.execute("SELECT deployment_id FROM routing_deployment").fetchone()
+        assert row is not None, "no process of this platform has counted anything yet"
+        return f"{self.namespace}dep:{row[0]}:"
+
     def make_keys(self, *specs: dict) -> list[str]:
         """API keys for tenants of the test's own, in one process; each spec names a `tenant` and
         may set `staff` and the tenant's fields (limits, share_prefix_cache). Plaintexts, in order."""

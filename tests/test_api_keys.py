@@ -396,20 +396,21 @@ def test_ensure_demo_key_prints_a_key_once(capsys):
 
 
 def test_the_tenant_list_shows_each_tenants_usage_and_sharing(admin_client, settings):
+    from routing.deployment import statistics_namespace
     from routing.state.redis_keys import sync_client
     from tenants.usage import TenantUsage
 
     # given two tenants, one sharing its cache, and usage the frontends counted in Redis
     busy = Tenant.objects.create(name="busy-tenant", share_prefix_cache=True, requests_per_minute=60)
     Tenant.objects.create(name="idle-tenant")
-    usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-    usage.record(busy.pk, prompt=1234, cached=987, completion=55)
+    usage = TenantUsage(sync_client(settings.REDIS_URL), statistics_namespace())
+    usage.record(str(busy.usage_id), prompt=1234, cached=987, completion=55)
     try:
         # when an operator opens the tenant list and the tenant's page
         listing = admin_client.get("/admin/tenants/tenant/").content.decode()
         page = admin_client.get(f"/admin/tenants/tenant/{busy.pk}/change/").content.decode()
     finally:
-        sync_client(settings.REDIS_URL).delete(usage.key(busy.pk))
+        sync_client(settings.REDIS_URL).delete(usage.key(str(busy.usage_id)))
 
     # then both show the counters, and the list shows who shares
     for shown in (listing, page):

@@ -81,14 +81,15 @@ def test_no_limit_writes_nothing(limiter, redis_client, key_namespace):
 
 def test_usage_counters_add_up_per_tenant(redis_client, key_namespace):
     usage = TenantUsage(redis_client, key_namespace)
-    usage.record(1, prompt=10, cached=4, completion=3)
-    usage.record(1, prompt=5, completion=2)
-    usage.refused(1)
-    totals = usage.totals([1, 2])
-    assert totals[1] == {
+    busy, idle = "6f1c2a40-0000-4000-8000-000000000001", "6f1c2a40-0000-4000-8000-000000000002"
+    usage.record(busy, prompt=10, cached=4, completion=3)
+    usage.record(busy, prompt=5, completion=2)
+    usage.refused(busy)
+    totals = usage.totals([busy, idle])
+    assert totals[busy] == {
         "requests": 2, "prompt_tokens": 15, "cached_tokens": 4, "completion_tokens": 5, "refused": 1,
     }  # fmt: skip
-    assert totals[2] == dict.fromkeys(totals[2], 0)
+    assert totals[idle] == dict.fromkeys(totals[idle], 0)
 
 
 def tenant(tenant_id: int, partition: str | None) -> Caller:

@@ -115,6 +115,7 @@ class WorkerRuntime:
                     else self.image_loader.flush_shared(scope_key, dry_run=dry_run)
                 )
                 report["shared_images"] = "off" if flushed is None else flushed
+            self.report_engine_gauges()  # the embedding cache's size, at once
         except Exception as exc:
             logger.exception("flush on worker %s failed", self.name)
             writer.emit(ErrorEvent(status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}"))
@@ -272,6 +273,9 @@ class WorkerRuntime:
         telemetry.set_gauge("engine_waiting_requests", report.waiting, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_used", report.kv_blocks_used, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_free", report.kv_blocks_free, labels=labels)
+        cache = getattr(self.engine, "embedding_cache", None)
+        if cache is not None:  # what the dashboard's E/PD table shows for this worker's embeddings
+            telemetry.set_gauge("embedding_cache_entries", len(cache), labels=labels)
 
     def serve_encode(self, payload: dict[str, Any]) -> None:
         if self.features is not None:

@@ -22,7 +22,7 @@ from inference_platform.api.boundary import is_api_path, json_endpoint, new_requ
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
 from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
-from inference_platform.request_metrics import RequestClock
+from inference_platform.request_metrics import RequestClock, counts_refused_chat_requests
 from inference_platform.serving import describe_route, finish_request, plan_request, served_model
 from routing.contract.responses import ResponseEvent
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
@@ -96,10 +96,11 @@ def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
     return ApiError(status, message, code=error.code or "worker_error", param=error.param)
 
 
+@counts_refused_chat_requests
 @api_key_required
 @json_endpoint
 async def chat_completions(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
-    clock = RequestClock()
+    clock = request.request_clock = RequestClock()
     caller: Caller = request.caller
     try:
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)

@@ -15,6 +15,9 @@ Keys (this module owns them):
 
 A field is `name \\x1f part \\x1f labels-json`: part is "" for a counter, and for a histogram
 "sum", "count" or "b<i>" (observations in bucket i, not cumulative; i = len(buckets) is +Inf).
+A gauge is also sampled into the minute's bucket at each flush, as parts "gsum" (its values
+added) and "gn" (samples taken), so the dashboard can chart a level over time (the mean per
+minute: queue depth, KV pool use) from the same pre-aggregated buckets.
 JSON escapes control characters, so the separator never appears inside a label value.
 
 The same buffer and flush carry other modules' counters to the tables they own (`CountTable`:
@@ -219,6 +222,13 @@ class MetricsRecorder:
         for set_key, member in members:
             pipe.sadd(set_key, member)
         if gauges:
+            # One sample of each gauge in this minute's bucket: the dashboard's level over time.
+            bucket = minute_key(namespace, int(self._clock() // 60))
+            for name, value in gauges.items():
+                gauge, _, labels = name.split(SEP, 2)
+                _incr(pipe, bucket, f"{gauge}{SEP}gsum{SEP}{labels}", value)
+                pipe.hincrby(bucket, f"{gauge}{SEP}gn{SEP}{labels}", 1)
+            pipe.expire(bucket, MINUTE_TTL_SECS)
             # Rewritten whole, so a gauge the process no longer sets goes with the next flush.
             key = gauge_key(namespace, source)
             pipe.delete(key)
@@ -296,6 +306,8 @@ class Series:
     values: dict[tuple[str, ...], float] = field(default_factory=dict)
     # histogram: labels -> (per-bucket counts, not cumulative; sum; count)
     histograms: dict[tuple[str, ...], tuple[list[float], float, float]] = field(default_factory=dict)
+    # gauge, in a minute's bucket: labels -> (values sampled, added; samples taken)
+    samples: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
 
 
 Parsed = dict[str, Series]
@@ -318,6 +330,10 @@ def parse_fields(reply: Mapping[bytes | str, bytes | str]) -> Parsed:
             continue  # the metric's labels changed between versions
         value = float(raw_value)
         series = parsed.setdefault(name, Series(metric))
+        if metric.kind == "gauge" and part in ("gsum", "gn"):
+            total, taken = series.samples.get(labels, (0.0, 0.0))
+            series.samples[labels] = (total + value, taken) if part == "gsum" else (total, taken + value)
+            continue
         if metric.kind != "histogram":
             series.values[labels] = series.values.get(labels, 0.0) + value
             continue
@@ -339,6 +355,9 @@ def merge(many: Iterable[Parsed]) -> Parsed:
             into = merged.setdefault(name, Series(series.metric))
             for labels, value in series.values.items():
                 into.values[labels] = into.values.get(labels, 0.0) + value
+            for labels, (total, taken) in series.samples.items():
+                have_total, have_taken = into.samples.get(labels, (0.0, 0.0))
+                into.samples[labels] = (have_total + total, have_taken + taken)
             for labels, (buckets, total, count) in series.histograms.items():
                 have = into.histograms.get(labels)
                 if have is None:
@@ -391,6 +410,31 @@ def counter_sum(parsed: Parsed, name: str, **where: str) -> float:
         for labels, value in series.values.items()
         if all(labels[i] == wanted for i, wanted in positions.items())
     )
+
+
+def gauge_mean(parsed: Parsed, name: str, **where: str) -> float | None:
+    """A gauge's mean over a minute's samples, summed over the series whose labels match `where`
+    (e.g. the queue depth of every worker); None if no process sampled it then."""
+    series = parsed.get(name)
+    if series is None:
+        return None
+    positions = {series.metric.labels.index(label): value for label, value in where.items()}
+    means = [
+        total / taken
+        for labels, (total, taken) in series.samples.items()
+        if taken and all(labels[i] == wanted for i, wanted in positions.items())
+    ]
+    return sum(means) if means else None
+
+
+def label_values(parsed: Parsed, name: str, label: str) -> set[str]:
+    """The values a label takes in a metric's counters, histograms and gauge samples."""
+    series = parsed.get(name)
+    if series is None:
+        return set()
+    position = series.metric.labels.index(label)
+    labelled = [*series.values, *series.histograms, *series.samples]
+    return {labels[position] for labels in labelled}
 
 
 def histogram_quantile(metric: Metric, buckets: list[float], q: float) -> float | None:
