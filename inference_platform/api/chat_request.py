@@ -126,6 +126,8 @@ def _text(value: Any, param: str, *, required: bool = True, what: str = "a strin
     """`value` as a string the platform can keep: any characters but lone surrogates."""
     if not isinstance(value, str) or (required and not value):
         raise _invalid(param, f"'{param}' must be {what}.")
+    if value.isascii():  # most text, and every data URL: no copy made to find out
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
