@@ -22,8 +22,12 @@ from inference_platform.api.boundary import only_get
 from inference_platform.api.chat_request import (
     MAX_CACHE_SALT_LENGTH,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_SEED,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
+    MAX_USER_LENGTH,
+    MEDIA_URL_PATTERN,
+    ROLES,
 )
 from inference_platform.serving import served_model
 
@@ -78,25 +82,23 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
         "required": ["type", "text"],
         "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
     }
-    image_part = {
-        "type": "object",
-        "required": ["type", "image_url"],
-        "properties": {
-            "type": {"type": "string", "enum": ["image_url"]},
-            "image_url": {
-                "type": "object",
-                "required": ["url"],
-                "properties": {
-                    "url": {
-                        "type": "string",
-                        "minLength": 1,
-                        "description": "An http(s) URL or a data:image/...;base64 URL.",
-                    },
-                    "detail": {"type": "string", "enum": ["auto", "low", "high"]},
-                },
-            },
-        },
+    image_url = {
+        "type": "string",
+        "pattern": MEDIA_URL_PATTERN,
+        "description": "An http(s) URL or a data:image/...;base64 URL.",
     }
+    image_part = _media_part(
+        "image_url",
+        {
+            "url": image_url,
+            "detail": {"type": "string", "enum": ["auto", "low", "high", None], "nullable": True},
+        },
+    )
+    video_part = _media_part(
+        "video_url",
+        {"url": {**image_url, "description": "An http(s) URL or a data:video/...;base64 URL."}},
+    )
+    video_part["description"] = "A video, as vLLM and Dynamo take it (not part of OpenAI's API)."
     token_logprob = {
         "type": "object",
         "required": ["token", "logprob", "bytes", "top_logprobs"],
@@ -132,7 +134,7 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
         "required": ["content"],
         "properties": {"content": {"type": "array", "items": _ref("TokenLogprob"), "nullable": True}},
     }
-    return {
+    schemas = {
         "Error": {
             "type": "object",
             "required": ["error"],
@@ -169,15 +171,19 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
         },
         "TextPart": text_part,
         "ImagePart": image_part,
+        "VideoPart": video_part,
         "Message": {
             "type": "object",
             "required": ["role", "content"],
             "properties": {
-                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                "role": {"type": "string", "enum": sorted(ROLES)},
                 "content": {
                     "oneOf": [
                         {"type": "string"},
-                        {"type": "array", "items": {"oneOf": [_ref("TextPart"), _ref("ImagePart")]}},
+                        {
+                            "type": "array",
+                            "items": {"oneOf": [_ref("TextPart"), _ref("ImagePart"), _ref("VideoPart")]},
+                        },
                     ]
                 },
                 "name": {"type": "string"},
@@ -193,7 +199,7 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                 "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit},
                 "temperature": {"type": "number", "minimum": 0, "maximum": 2},
                 "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
-                "seed": {"type": "integer", "minimum": 0},
+                "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
                 "stop": {
                     "oneOf": [
                         {"type": "string", "minLength": 1},
@@ -229,6 +235,16 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                     "type": "object",
                     "required": ["type"],
                     "properties": {"type": {"type": "string", "enum": ["text"]}},
+                },
+                "modalities": {
+                    "type": "array",
+                    "items": {"type": "string", "enum": ["text"]},
+                    "description": "Only text output.",
+                },
+                "user": {
+                    "type": "string",
+                    "maxLength": MAX_USER_LENGTH,
+                    "description": "The end user's id, as OpenAI takes it (accepted, not used).",
                 },
                 "cache_salt": {
                     "type": "string",
@@ -371,6 +387,42 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
             },
         },
     }
+    request = schemas["ChatCompletionRequest"]
+    for name, spec in request["properties"].items():
+        if name not in request["required"]:
+            _nullable(spec)
+    _nullable(schemas["Message"]["properties"]["name"])
+    _nullable(request["properties"]["stream_options"]["properties"]["include_usage"])
+    return schemas
+
+
+def _media_part(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """A content part holding a media URL: `{"type": kind, kind: {"url": ...}}`, or the URL
+    alone in place of the object (a shorthand some clients send, which the parser takes)."""
+    return {
+        "type": "object",
+        "required": ["type", kind],
+        "properties": {
+            "type": {"type": "string", "enum": [kind]},
+            kind: {
+                "oneOf": [
+                    {"type": "object", "required": ["url"], "properties": fields},
+                    fields["url"],
+                ]
+            },
+        },
+    }
+
+
+def _nullable(spec: dict[str, Any]) -> None:
+    """An optional field the parser also takes as null, meaning its default (as OpenAI's own
+    document has them); OpenAPI 3.0: a nullable enum lists null among its values."""
+    if "oneOf" in spec:  # null matches one branch only, as `oneOf` needs
+        _nullable(spec["oneOf"][0])
+        return
+    spec["nullable"] = True
+    if "enum" in spec:
+        spec["enum"] = [*spec["enum"], None]
 
 
 def openapi_document(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
