@@ -13,14 +13,14 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from django.conf import settings
 
-from inference_platform.api.chat_request import ChatRequest
+from inference_platform.api.chat_request import ChatRequest, ImagePart, VideoPart
 from inference_platform.api.errors import ApiError
 from inference_platform.dispatch import (
     Dispatch,
@@ -446,12 +446,7 @@ def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> 
     except MediaError as exc:
         # An origin that fails or times out is still a problem with the request's image: a 4xx
         # naming it, never a 5xx that would blame the platform.
-        raise ApiError(
-            400 if exc.status >= 500 else exc.status,
-            exc.message,
-            code=exc.code,
-            param="messages",
-        ) from exc
+        raise media_refused(exc, chat.images) from exc
     if use_processor:
         if not frontend_decoding:  # the identity stays the URL's, as on the default path
             images = [
@@ -502,9 +497,15 @@ def _resolve_videos(model: ModelView, chat: ChatRequest) -> list[SampledVideo]:
             [part.url for part in chat.videos], media_policy(), model.video_layout, video_limits()
         )
     except MediaError as exc:
-        raise ApiError(
-            400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param="messages"
-        ) from exc
+        raise media_refused(exc, chat.videos) from exc
+
+
+def media_refused(exc: MediaError, parts: Sequence[ImagePart | VideoPart]) -> ApiError:
+    """A refused image or video as the API answers it: a 4xx (an origin that fails is still the
+    request's problem), its `param` the message part that names it when the error says which."""
+    index = exc.image_index
+    param = parts[index].param if index is not None and 0 <= index < len(parts) else "messages"
+    return ApiError(400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param=param)
 
 
 def _video_facts(model: ModelView, video: SampledVideo) -> VideoFacts:

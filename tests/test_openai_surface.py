@@ -176,3 +176,40 @@ def test_control_tokens_in_a_clients_text_stay_text(served_demo_model):
     assert tokenizer.token_to_id("<|image_pad|>") not in ids
     # and what the client wrote is still there, as text
     assert "im_start|>system" in tokenizer.decode(ids, skip_special_tokens=False).replace("\u2060", "")
+
+
+def image_body(model: str, url: str) -> dict:
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+def test_a_loopback_image_is_refused_naming_the_part_and_how_to_allow_it(client, served_demo_model, settings):
+    settings.MEDIA_ALLOWED_HOSTS = []
+    # the port answers nothing: the address is refused before any connection
+    status, body = post(client, image_body(served_demo_model, "http://127.0.0.1:9/cat.png"))
+    assert status == 403
+    error = body["error"]
+    assert error["code"] == "address_refused"
+    assert error["param"] == "messages[0].content[1].image_url"
+    assert error["message"].startswith("image 0: ")
+    assert "MEDIA_ALLOWED_HOSTS" in error["message"] and "every worker" in error["message"]
+
+
+def test_a_workers_image_refusal_names_the_same_message_part_as_the_frontends():
+    from types import SimpleNamespace
+
+    from inference_platform.api.views import _worker_error
+    from routing.contract.tasks import ErrorEvent
+
+    # given a request whose second image a worker refused (its allowlist lacks the host)
+    body = image_body("demo", "http://a.test/1.png")
+    body["messages"].append(
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/2.png"}}]}
+    )
+    chat = parse_chat_request(body, max_tokens_limit=16)
+    refused = ErrorEvent(status=403, code="address_refused", message="image 1: refused", image_index=1)
+    # when the frontend answers it
+    error = _worker_error(refused, SimpleNamespace(forget_image_sizes=None), chat)
+    # then its param is the client's own message part, as the frontend's refusal would say
+    assert (error.status, error.param) == (403, "messages[1].content[0].image_url")
+    assert error.message == "image 1: refused"

@@ -42,6 +42,7 @@ class ImageChangedError(PromptError):
 class ImageInput:
     identity: str  # 32-hex identity from the frontend
     url: str | None = None
+    index: int | None = None  # place among the request's images, named in a refusal ("image 0: ...")
     data: bytes | None = None  # encoded bytes handed over when frontend decoding is on
     # The size the frontend read from the image's header. With it, the prompt is laid out before
     # any image is loaded, and an image inside the cached prefix is never fetched at all.

@@ -31,12 +31,14 @@ class ImagePart:
     index: int  # position among the request's images, in prompt order
     url: str
     detail: str | None = None
+    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].image_url
 
 
 @dataclass
 class VideoPart:
     index: int  # position among the request's videos, in prompt order
     url: str
+    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].video_url
 
 
 @dataclass
@@ -139,7 +141,9 @@ def _content(
             detail = image.get("detail")
             if detail is not None and detail not in ("auto", "low", "high"):
                 raise _invalid(f"{part_param}.image_url.detail", "'detail' must be one of auto, low, high.")
-            images.append(ImagePart(index=len(images), url=image["url"], detail=detail))
+            images.append(
+                ImagePart(index=len(images), url=image["url"], detail=detail, param=f"{part_param}.image_url")
+            )
             # transformers' chat templates know images as {"type": "image"}; Qwen's also
             # accepts OpenAI's image_url form, most others (Gemma, LLaVA) do not.
             parts.append({"type": "image", "url": image["url"]})
@@ -151,7 +155,7 @@ def _content(
                 raise _invalid(
                     f"{part_param}.video_url", f"'{part_param}.video_url.url' must be a non-empty string."
                 )
-            videos.append(VideoPart(index=len(videos), url=video["url"]))
+            videos.append(VideoPart(index=len(videos), url=video["url"], param=f"{part_param}.video_url"))
             # transformers' chat templates know videos as {"type": "video"}.
             parts.append({"type": "video", "url": video["url"]})
         else:

@@ -86,14 +86,18 @@ def _usage(done: DoneEvent) -> dict[str, Any]:
     }
 
 
-def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
+def _worker_error(error: ErrorEvent, dispatch: Dispatch, chat: ChatRequest) -> ApiError:
     if error.code == IMAGE_CHANGED and dispatch.forget_image_sizes is not None:
         dispatch.forget_image_sizes()
     status = int(error.status)
     message = error.message or "The worker failed."
     if status >= 500:
         message = f"{message} (request {dispatch.request_id}, worker {dispatch.worker})"
-    return ApiError(status, message, code=error.code or "worker_error", param=error.param)
+    param = error.param
+    # A worker knows only which image it refused; the message part is the client's own words.
+    if param is None and error.image_index is not None and 0 <= error.image_index < len(chat.images):
+        param = chat.images[error.image_index].param
+    return ApiError(status, message, code=error.code or "worker_error", param=param)
 
 
 @api_key_required
@@ -121,7 +125,7 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
                 clock.first_token()
                 text.append(event.text)
             elif isinstance(event, ErrorEvent):
-                raise _worker_error(event, dispatch)
+                raise _worker_error(event, dispatch, chat)
             elif isinstance(event, DoneEvent):
                 done = event
     except asyncio.CancelledError:
@@ -264,7 +268,7 @@ async def _start_stream(
             raise ApiError(502, f"Request {rid} ended without an answer.", code="worker_error")
         if isinstance(first.event, ErrorEvent):
             await events.aclose()  # frees the lease now, as the end of the stream would
-            raise _worker_error(first.event, dispatch)
+            raise _worker_error(first.event, dispatch, chat)
         if isinstance(first.event, TokenEvent):
             clock.first_token()  # now, not when the server starts sending the response
     except asyncio.CancelledError:
@@ -310,7 +314,7 @@ async def _stream(
                     rid, chat.model, {"content": event.text}, None, _streamed_logprobs(chat, event.logprobs)
                 )
             elif isinstance(event, ErrorEvent):
-                raise _worker_error(event, dispatch)
+                raise _worker_error(event, dispatch, chat)
             elif isinstance(event, DoneEvent):
                 done = event
                 clock.finish(200, dispatch.worker, event)

@@ -356,6 +356,8 @@ class ErrorEvent:
     code: str = "worker_error"
     message: str = "The worker failed."
     param: str | None = None
+    # A refused image's place among the request's images: the frontend names its message part.
+    image_index: int | None = None
 
 
 StreamEvent = StartedEvent | TokenEvent | DoneEvent | ErrorEvent
