@@ -574,6 +574,33 @@ def reserve_worker(
     return router().decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
 
 
+def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int) -> ApiError:
+    """OpenAI's answer to a prompt too long, word for word where it can be: clients (and their
+    retry logic) match on the code, people read the numbers."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion.",
+        code="context_length_exceeded",
+        param="messages",
+    )
+
+
+def check_context_length(
+    prompt_tokens: int, max_tokens: int, workers: Mapping[str, Heartbeat], block_size: int
+) -> None:
+    """Refuse here a request no eligible worker could ever run: its prompt and completion must fit
+    one worker's KV pool (what each worker announces), as the worker itself would check after a
+    trip through the queue. Workers that announce no capacity are left to refuse it themselves."""
+    capacities = [beat.kv_capacity_blocks for beat in workers.values() if beat.kv_capacity_blocks > 0]
+    if not capacities or len(capacities) < len(workers):
+        return
+    limit = max(capacities) * block_size
+    if prompt_tokens + max_tokens > limit:
+        raise context_length_exceeded(limit, prompt_tokens, max_tokens)
+
+
 def all_busy(model: str, request_id: str, busy: AllWorkersBusy) -> ApiError:
     retry_after = settings.ROUTER_BUSY_RETRY_AFTER_SECS
     return ApiError(
@@ -658,8 +685,6 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     sizes = image_sizes()
     prepared = await asyncio.to_thread(prepare, chat, salt, sizes=sizes, scope_key=scope_key)
     model, view = prepared.model, prepared.view
-    await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
-
     workers = await eligible_workers(model.name, view.block_size)
     if not workers:
         raise ApiError(
@@ -667,6 +692,9 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
             f"No live worker serves '{model.name}' right now (request {request_id}).",
             code="no_live_worker",
         )
+    # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
+    check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
+    await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
     started = time.perf_counter()
     try:
         lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, request_id)

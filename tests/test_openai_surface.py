@@ -213,3 +213,28 @@ def test_a_workers_image_refusal_names_the_same_message_part_as_the_frontends():
     # then its param is the client's own message part, as the frontend's refusal would say
     assert (error.status, error.param) == (403, "messages[1].content[0].image_url")
     assert error.message == "image 1: refused"
+
+
+def test_a_prompt_longer_than_any_workers_context_is_context_length_exceeded_at_the_frontend(
+    client, served_demo_model, settings
+):
+    # given one live worker whose KV pool holds 4 blocks (64 tokens at the default block size)
+    registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    Worker.objects.create(name="small", model_name=served_demo_model)
+    beat = Heartbeat(
+        name="small", model=served_demo_model, block_size=settings.KV_BLOCK_SIZE, kv_capacity_blocks=4
+    )
+    registry.beat(beat, 30)
+    limit = 4 * settings.KV_BLOCK_SIZE
+    try:
+        # when a request asks for more than that, prompt and completion together
+        status, body = post(client, chat_body(served_demo_model, max_tokens=limit))
+    finally:
+        registry.remove("small")
+    # then it is OpenAI's 400, in tokens, naming no worker setting
+    assert status == 400
+    error = body["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert f"maximum context length is {limit} tokens" in error["message"]
+    assert f"{limit} in the completion" in error["message"]
+    assert "KV_CAPACITY_BLOCKS" not in error["message"]

@@ -30,6 +30,21 @@ class PromptError(ValueError):
     code = "invalid_prompt"
 
 
+class ContextLengthExceeded(PromptError):
+    """A prompt and completion this worker's KV pool can never hold: OpenAI's code and words,
+    in tokens, as the frontend answers it when it sees the limit first."""
+
+    code = "context_length_exceeded"
+    param = "messages"
+
+    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
+            "the completion). Please reduce the length of the messages or completion."
+        )
+
+
 class ImageChangedError(PromptError):
     """A picture whose size at its origin is no longer the one its request was routed with: the
     request was sound when sent, the picture changed since (409; sent again, it is read afresh)."""

@@ -226,6 +226,7 @@ class WorkerRuntime:
                         status=status,
                         code=getattr(exc, "code", "invalid_request"),
                         message=str(exc),
+                        param=getattr(exc, "param", None),
                         # which of the request's images, so the frontend can name its message part
                         image_index=getattr(exc, "image_index", None),
                     )

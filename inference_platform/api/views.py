@@ -339,12 +339,27 @@ async def _stream(
     yield b"data: [DONE]\n\n"
 
 
+# OpenAI endpoints a client may try first (a completions-era SDK, a RAG pipeline's embedder).
+_OPENAI_NOT_SERVED = {
+    "/v1/completions": "legacy text completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "the Responses API",
+}
+_SERVED = "POST /v1/chat/completions, GET /v1/models and GET /v1/models/{id} (see /v1/docs)"
+
+
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """API clients get OpenAI-style JSON for unknown paths; everyone else Django's page."""
     if is_api_path(request.path):
-        return error_response(
-            ApiError(404, f"No route for {request.method} {request.path}.", code="not_found")
-        )
+        what = _OPENAI_NOT_SERVED.get(request.path.rstrip("/"))
+        if what is not None:
+            message = (
+                f"{request.path} ({what}) is not served here: this server serves /v1/chat/completions "
+                f"(send the prompt as messages there). Its endpoints: {_SERVED}."
+            )
+        else:
+            message = f"No route for {request.method} {request.path}. This server's endpoints: {_SERVED}."
+        return error_response(ApiError(404, message, code="not_found"))
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)
