@@ -65,7 +65,7 @@ from routing.prompt.token_view import PlaceholderMismatch, TokenView, VideoFacts
 from routing.prompt.video_layouts import video_expansion_ids
 from routing.state.redis_keys import sync_client
 from tenants.keys import ANONYMOUS, Caller
-from tenants.limits import LimitExceeded, TenantLimiter
+from tenants.limits import LimitExceeded, TenantLimiter, exceeded_headers
 from tenants.usage import TenantUsage
 
 logger = logging.getLogger("inference_platform.serving")
@@ -133,21 +133,25 @@ def tenant_usage() -> TenantUsage:
 async def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
     logger.info("request %s of %s refused: over %s", request_id, caller.label, exceeded.limit)
     await asyncio.to_thread(tenant_usage().refused, caller.tenant_id)  # type: ignore[arg-type]
+    headers = exceeded_headers(exceeded)
+    if exceeded.retry_after_s is not None:
+        headers["Retry-After"] = str(exceeded.retry_after_s)
     return ApiError(
         429,
         exceeded.describe(),
         code="rate_limit_exceeded" if exceeded.retry_after_s is not None else "request_too_large",
         param=exceeded.limit,
-        headers={"Retry-After": str(exceeded.retry_after_s)} if exceeded.retry_after_s is not None else {},
+        headers=headers,
     )
 
 
-async def admit(caller: Caller, request_id: str) -> None:
-    """Count the request against its tenant's limits (requests per minute, concurrency), or 429."""
+async def admit(caller: Caller, request_id: str) -> dict[str, str]:
+    """Count the request against its tenant's limits (requests per minute, concurrency), or 429.
+    Returns the `x-ratelimit-*-requests` headers (none without a requests-per-minute limit)."""
     if caller.tenant_id is None:
-        return
+        return {}
     try:
-        await asyncio.to_thread(
+        budget = await asyncio.to_thread(
             tenant_limiter().admit,
             caller.tenant_id,
             request_id,
@@ -156,13 +160,16 @@ async def admit(caller: Caller, request_id: str) -> None:
         )
     except LimitExceeded as exceeded:
         raise await _over_limit(caller, exceeded, request_id) from None
+    return {} if budget is None else budget.headers()
 
 
-async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> None:
+async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> dict[str, str]:
+    """Take the prompt's tokens from its tenant's per-minute budget, or 429. Returns the
+    `x-ratelimit-*-tokens` headers (none without a prompt-tokens-per-minute limit)."""
     if caller.tenant_id is None:
-        return
+        return {}
     try:
-        await asyncio.to_thread(
+        budget = await asyncio.to_thread(
             tenant_limiter().charge_prompt_tokens,
             caller.tenant_id,
             prompt_tokens,
@@ -170,6 +177,7 @@ async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: i
         )
     except LimitExceeded as exceeded:
         raise await _over_limit(caller, exceeded, request_id) from None
+    return {} if budget is None else budget.headers()
 
 
 async def finish_request(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
@@ -670,9 +678,11 @@ async def plan_request(
 ) -> Dispatch:
     """Admit, prepare, route and send one request; on any refusal its tenant's slot is freed."""
     scope_key = session_scope_hash(headers, caller)
-    await admit(caller, request_id)
+    request_budget = await admit(caller, request_id)
     try:
-        return await _plan(chat, request_id, scope_key, caller)
+        dispatch = await _plan(chat, request_id, scope_key, caller)
+        dispatch.rate_limit_headers.update(request_budget)
+        return dispatch
     except BaseException as exc:
         if isinstance(exc, redis.RedisError):
             note_redis_failure()
@@ -694,7 +704,7 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
         )
     # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
     check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
-    await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
+    token_budget = await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
     started = time.perf_counter()
     try:
         lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, request_id)
@@ -704,6 +714,7 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     decision = lease.decision
     record_decision(decision)
     dispatch = Dispatch(lease)
+    dispatch.rate_limit_headers.update(token_budget)
     dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
     try:
         task = await _send(prepared, dispatch, decision, scope_key, request_id)

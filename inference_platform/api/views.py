@@ -73,6 +73,8 @@ def _headers(response: HttpResponse, dispatch: Dispatch) -> HttpResponse:
     response["X-Routed-Worker"] = dispatch.worker
     if dispatch.total_blocks:
         response["X-Routing-Overlap"] = f"{dispatch.overlap_blocks}/{dispatch.total_blocks}"
+    for name, value in dispatch.rate_limit_headers.items():
+        response[name] = value
     return response
 
 
