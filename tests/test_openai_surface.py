@@ -137,6 +137,21 @@ def test_the_openapi_document_is_valid_and_says_what_this_server_accepts(setting
     assert document["paths"]["/v1/chat/completions"]["post"]["responses"]["429"]["headers"]["Retry-After"]
 
 
+def test_the_openapi_document_states_the_default_max_tokens_and_what_the_api_sends(settings):
+    settings.MAX_TOKENS_LIMIT = 4096
+    document = Client().get("/v1/openapi.json").json()
+    validate(document)
+    schemas = document["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["default"] == 256
+    assert parse_chat_request(chat_body("demo", max_tokens=None), max_tokens_limit=4096).max_tokens == 256
+    # video parts, the operators' endpoints, the headers and the error codes are described
+    assert "VideoPart" in json.dumps(schemas["Message"])
+    assert {"/v1/route", "/metrics"} <= set(document["paths"])
+    headers = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["headers"]
+    assert {"X-Routed-Worker", "X-Encoder-Calls", "x-ratelimit-remaining-requests"} <= set(headers)
+    assert "context_length_exceeded" in json.dumps(document["paths"]["/v1/chat/completions"])
+
+
 def test_the_docs_page_lists_every_endpoint_and_loads_nothing_from_elsewhere():
     page = Client().get("/v1/docs").content.decode()
     for path in ("/v1/chat/completions", "/v1/models/{model_id}", "/ready", "/v1/openapi.json"):
@@ -145,6 +160,26 @@ def test_the_docs_page_lists_every_endpoint_and_loads_nothing_from_elsewhere():
     # the document's CommonMark code spans read as code, not as backticks
     assert "<code>Authorization: Bearer &lt;API key&gt;</code>" in page
     assert "`" not in page.split("<body>", 1)[1].split("<h2>Request fields</h2>", 1)[1]
+
+
+def test_the_docs_pages_example_runs_against_this_server_with_an_image_it_can_fetch(settings):
+    settings.ALLOWED_HOSTS = ["gpu-box.internal"]
+    page = Client(HTTP_HOST="gpu-box.internal:8000").get("/v1/docs").content.decode()
+    assert "curl -s http://gpu-box.internal:8000/v1/chat/completions" in page
+    assert "$BASE" not in page and "example.com" not in page
+    assert '"url": "data:image/png;base64,' in page
+
+
+def test_the_docs_page_documents_video_headers_limits_errors_and_operator_endpoints(settings):
+    settings.MAX_TOKENS_LIMIT = 1234
+    page = Client().get("/v1/docs").content.decode()
+    assert "video_url" in page
+    for header in ("X-Routed-Worker", "X-Routing-Overlap", "X-Encoder-Calls", "x-ratelimit-reset-tokens"):
+        assert f"<code>{header}</code>" in page
+    assert "at most 1234 (<code>MAX_TOKENS_LIMIT</code>)" in page and "256 when omitted" in page
+    for code in ("context_length_exceeded", "address_refused", "rate_limit_exceeded", "no_live_worker"):
+        assert f"<code>{code}</code>" in page
+    assert "POST /v1/route" in page and "GET /metrics" in page
 
 
 def test_the_docs_pages_code_spans_escape_what_they_hold():

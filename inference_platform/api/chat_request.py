@@ -23,6 +23,7 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 
 # Fields OpenAI defines that this platform cannot honour: refused by name rather than silently
 # ignored (a caller relying on them must know). Unknown fields stay ignored, as OpenAI does.
+DEFAULT_MAX_TOKENS = 256  # a request without max_tokens (capped by MAX_TOKENS_LIMIT)
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio")
 
 
@@ -230,7 +231,7 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
-        max_tokens = min(256, max_tokens_limit)
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     if (
         isinstance(max_tokens, bool)
         or not isinstance(max_tokens, int)
