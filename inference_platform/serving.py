@@ -901,7 +901,14 @@ async def describe_route(
     prepared = await asyncio.to_thread(
         prepare, chat, caller.cache_salt(chat.cache_salt), sizes=image_sizes(), scope_key=scope_key
     )
-    description = prepared.describe()
+    return prepared.describe() | await describe_workers(prepared, scope_key)
+
+
+async def describe_workers(prepared: PreparedRequest, scope_key: str | None) -> dict[str, Any]:
+    """The workers' side of `/v1/route` (and `inspect_request`): the choice the router would make
+    now, the E/PD plan, and every worker of the model with its overlap, load terms and cost, as
+    the router computes them (nothing reserved)."""
+    description: dict[str, Any] = {}
     states = await worker_states(prepared.model.name, prepared.view.block_size)
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
     scores: dict[str, Score] = {}
