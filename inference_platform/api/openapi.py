@@ -53,14 +53,14 @@ def _error_response(description: str, headers: dict[str, Any] | None = None) -> 
 
 _RATE_LIMIT_HEADERS = {
     f"x-ratelimit-{what}-{kind}": {
-        "description": f"{meaning} of the tenant's {unit} per minute (only when the tenant has that limit).",
+        "description": f"{meaning.format(unit=unit)} Sent only when the tenant has that limit.",
         "schema": {"type": "string" if what == "reset" else "integer"},
     }
     for kind, unit in (("requests", "requests"), ("tokens", "prompt tokens"))
     for what, meaning in (
-        ("limit", "The limit"),
-        ("remaining", "What is left"),
-        ("reset", "How long until the whole budget is back (e.g. `1s`, `6m0s`)"),
+        ("limit", "The tenant's {unit} per minute."),
+        ("remaining", "The {unit} left of the tenant's per-minute budget."),
+        ("reset", "How long until the tenant's {unit} budget is full again (e.g. `1s`, `6m0s`)."),
     )
 }
 
@@ -692,7 +692,7 @@ def _limits() -> list[tuple[str, str]]:
             "the prompt's tokens plus `max_tokens` must fit a worker's KV cache; a 400 "
             "`context_length_exceeded` names the maximum and both counts.",
         ),
-        ("request body", f"{settings.API_MAX_BODY_BYTES} bytes (`API_MAX_BODY_MB`); a 413 beyond."),
+        ("request body", f"{settings.API_MAX_BODY_BYTES / 2**20:.1f} MiB (`API_MAX_BODY_MB`); a 413 beyond."),
         (
             "image",
             f"{settings.DYN_MM_MAX_FILE_SIZE_MB:g} MiB (`DYN_MM_MAX_FILE_SIZE_MB`); internal addresses "
