@@ -684,6 +684,8 @@ async def plan_request(
         dispatch.rate_limit_headers.update(request_budget)
         return dispatch
     except BaseException as exc:
+        if isinstance(exc, ApiError):  # the request was counted: its refusal says what is left
+            exc.headers = request_budget | exc.headers
         if isinstance(exc, redis.RedisError):
             note_redis_failure()
         await finish_request(caller, request_id, None)

@@ -273,3 +273,17 @@ def test_a_prompt_longer_than_any_workers_context_is_context_length_exceeded_at_
     assert f"maximum context length is {limit} tokens" in error["message"]
     assert f"{limit} in the completion" in error["message"]
     assert "KV_CAPACITY_BLOCKS" not in error["message"]
+
+
+def test_a_refusal_after_the_request_was_counted_still_says_what_is_left_of_the_tenants_budget(
+    make_api_key, served_demo_model
+):
+    # given a tenant of 10 requests a minute, and no live worker
+    key = make_api_key("paced", requests_per_minute=10)
+    response = Client(headers={"Authorization": f"Bearer {key}"}).post(
+        "/v1/chat/completions", data=json.dumps(chat_body(served_demo_model)), content_type="application/json"
+    )
+    # then the 503 carries the requests budget this request took from
+    assert response.status_code == 503
+    assert response["x-ratelimit-limit-requests"] == "10"
+    assert response["x-ratelimit-remaining-requests"] == "9"
