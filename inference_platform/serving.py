@@ -37,7 +37,14 @@ from inference_platform.dispatch import (
     worker_states,
 )
 from inference_platform.encoding import describe_encoding, plan_encoding
-from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
+from routing.contract.tasks import (
+    CONTEXT_LENGTH_EXCEEDED,
+    DoneEvent,
+    GenerateTask,
+    ImageRef,
+    VideoRef,
+    context_length_message,
+)
 from routing.fleet.registry import Heartbeat
 from routing.kv.lease import RequestLease
 from routing.kv.router import AllWorkersBusy, RoutingDecision
@@ -583,14 +590,11 @@ def reserve_worker(
 
 
 def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int) -> ApiError:
-    """OpenAI's answer to a prompt too long, word for word where it can be: clients (and their
-    retry logic) match on the code, people read the numbers."""
+    """OpenAI's answer to a prompt too long, in the worker's own words (routing.contract.tasks)."""
     return ApiError(
         400,
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
-        "completion). Please reduce the length of the messages or completion.",
-        code="context_length_exceeded",
+        context_length_message(limit, prompt_tokens, max_tokens),
+        code=CONTEXT_LENGTH_EXCEEDED,
         param="messages",
     )
 

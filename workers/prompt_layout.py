@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from routing.contract.tasks import IMAGE_CHANGED
+from routing.contract.tasks import CONTEXT_LENGTH_EXCEEDED, IMAGE_CHANGED, context_length_message
 
 if TYPE_CHECKING:
     import torch
@@ -34,15 +34,11 @@ class ContextLengthExceeded(PromptError):
     """A prompt and completion this worker's KV pool can never hold: OpenAI's code and words,
     in tokens, as the frontend answers it when it sees the limit first."""
 
-    code = "context_length_exceeded"
+    code = CONTEXT_LENGTH_EXCEEDED
     param = "messages"
 
     def __init__(self, limit: int, prompt_tokens: int, max_tokens: int) -> None:
-        super().__init__(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in "
-            "the completion). Please reduce the length of the messages or completion."
-        )
+        super().__init__(context_length_message(limit, prompt_tokens, max_tokens))
 
 
 class ImageChangedError(PromptError):
