@@ -147,7 +147,8 @@ def test_answers_carry_openais_ratelimit_headers_where_the_tenant_has_limits(pla
     assert answer.headers["x-ratelimit-reset-requests"].endswith("s")
     # a stream's answer carries them too, and a tenant without limits gets none
     streamed = ask(platform, limited, "Hi", stream=True)
-    assert streamed.headers["x-ratelimit-remaining-requests"] == "3"
+    # (3 left, or 4 if the bucket refilled one request, 12 s at 5 a minute, since the first)
+    assert streamed.headers["x-ratelimit-remaining-requests"] in ("3", "4")
     assert not any(name.startswith("x-ratelimit") for name in ask(platform, unlimited, "Hi").headers)
 
 
