@@ -89,6 +89,8 @@ class Dispatch:
         # clears itself, so a picture that changes twice reaches the client as a 409); False if
         # no worker can take it now.
         self.replan: Callable[[Dispatch], Awaitable[bool]] | None = None
+        # OpenAI's `x-ratelimit-*` headers of the caller's tenant (none without per-minute limits).
+        self.rate_limit_headers: dict[str, str] = {}
 
     @property
     def request_id(self) -> str:

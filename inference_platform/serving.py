@@ -13,14 +13,14 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from django.conf import settings
 
-from inference_platform.api.chat_request import ChatRequest
+from inference_platform.api.chat_request import ChatRequest, ImagePart, VideoPart
 from inference_platform.api.errors import ApiError
 from inference_platform.dispatch import (
     Dispatch,
@@ -38,7 +38,14 @@ from inference_platform.dispatch import (
 )
 from inference_platform.encoding import describe_encoding, plan_encoding
 from inference_platform.fleet_status import no_worker_error
-from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
+from routing.contract.tasks import (
+    CONTEXT_LENGTH_EXCEEDED,
+    DoneEvent,
+    GenerateTask,
+    ImageRef,
+    VideoRef,
+    context_length_message,
+)
 from routing.deployment import statistics_namespace
 from routing.fleet.registry import Heartbeat
 from routing.kv.decision import AllWorkersBusy, RoutingDecision
@@ -67,7 +74,7 @@ from routing.prompt.token_view import PlaceholderMismatch, TokenView, VideoFacts
 from routing.prompt.video_layouts import video_expansion_ids
 from routing.state.redis_keys import sync_client
 from tenants.keys import ANONYMOUS, Caller
-from tenants.limits import LimitExceeded, TenantLimiter
+from tenants.limits import LimitExceeded, TenantLimiter, exceeded_headers
 from tenants.usage import TenantUsage
 
 logger = logging.getLogger("inference_platform.serving")
@@ -149,21 +156,25 @@ def _count_usage(usage_id: str, done: DoneEvent) -> None:
 async def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
     logger.info("request %s of %s refused: over %s", request_id, caller.label, exceeded.limit)
     await asyncio.to_thread(_count_refusal, caller.usage_id)  # type: ignore[arg-type]
+    headers = exceeded_headers(exceeded)
+    if exceeded.retry_after_s is not None:
+        headers["Retry-After"] = str(exceeded.retry_after_s)
     return ApiError(
         429,
         exceeded.describe(),
         code="rate_limit_exceeded" if exceeded.retry_after_s is not None else "request_too_large",
         param=exceeded.limit,
-        headers={"Retry-After": str(exceeded.retry_after_s)} if exceeded.retry_after_s is not None else {},
+        headers=headers,
     )
 
 
-async def admit(caller: Caller, request_id: str) -> None:
-    """Count the request against its tenant's limits (requests per minute, concurrency), or 429."""
+async def admit(caller: Caller, request_id: str) -> dict[str, str]:
+    """Count the request against its tenant's limits (requests per minute, concurrency), or 429.
+    Returns the `x-ratelimit-*-requests` headers (none without a requests-per-minute limit)."""
     if caller.tenant_id is None:
-        return
+        return {}
     try:
-        await asyncio.to_thread(
+        budget = await asyncio.to_thread(
             tenant_limiter().admit,
             caller.tenant_id,
             request_id,
@@ -172,13 +183,16 @@ async def admit(caller: Caller, request_id: str) -> None:
         )
     except LimitExceeded as exceeded:
         raise await _over_limit(caller, exceeded, request_id) from None
+    return {} if budget is None else budget.headers()
 
 
-async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> None:
+async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> dict[str, str]:
+    """Take the prompt's tokens from its tenant's per-minute budget, or 429. Returns the
+    `x-ratelimit-*-tokens` headers (none without a prompt-tokens-per-minute limit)."""
     if caller.tenant_id is None:
-        return
+        return {}
     try:
-        await asyncio.to_thread(
+        budget = await asyncio.to_thread(
             tenant_limiter().charge_prompt_tokens,
             caller.tenant_id,
             prompt_tokens,
@@ -186,6 +200,7 @@ async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: i
         )
     except LimitExceeded as exceeded:
         raise await _over_limit(caller, exceeded, request_id) from None
+    return {} if budget is None else budget.headers()
 
 
 async def finish_request(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
@@ -456,12 +471,7 @@ def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> 
     except MediaError as exc:
         # An origin that fails or times out is still a problem with the request's image: a 4xx
         # naming it, never a 5xx that would blame the platform.
-        raise ApiError(
-            400 if exc.status >= 500 else exc.status,
-            exc.message,
-            code=exc.code,
-            param="messages",
-        ) from exc
+        raise media_refused(exc, chat.images) from exc
     if use_processor:
         if not frontend_decoding:  # the identity stays the URL's, as on the default path
             images = [
@@ -512,9 +522,15 @@ def _resolve_videos(model: ModelView, chat: ChatRequest) -> list[SampledVideo]:
             [part.url for part in chat.videos], media_policy(), model.video_layout, video_limits()
         )
     except MediaError as exc:
-        raise ApiError(
-            400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param="messages"
-        ) from exc
+        raise media_refused(exc, chat.videos) from exc
+
+
+def media_refused(exc: MediaError, parts: Sequence[ImagePart | VideoPart]) -> ApiError:
+    """A refused image or video as the API answers it: a 4xx (an origin that fails is still the
+    request's problem), its `param` the message part that names it when the error says which."""
+    index = exc.image_index
+    param = parts[index].param if index is not None and 0 <= index < len(parts) else "messages"
+    return ApiError(400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param=param)
 
 
 def _video_facts(model: ModelView, video: SampledVideo) -> VideoFacts:
@@ -581,6 +597,30 @@ def reserve_worker(
     args, options = _decision_inputs(prepared, workers, scope_key)
     instances = {name: beat.instance for name, beat in workers.items()}
     return router().decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
+
+
+def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int) -> ApiError:
+    """OpenAI's answer to a prompt too long, in the worker's own words (routing.contract.tasks)."""
+    return ApiError(
+        400,
+        context_length_message(limit, prompt_tokens, max_tokens),
+        code=CONTEXT_LENGTH_EXCEEDED,
+        param="messages",
+    )
+
+
+def check_context_length(
+    prompt_tokens: int, max_tokens: int, workers: Mapping[str, Heartbeat], block_size: int
+) -> None:
+    """Refuse here a request no eligible worker could ever run: its prompt and completion must fit
+    one worker's KV pool (what each worker announces), as the worker itself would check after a
+    trip through the queue. Workers that announce no capacity are left to refuse it themselves."""
+    capacities = [beat.kv_capacity_blocks for beat in workers.values() if beat.kv_capacity_blocks > 0]
+    if not capacities or len(capacities) < len(workers):
+        return
+    limit = max(capacities) * block_size
+    if prompt_tokens + max_tokens > limit:
+        raise context_length_exceeded(limit, prompt_tokens, max_tokens)
 
 
 def all_busy(model: str, request_id: str, busy: AllWorkersBusy) -> ApiError:
@@ -652,10 +692,14 @@ async def plan_request(
 ) -> Dispatch:
     """Admit, prepare, route and send one request; on any refusal its tenant's slot is freed."""
     scope_key = session_scope_hash(headers, caller)
-    await admit(caller, request_id)
+    request_budget = await admit(caller, request_id)
     try:
-        return await _plan(chat, request_id, scope_key, caller)
+        dispatch = await _plan(chat, request_id, scope_key, caller)
+        dispatch.rate_limit_headers.update(request_budget)
+        return dispatch
     except BaseException as exc:
+        if isinstance(exc, ApiError):  # the request was counted: its refusal says what is left
+            exc.headers = request_budget | exc.headers
         if isinstance(exc, redis.RedisError):
             note_redis_failure()
         await finish_request(caller, request_id, None)
@@ -667,11 +711,12 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     sizes = image_sizes()
     prepared = await asyncio.to_thread(prepare, chat, salt, sizes=sizes, scope_key=scope_key)
     model, view = prepared.model, prepared.view
-    await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
-
     workers = await eligible_workers(model.name, view.block_size)
     if not workers:  # why none, naming the workers, with Retry-After (drained, disabled, down)
         raise await no_worker_error(model.name, view.block_size, request_id)
+    # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
+    check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
+    token_budget = await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
     started = time.perf_counter()
     try:
         lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, request_id)
@@ -681,6 +726,7 @@ async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, calle
     decision = lease.decision
     record_decision(decision)
     dispatch = Dispatch(lease)
+    dispatch.rate_limit_headers.update(token_budget)
     dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
     try:
         task = await _send(prepared, dispatch, decision, scope_key, request_id)
@@ -867,7 +913,14 @@ async def describe_route(
     prepared = await asyncio.to_thread(
         prepare, chat, caller.cache_salt(chat.cache_salt), sizes=image_sizes(), scope_key=scope_key
     )
-    description = prepared.describe()
+    return prepared.describe() | await describe_workers(prepared, scope_key)
+
+
+async def describe_workers(prepared: PreparedRequest, scope_key: str | None) -> dict[str, Any]:
+    """The workers' side of `/v1/route` (and `inspect_request`): the choice the router would make
+    now, the E/PD plan, and every worker of the model with its overlap, load terms and cost, as
+    the router computes them (nothing reserved)."""
+    description: dict[str, Any] = {}
     states = await worker_states(prepared.model.name, prepared.view.block_size)
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
     scores: dict[str, Score] = {}

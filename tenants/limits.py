@@ -41,6 +41,41 @@ class LimitExceeded(Exception):
         return f"Rate limit reached: the tenant's limit is {what}. Retry after {self.retry_after_s} s."
 
 
+@dataclass(frozen=True)
+class RateBudget:
+    """What is left of one per-minute limit after a request took its share: OpenAI's
+    `x-ratelimit-*` headers, `kind` "requests" or "tokens" (prompt tokens, here)."""
+
+    kind: str
+    limit: int
+    remaining: int
+    reset_ms: int  # until the bucket is full again (it refills continuously)
+
+    def headers(self) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{self.kind}": str(self.limit),
+            f"x-ratelimit-remaining-{self.kind}": str(max(0, self.remaining)),
+            f"x-ratelimit-reset-{self.kind}": duration(self.reset_ms),
+        }
+
+
+def duration(ms: int) -> str:
+    """A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`."""
+    if ms < 1000:
+        return f"{max(0, ms)}ms"
+    seconds = math.ceil(ms / 1000)
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+def exceeded_headers(exceeded: LimitExceeded) -> dict[str, str]:
+    """A 429's `x-ratelimit-*` headers: the limit it hit, nothing left, full again after the wait."""
+    kind = {"requests_per_minute": "requests", "prompt_tokens_per_minute": "tokens"}.get(exceeded.limit)
+    if kind is None or exceeded.retry_after_s is None:
+        return {}  # concurrency has no per-minute budget; a request over the limit alone never fits
+    return RateBudget(kind, exceeded.value, 0, exceeded.retry_after_s * 1000).headers()
+
+
 class TenantLimiter:
     def __init__(self, client: redis.Redis, namespace: str, *, slot_ttl_s: float = 600.0) -> None:
         self._client = client
@@ -54,11 +89,12 @@ class TenantLimiter:
 
     def admit(
         self, tenant_id: int, request_id: str, *, requests_per_minute: int | None, max_concurrent: int | None
-    ) -> None:
-        """Count one request and take a concurrency slot, both or neither; LimitExceeded if over."""
+    ) -> RateBudget | None:
+        """Count one request and take a concurrency slot, both or neither; LimitExceeded if over.
+        Returns what is left of the requests-per-minute budget (None without that limit)."""
         if not requests_per_minute and not max_concurrent:
-            return
-        verdict, wait_ms = self._admit(
+            return None
+        verdict, wait_ms, *left = self._admit(
             keys=[self.key(tenant_id, "rpm"), self.key(tenant_id, "active")],
             args=[requests_per_minute or 0, max_concurrent or 0, request_id, self._slot_ttl_ms],
         )
@@ -66,15 +102,21 @@ class TenantLimiter:
             raise LimitExceeded("requests_per_minute", int(requests_per_minute or 0), _seconds(wait_ms))
         if verdict == 2:
             raise LimitExceeded("max_concurrent_requests", int(max_concurrent or 0), _seconds(wait_ms))
+        if not requests_per_minute or len(left) < 2:
+            return None
+        return RateBudget("requests", int(requests_per_minute), int(left[0]), int(left[1]))
 
-    def charge_prompt_tokens(self, tenant_id: int, tokens: int, *, limit: int | None) -> None:
+    def charge_prompt_tokens(self, tenant_id: int, tokens: int, *, limit: int | None) -> RateBudget | None:
+        """Take the prompt's tokens from the tenant's per-minute budget; LimitExceeded if over.
+        Returns what is left of it (None without that limit)."""
         if not limit:
-            return
-        verdict, wait_ms = self._charge(keys=[self.key(tenant_id, "tpm")], args=[limit, tokens])
+            return None
+        verdict, wait_ms, *left = self._charge(keys=[self.key(tenant_id, "tpm")], args=[limit, tokens])
         if verdict == 3:
             raise LimitExceeded("prompt_tokens_per_minute", limit, None)
         if verdict == 1:
             raise LimitExceeded("prompt_tokens_per_minute", limit, _seconds(wait_ms))
+        return RateBudget("tokens", int(limit), int(left[0]), int(left[1])) if len(left) >= 2 else None
 
     def release(self, tenant_id: int, request_id: str) -> None:
         """Free the request's concurrency slot (a no-op if it held none)."""

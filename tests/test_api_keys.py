@@ -82,6 +82,15 @@ def test_it_answers_401_without_a_key_or_with_a_bad_one(served_demo_model):
         assert (Client(headers={}).get(path)).status_code == 401
 
 
+def test_a_key_sent_without_bearer_is_told_the_header_must_be_bearer_key(make_api_key, served_demo_model):
+    key = make_api_key()
+    response = Client(headers={"Authorization": key}).get("/v1/models")
+    error = assert_openai_error(response, 401, "missing_api_key")
+    assert "must be 'Bearer <key>'" in error["message"]
+    assert "didn't provide" not in error["message"]
+    assert key not in error["message"]
+
+
 def test_revoked_and_expired_keys_are_refused_and_say_why(make_api_key, served_demo_model):
     revoked, expired = make_api_key("acme"), make_api_key("acme")
     assert (Client(headers=bearer(revoked)).get("/v1/models")).status_code == 200

@@ -45,6 +45,7 @@ _MEDIA_URL = re.compile(MEDIA_URL_PATTERN)
 
 # Fields OpenAI defines that this platform cannot honour: refused by name rather than silently
 # ignored (a caller relying on them must know). Unknown fields stay ignored, as OpenAI does.
+DEFAULT_MAX_TOKENS = 256  # a request without max_tokens (capped by MAX_TOKENS_LIMIT)
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio")
 
 
@@ -53,12 +54,14 @@ class ImagePart:
     index: int  # position among the request's images, in prompt order
     url: str
     detail: str | None = None
+    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].image_url
 
 
 @dataclass
 class VideoPart:
     index: int  # position among the request's videos, in prompt order
     url: str
+    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].video_url
 
 
 @dataclass
@@ -221,13 +224,15 @@ def _content(
             if detail is not None and (not isinstance(detail, str) or detail not in ("auto", "low", "high")):
                 param_detail = f"{part_param}.image_url.detail"
                 raise _invalid(param_detail, f"'{param_detail}' must be one of auto, low, high.")
-            images.append(ImagePart(index=len(images), url=url, detail=detail))
+            images.append(
+                ImagePart(index=len(images), url=url, detail=detail, param=f"{part_param}.image_url")
+            )
             # transformers' chat templates know images as {"type": "image"}; Qwen's also
             # accepts OpenAI's image_url form, most others (Gemma, LLaVA) do not.
             parts.append({"type": "image", "url": url})
         elif kind == "video_url":  # as vLLM and Dynamo take it
             url = _media_url(part, "video_url", part_param)
-            videos.append(VideoPart(index=len(videos), url=url))
+            videos.append(VideoPart(index=len(videos), url=url, param=f"{part_param}.video_url"))
             # transformers' chat templates know videos as {"type": "video"}.
             parts.append({"type": "video", "url": url})
         else:
@@ -317,7 +322,7 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
-        max_tokens = min(256, max_tokens_limit)
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     if (
         isinstance(max_tokens, bool)
         or not isinstance(max_tokens, int)

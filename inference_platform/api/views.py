@@ -73,6 +73,8 @@ def _headers(response: HttpResponse, dispatch: Dispatch) -> HttpResponse:
     response["X-Routed-Worker"] = dispatch.worker
     if dispatch.total_blocks:
         response["X-Routing-Overlap"] = f"{dispatch.overlap_blocks}/{dispatch.total_blocks}"
+    for name, value in dispatch.rate_limit_headers.items():
+        response[name] = value
     return response
 
 
@@ -86,14 +88,18 @@ def _usage(done: DoneEvent) -> dict[str, Any]:
     }
 
 
-def _worker_error(error: ErrorEvent, dispatch: Dispatch) -> ApiError:
+def _worker_error(error: ErrorEvent, dispatch: Dispatch, chat: ChatRequest) -> ApiError:
     if error.code == IMAGE_CHANGED and dispatch.forget_image_sizes is not None:
         dispatch.forget_image_sizes()
     status = int(error.status)
     message = error.message or "The worker failed."
     if status >= 500:
         message = f"{message} (request {dispatch.request_id}, worker {dispatch.worker})"
-    return ApiError(status, message, code=error.code or "worker_error", param=error.param)
+    param = error.param
+    # A worker knows only which image it refused; the message part is the client's own words.
+    if param is None and error.image_index is not None and 0 <= error.image_index < len(chat.images):
+        param = chat.images[error.image_index].param
+    return ApiError(status, message, code=error.code or "worker_error", param=param)
 
 
 @counts_refused_chat_requests
@@ -122,7 +128,7 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
                 clock.first_token()
                 text.append(event.text)
             elif isinstance(event, ErrorEvent):
-                raise _worker_error(event, dispatch)
+                raise _worker_error(event, dispatch, chat)
             elif isinstance(event, DoneEvent):
                 done = event
     except asyncio.CancelledError:
@@ -265,7 +271,7 @@ async def _start_stream(
             raise ApiError(502, f"Request {rid} ended without an answer.", code="worker_error")
         if isinstance(first.event, ErrorEvent):
             await events.aclose()  # frees the lease now, as the end of the stream would
-            raise _worker_error(first.event, dispatch)
+            raise _worker_error(first.event, dispatch, chat)
         if isinstance(first.event, TokenEvent):
             clock.first_token()  # now, not when the server starts sending the response
     except asyncio.CancelledError:
@@ -311,7 +317,7 @@ async def _stream(
                     rid, chat.model, {"content": event.text}, None, _streamed_logprobs(chat, event.logprobs)
                 )
             elif isinstance(event, ErrorEvent):
-                raise _worker_error(event, dispatch)
+                raise _worker_error(event, dispatch, chat)
             elif isinstance(event, DoneEvent):
                 done = event
                 clock.finish(200, dispatch.worker, event)
@@ -336,12 +342,27 @@ async def _stream(
     yield b"data: [DONE]\n\n"
 
 
+# OpenAI endpoints a client may try first (a completions-era SDK, a RAG pipeline's embedder).
+_OPENAI_NOT_SERVED = {
+    "/v1/completions": "legacy text completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "the Responses API",
+}
+_SERVED = "POST /v1/chat/completions, GET /v1/models and GET /v1/models/{id} (see /v1/docs)"
+
+
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """API clients get OpenAI-style JSON for unknown paths; everyone else Django's page."""
     if is_api_path(request.path):
-        return error_response(
-            ApiError(404, f"No route for {request.method} {request.path}.", code="not_found")
-        )
+        what = _OPENAI_NOT_SERVED.get(request.path.rstrip("/"))
+        if what is not None:
+            message = (
+                f"{request.path} ({what}) is not served here: this server serves /v1/chat/completions "
+                f"(send the prompt as messages there). Its endpoints: {_SERVED}."
+            )
+        else:
+            message = f"No route for {request.method} {request.path}. This server's endpoints: {_SERVED}."
+        return error_response(ApiError(404, message, code="not_found"))
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)

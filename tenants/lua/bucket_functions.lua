@@ -1,5 +1,4 @@
--- Token buckets refilled continuously (tenants.limits), composed in front of admit.lua and
--- charge.lua. Time comes from Redis, so frontends with skewed clocks agree.
+-- The token buckets' functions, composed in front of admit.lua and charge.lua.
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -14,4 +13,8 @@ end
 local function take(key, tokens, cost, now)
   redis.call('HSET', key, 't', tokens - cost, 'ts', now)
   redis.call('PEXPIRE', key, 120000)
+end
+-- what is left of a bucket after a take, and the ms until it is full again (OpenAI's "reset")
+local function left(tokens, limit)
+  return {math.floor(tokens), math.ceil((limit - tokens) * 60000 / limit)}
 end
