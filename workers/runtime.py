@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from PIL import Image
@@ -38,6 +38,9 @@ from routing.observe.cache_stats import CacheStats
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
+if TYPE_CHECKING:
+    from workers.engine.api import InferenceEngine
+
 logger = logging.getLogger("workers.runtime")
 
 # How often a running request checks whether the frontend asked it to stop.
@@ -51,7 +54,7 @@ class NoRuntime(RuntimeError):
 @dataclass
 class WorkerRuntime:
     name: str
-    engine: Any  # workers.engine.Engine; typed loosely so this module imports without torch
+    engine: InferenceEngine  # the native engine or a hosted one (workers.engine.api)
     client: redis.Redis
     namespace: str
     session_scoped: bool = False
@@ -95,8 +98,11 @@ class WorkerRuntime:
             if task.kv and scope_key is None:
                 blocks = len(self.engine.kv_block_hashes())
                 report["kv_blocks"] = blocks if dry_run else self.engine.clear_kv_cache()
-            if task.embeddings:
-                cache = self.engine.embedding_cache
+            # An engine that keeps no embedding cache of the platform's (vLLM keeps its own).
+            cache = getattr(self.engine, "embedding_cache", None)
+            if task.embeddings and cache is None:
+                report["embeddings"] = "off"
+            elif task.embeddings:
                 if dry_run:
                     report["embeddings"] = cache.count(scope_key)
                 else:
@@ -134,7 +140,8 @@ class WorkerRuntime:
         return None if cache_salt is None else f"salt-{cache_salt:016x}"
 
     def serve(self, payload: dict[str, Any] | GenerateTask) -> None:
-        from workers.engine import GenerationRequest, ImageInput, VideoInput
+        from workers.engine.api import GenerationRequest
+        from workers.prompt_layout import ImageInput, VideoInput
 
         raw_id = payload.request_id if isinstance(payload, GenerateTask) else payload.get("request_id")
         writer = ResponseWriter(self.client, self.namespace, str(raw_id))
@@ -264,10 +271,7 @@ class WorkerRuntime:
         with self._gauge_lock:
             self._in_engine += step
         labels = {"worker": self.name}
-        load_report = getattr(self.engine, "load_report", None)
-        if load_report is None:
-            return
-        report = load_report()
+        report = self.engine.load_report()
         telemetry.set_gauge("engine_running_requests", report.running, labels=labels)
         telemetry.set_gauge("engine_waiting_requests", report.waiting, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_used", report.kv_blocks_used, labels=labels)
@@ -424,7 +428,7 @@ def _cache_salt(raw: Any) -> int | None:
     """The task's cache salt (16 hex digits) as the u64 the block hashes fold in."""
     if raw is None:
         return None
-    from workers.engine import PromptError
+    from workers.prompt_layout import PromptError
 
     try:
         salt = int(str(raw), 16)
@@ -441,7 +445,7 @@ def _processed_inputs(processed: dict[str, Any] | None, media: MediaStore | None
     if processed is None:
         return None
     from routing.prompt.processor_view import decode_processed
-    from workers.engine import PromptError
+    from workers.prompt_layout import PromptError
 
     def load(payload: Mapping[str, Any]) -> bytes:
         if media is None:

@@ -179,7 +179,7 @@ class Command(BaseCommand):
             shared_image_cache=image_loader.shared_cache_description,
             instance=instance,
             role=role,
-            schedule_policy="" if role == ROLE_ENCODE else runtime.engine.scheduler.policy,
+            schedule_policy="" if role == ROLE_ENCODE else runtime.engine.schedule_policy,
         )
         Worker.objects.update_or_create(
             name=name,
@@ -423,12 +423,12 @@ def _with_engine_load(heartbeat: Heartbeat, runtime) -> Heartbeat:
         heartbeat,
         running=load.running,
         waiting=load.waiting,
-        max_running=engine.scheduler.max_running,
+        max_running=engine.max_running,
         kv_blocks_used=load.kv_blocks_used,
         kv_blocks_free=load.kv_blocks_free,
         running_peak=load.running_peak,
         forward_passes=load.forward_passes,
         generated_tokens=load.generated_tokens,
         prefill_tokens_per_s=round(load.prefill_tokens_per_s, 1),
-        schedule_policy=engine.scheduler.policy,
+        schedule_policy=engine.schedule_policy,
     )
