@@ -140,7 +140,7 @@ class WorkerRuntime:
         return None if cache_salt is None else f"salt-{cache_salt:016x}"
 
     def serve(self, payload: dict[str, Any] | GenerateTask) -> None:
-        from workers.engine.api import GenerationRequest
+        from workers.engine.api import EngineFailure, GenerationRequest
         from workers.prompt_layout import ImageInput, VideoInput
 
         raw_id = payload.request_id if isinstance(payload, GenerateTask) else payload.get("request_id")
@@ -194,6 +194,7 @@ class WorkerRuntime:
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
                 processed=_processed_inputs(task.processed, self.media),
                 videos=_video_inputs(VideoInput, task.videos, self.media),
+                expected_block_hashes=task.block_hashes,
             )
             receipts: list[Any] = []
             await_features = None
@@ -226,6 +227,11 @@ class WorkerRuntime:
                 # A reference whose bytes are gone: say so plainly, it is no fault of the engine.
                 writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=exc.message))
                 logger.warning("request %s: %s", request_id, exc.message)
+            elif isinstance(exc, EngineFailure):
+                # An engine's own named failure (vLLM laid the prompt out differently from the
+                # router, say): its message says what went wrong, and it is no client's fault.
+                writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=str(exc)))
+                logger.error("request %s failed on worker %s: %s", request_id, self.name, exc)
             elif isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
                 writer.emit(

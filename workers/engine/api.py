@@ -54,6 +54,10 @@ class GenerationRequest:
     # Videos, decoded and sampled by the frontend (one <|video_pad|> each in the prompt).
     videos: list[VideoInput] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks: generate max_tokens tokens whatever the model says
+    # The router's hashes of the prompt's blocks (GenerateTask.block_hashes). An engine that lays
+    # the prompt out itself (vLLM) checks its own against them; the native engine lays it out
+    # with the router's code, and ignores them.
+    expected_block_hashes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -94,6 +98,14 @@ class EngineLoad:
     # averaged over recent steps that prefilled; 0 until one has. The router drains the prefill
     # it reserved on this worker at this rate (routing.kv.router, "Prefill drain").
     prefill_tokens_per_s: float = 0.0
+
+
+class EngineFailure(RuntimeError):
+    """An engine's own named failure, not a client's: the worker answers it with its status,
+    code and message (a bare exception is answered as "the worker failed")."""
+
+    status = 502
+    code = "engine_failure"
 
 
 class RequestHandle:

@@ -1,0 +1,161 @@
+"""Workers on vLLM (`run_worker --engine vllm`), end to end: the platform's frontend routes, a
+vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's own.
+
+These need vLLM's virtualenv (`make vllm`, 3.5 GB); without it they are skipped, saying so.
+vLLM starts in 40-80 s on a 2-core machine, so each test starts as few workers as it can.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.image_server import ImageServer
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm` to test vLLM workers"
+    ),
+]
+
+# vLLM's CPU attention takes blocks of 32 tokens; the router must hash in the same blocks.
+VLLM_ENV = {
+    "KV_BLOCK_SIZE": "32",
+    "VLLM_KV_CACHE_MB": "64",
+    "MEDIA_ALLOWED_HOSTS": "127.0.0.1",
+    "WORKER_HEARTBEAT_TTL_SECS": "5",
+    "WORKER_HEARTBEAT_INTERVAL_SECS": "1",
+}
+
+
+def picture(seed: int, size: tuple[int, int] = (336, 280)) -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise(size, 40 + seed).convert("RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_request(url: str, question: str = "Describe this image.", **fields) -> dict:
+    return {
+        "model": "demo",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": question},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+        **fields,
+    }
+
+
+@pytest.fixture
+def origin():
+    with ImageServer() as server:
+        yield server
+
+
+@pytest.fixture
+def vllm_platform(platform_processes):
+    platform = platform_processes(**VLLM_ENV)
+    platform.start_worker("v1", "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers("v1", timeout=400)
+    platform.start_server()
+    return platform
+
+
+def test_the_same_image_twice_is_answered_from_vllms_prefix_cache(vllm_platform, origin) -> None:
+    # given a vLLM worker behind the platform, and an image at its origin
+    platform = vllm_platform
+    url = origin.add("/seed.png", picture(1), content_type="image/png")
+    chat = f"{platform.base_url}/v1/chat/completions"
+
+    # when the same image and question come twice
+    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then vLLM answered both, the same way, and the second from its cache: the 336x280 image is
+    # 120 placeholders, so at least its 3 full blocks of 32 were reused, as vLLM counts them
+    assert first.status_code == 200, first.text + platform.log_tail("worker-v1")
+    assert second.status_code == 200, second.text
+    assert second.headers["X-Routed-Worker"] == "v1"
+    first_body, second_body = first.json(), second.json()
+    assert first_body["choices"][0]["message"]["content"] == second_body["choices"][0]["message"]["content"]
+    assert first_body["usage"]["prompt_tokens"] == second_body["usage"]["prompt_tokens"] > 120
+    assert first_body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second_body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
+def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform, origin) -> None:
+    # given a vLLM worker and an image
+    platform = vllm_platform
+    url = origin.add("/stream.png", picture(2), content_type="image/png")
+
+    # when the answer is streamed, with a length limit
+    pieces, reasons = [], []
+    with httpx.stream(
+        "POST",
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url, stream=True, max_tokens=6),
+        headers=platform.headers,
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"]
+            if choice:
+                pieces.append(choice[0]["delta"].get("content") or "")
+                reasons.append(choice[0].get("finish_reason"))
+
+    # then the text came in several pieces, and it ended for its length
+    assert sum(1 for piece in pieces if piece) >= 2
+    assert reasons[-1] == "length" or "length" in reasons
+
+
+def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:
+    # given a deployment hashing prompts in blocks of 16
+    platform = platform_processes(**{**VLLM_ENV, "KV_BLOCK_SIZE": "16"})
+
+    # when a vLLM worker starts on a CPU
+    started = time.monotonic()
+    platform.start_worker("v16", "--engine", "vllm", python=str(VLLM_PYTHON))
+    code = platform.workers["v16"].wait(timeout=120)
+
+    # then it refuses at once, naming the setting, before loading anything
+    assert code != 0
+    assert "KV_BLOCK_SIZE" in platform.log("worker-v16")
+    assert time.monotonic() - started < 60
+
+
+def test_a_vllm_worker_refuses_to_be_an_encode_worker(platform_processes) -> None:
+    platform = platform_processes(**VLLM_ENV)
+    platform.start_worker("venc", "--engine", "vllm", "--role", "encode", python=str(VLLM_PYTHON))
+    assert platform.workers["venc"].wait(timeout=120) != 0
+    assert "--role encode" in platform.log("worker-venc")
+
+
+def test_the_vllm_virtualenv_imports_torchvision_for_qwen2_vls_image_processor() -> None:
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import torchvision; from transformers import Qwen2VLImageProcessor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
