@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ VLLM_ENV = {
     "MEDIA_ALLOWED_HOSTS": "127.0.0.1",
     "WORKER_HEARTBEAT_TTL_SECS": "5",
     "WORKER_HEARTBEAT_INTERVAL_SECS": "1",
+    "LOG_LEVELS": "workers.vllm_engine=debug",
 }
 
 
@@ -99,6 +101,11 @@ def test_the_same_image_twice_is_answered_from_vllms_prefix_cache(vllm_platform,
     assert first_body["usage"]["prompt_tokens"] == second_body["usage"]["prompt_tokens"] > 120
     assert first_body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second_body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    # and vLLM's expanded prompt hashed to the router's blocks, checked on both requests
+    assert (
+        len(re.findall(r"vLLM's layout agrees with the router's on \d+ blocks", platform.log("worker-v1")))
+        == 2
+    )
 
 
 def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform, origin) -> None:
@@ -127,6 +134,37 @@ def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform,
     # then the text came in several pieces, and it ended for its length
     assert sum(1 for piece in pieces if piece) >= 2
     assert reasons[-1] == "length" or "length" in reasons
+
+
+def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second(
+    vllm_platform, origin
+) -> None:
+    # given a vLLM worker streaming a long answer
+    platform = vllm_platform
+    url = origin.add("/long.png", picture(3), content_type="image/png")
+    request = image_request(url, stream=True, max_tokens=3000)
+
+    # when the client reads its first piece and hangs up
+    with httpx.stream(
+        "POST",
+        f"{platform.base_url}/v1/chat/completions",
+        json=request,
+        headers=platform.headers,
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break
+    gone = time.monotonic()
+
+    # then vLLM aborted the request within a second (0.2 s measured), long before its 3,000 tokens
+    pattern = re.compile(r"cancelled: vLLM aborted it after (\d+) tokens")
+    while not pattern.search(platform.log("worker-v1")):
+        assert time.monotonic() - gone < 10, platform.log_tail("worker-v1")
+        time.sleep(0.02)
+    assert time.monotonic() - gone < 1.0
+    assert int(pattern.search(platform.log("worker-v1")).group(1)) < 3000
 
 
 def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:

@@ -308,6 +308,11 @@ class VllmEngine:
             flight.events.put((DONE, self._result(flight, None)))
         except asyncio.CancelledError:
             # A cancel (`RequestHandle.cancel`): vLLM has aborted it; the caller gets what came.
+            logger.debug(
+                "request %s cancelled: vLLM aborted it after %d tokens",
+                request.request_id,
+                flight.completion_tokens,
+            )
             flight.events.put((DONE, self._result(flight, None)))
         except VLLMClientError as exc:
             # vLLM refused the request itself (too long for its context, say): the client's error.
@@ -336,6 +341,12 @@ class VllmEngine:
             model_type=self.model_type,
             block_size=self.block_size,
         )
+        if request.expected_block_hashes:
+            logger.debug(
+                "request %s: vLLM's layout agrees with the router's on %d blocks",
+                request.request_id,
+                len(actual),
+            )
 
     def _accept(self, flight: _Flight, output: Any) -> None:
         completion = output.outputs[0]
