@@ -18,6 +18,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
@@ -106,6 +107,48 @@ def test_the_same_image_twice_is_answered_from_vllms_prefix_cache(vllm_platform,
         len(re.findall(r"vLLM's layout agrees with the router's on \d+ blocks", platform.log("worker-v1")))
         == 2
     )
+
+
+def find_block_hashes(description: object) -> list[int] | None:
+    """The token view's block hashes, wherever `/v1/route` puts them."""
+    if isinstance(description, dict):
+        if "block_hashes" in description:
+            return [int(h) for h in description["block_hashes"]]
+        for value in description.values():
+            found = find_block_hashes(value)
+            if found is not None:
+                return found
+    return None
+
+
+def test_vllms_kv_events_put_the_prompts_blocks_in_the_routers_index(vllm_platform, origin) -> None:
+    # given a vLLM worker publishing its KV events, and the router's view of an image prompt
+    platform = vllm_platform
+    url = origin.add("/events.png", picture(4), content_type="image/png")
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=60
+    )
+    assert route.status_code == 200, route.text
+    hashes = find_block_hashes(route.json())
+    assert hashes and len(hashes) >= 4
+    index = KvIndex(platform.redis, platform.namespace)
+    assert not index.worker_blocks("v1") & set(hashes)
+
+    # when the worker answers it
+    answer = httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url),
+        headers=platform.headers,
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+
+    # then the index lists every block of the prompt under the worker, by the router's own
+    # hashes (translated from vLLM's, which key the image on its pixels)
+    deadline = time.monotonic() + 10
+    while not set(hashes) <= index.worker_blocks("v1"):
+        assert time.monotonic() < deadline, platform.log_tail("worker-v1")
+        time.sleep(0.1)
 
 
 def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform, origin) -> None:

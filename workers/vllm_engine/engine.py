@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 
 from PIL import Image
 
+from routing.contract.kv_events import KvEvent
 from workers.engine.api import (
     DONE,
     ERROR,
@@ -35,6 +37,7 @@ from workers.engine.api import (
     follow,
 )
 from workers.prompt_layout import ImageInput, PromptError
+from workers.vllm_engine.kv_events import KvEventTranslator
 from workers.vllm_engine.prompt import (
     EnginePrompt,
     PromptLayoutMismatch,
@@ -44,6 +47,8 @@ from workers.vllm_engine.prompt import (
 )
 
 logger = logging.getLogger("workers.vllm_engine")
+
+PublishEvents = Callable[[Sequence[KvEvent]], None]
 
 # The families whose prompt layout this adapter has been checked against vLLM's (the demo
 # checkpoints of `build_demo_model`); another family is refused at start rather than served with
@@ -110,6 +115,8 @@ class VllmEngine:
         model_name: str | None = None,
         engine_args: dict[str, Any] | None = None,
         max_model_len: int = 8192,
+        publish_events: PublishEvents | None = None,
+        worker_name: str = "local",
     ) -> None:
         import json
 
@@ -141,6 +148,20 @@ class VllmEngine:
             "disable_log_stats": False,  # the heartbeat's load comes from the scheduler stats
             **(engine_args or {}),
         }
+        # vLLM's KV events, translated into the router's and published to the index. vLLM binds
+        # an ipc endpoint of this process's own; the subscriber connects before vLLM starts.
+        self._publish = publish_events
+        self._translator: KvEventTranslator | None = None
+        self._subscriber: KvEventSubscriber | None = None
+        if publish_events is not None:
+            self._translator = KvEventTranslator(worker_name, block_size)
+            endpoint = f"ipc://{tempfile.gettempdir()}/vllm-kv-{worker_name}-{os.getpid()}.sock"
+            self._args["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": endpoint,
+            }
+            self._subscriber = KvEventSubscriber(endpoint, self._translator, publish_events)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._llm: Any = None
@@ -154,6 +175,9 @@ class VllmEngine:
     # --- start and stop --------------------------------------------------------------------------------
     def start(self) -> VllmEngine:
         """Starts the loop thread and vLLM in it (vLLM's engine core starts as a child process)."""
+        if self._subscriber is not None:
+            self._publish([KvEvent("cleared", self._translator.worker)])  # vLLM starts empty
+            self._subscriber.start()
         self._thread.start()
         self._call(self._start(), timeout=_START_TIMEOUT_S)
         cache = self._llm.vllm_config.cache_config
@@ -184,6 +208,8 @@ class VllmEngine:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
+        if self._subscriber is not None:
+            self._subscriber.stop()
 
     # --- the protocol ------------------------------------------------------------------------------------
     @property
@@ -205,8 +231,14 @@ class VllmEngine:
         token_ids = self._tokenizer.encode(request.prompt, add_special_tokens=False)
         images = [self._load_image(image, request.scope_key) for image in request.images]
         prompt = engine_prompt(
-            token_ids, self.image_token_id, images, [image.identity for image in request.images]
+            token_ids,
+            self.image_token_id,
+            images,
+            [image.identity for image in request.images],
+            request.cache_salt,
         )
+        if self._translator is not None:
+            self._translator.remember_media(prompt.uuids, prompt.routing_hashes)
         flight = _Flight(
             request=request, prompt=prompt, events=queue.SimpleQueue(), submitted_at=submitted_at
         )
@@ -265,16 +297,19 @@ class VllmEngine:
         )
 
     def kv_block_hashes(self) -> set[int]:
-        """Nothing known yet: without vLLM's KV events the worker runs in approximate mode (the
-        router credits what it routed here), so there is nothing of ours to re-announce."""
-        return set()
+        """The router hashes of the blocks vLLM holds, as its KV events said (the mirror); none
+        without events (approximate mode: the router credits what it routed here)."""
+        return self._translator.held() if self._translator is not None else set()
 
     def clear_kv_cache(self) -> int:
-        """vLLM's `reset_prefix_cache`; it says whether it reset, not how many blocks went (0)."""
+        """vLLM's `reset_prefix_cache` (its `AllBlocksCleared` event tells the index); the blocks
+        the mirror held."""
+        held = len(self.kv_block_hashes())
         done = self._call(self._llm.reset_prefix_cache(), timeout=60)
         if not done:
             logger.warning("vLLM did not reset its prefix cache (requests were running)")
-        return 0
+            return 0
+        return held
 
     def warm_up(self) -> float:
         """One short text prompt, then an empty prefix cache: no user request pays the first
@@ -410,6 +445,65 @@ class VllmEngine:
 
     def _call(self, coroutine: Any, *, timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+
+class KvEventSubscriber:
+    """Reads vLLM's ZMQ KV event stream on a thread of its own and publishes it, translated.
+
+    vLLM numbers its batches: a gap (a batch lost, say at a slow subscriber's high-water mark)
+    means the mirror missed something, so the worker re-announces what its mirror holds
+    (`cleared` then `stored`); later events correct what the gap hid."""
+
+    def __init__(self, endpoint: str, translator: KvEventTranslator, publish: PublishEvents) -> None:
+        self.endpoint = endpoint
+        self._translator = translator
+        self._publish = publish
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
+        self.gaps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        context = zmq.Context.instance()
+        socket = context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(self.endpoint)
+        last: int | None = None
+        try:
+            while not self._stop.is_set():
+                if not socket.poll(200):
+                    continue
+                _topic, seq_bytes, payload = socket.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big")
+                events = self._translator.translate(decoder.decode(payload).events)
+                if last is not None and seq != last + 1:
+                    self.gaps += 1
+                    logger.warning("vLLM KV events %d..%d lost: re-announcing the mirror", last + 1, seq - 1)
+                    held = tuple(self._translator.held())
+                    worker = self._translator.worker
+                    events = [
+                        KvEvent("cleared", worker),
+                        *([KvEvent("stored", worker, held)] if held else []),
+                    ]
+                last = seq
+                if events:
+                    try:
+                        self._publish(events)
+                    except Exception:  # a Redis hiccup: the epoch check re-announces if data went
+                        logger.warning("publishing vLLM's KV events failed", exc_info=True)
+        finally:
+            socket.close(linger=0)
 
 
 def _openai_logprob(token: int, entry: dict[int, Any], top: int) -> dict[str, Any]:

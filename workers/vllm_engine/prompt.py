@@ -42,9 +42,14 @@ class EnginePrompt:
     images: list[Image.Image]
     uuids: list[str]  # per image, from its pixels
     routing_hashes: list[int]  # per image, from the task's identity: what the router folded in
+    # The caller's cache partition as 16 hex digits: vLLM folds it into the first block's hash,
+    # so one tenant's prefix is never another's (and its KV events carry it back).
+    cache_salt: str | None = None
 
     def as_tokens_prompt(self) -> dict:
         prompt: dict = {"prompt_token_ids": list(self.token_ids)}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
         if self.images:
             prompt["multi_modal_data"] = {"image": list(self.images)}
             prompt["multi_modal_uuids"] = {"image": list(self.uuids)}
@@ -56,6 +61,7 @@ def engine_prompt(
     image_token_id: int,
     images: Sequence[Image.Image],
     identities: Sequence[str],
+    salt: int | None = None,
 ) -> EnginePrompt:
     """The prompt for vLLM: the chat-templated prompt's token ids with one placeholder per image,
     the decoded images, their pixel uuids, and the routing hashes of the task's identities."""
@@ -74,6 +80,7 @@ def engine_prompt(
         images=list(images),
         uuids=[pixel_identity(image) for image in images],
         routing_hashes=[routing_hash(identity) for identity in identities],
+        cache_salt=None if salt is None else f"{salt:016x}",
     )
 
 

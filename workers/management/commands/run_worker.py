@@ -160,11 +160,9 @@ class Command(BaseCommand):
         image_loader = build_image_loader(name, stats, model_path)
         role: str = options["role"]
         index = KvIndex(client, namespace)
-        # vLLM's KV events are not translated into the index yet: a vLLM worker runs in
-        # approximate mode (the router credits what it routed there), as --no-kv-events does.
         publisher = (
             None
-            if options["no_kv_events"] or role == ROLE_ENCODE or engine_kind == ENGINE_VLLM
+            if options["no_kv_events"] or role == ROLE_ENCODE
             else KvEventPublisher(client, namespace, index=index)
         )
         if publisher is None:
@@ -182,7 +180,7 @@ class Command(BaseCommand):
             warmed = ""
         elif engine_kind == ENGINE_VLLM:
             runtime = _vllm_runtime(
-                name, model_path, client, features, image_loader, options["kv_cache_mb"], vllm_args
+                name, model_path, client, features, image_loader, options["kv_cache_mb"], vllm_args, publisher
             )
             kv_capacity = runtime.engine.kv_capacity_blocks
             warmed = f" (a warm-up prompt took {runtime.engine.warm_up():.0f} ms)"
@@ -440,7 +438,7 @@ def _bound_vllm_threads(threads: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-def _vllm_runtime(name, model_path, client, features, image_loader, kv_cache_mb, engine_args):
+def _vllm_runtime(name, model_path, client, features, image_loader, kv_cache_mb, engine_args, publisher):
     """A worker whose engine is vLLM's AsyncLLM, with the platform's image loader and side store."""
     from workers.runtime import WorkerRuntime
     from workers.vllm_engine.engine import VllmEngine
@@ -454,6 +452,8 @@ def _vllm_runtime(name, model_path, client, features, image_loader, kv_cache_mb,
             load_image=image_loader.load_for_engine,
             model_name=settings.MODEL_NAME or None,
             engine_args=engine_args,
+            publish_events=publisher.publish if publisher is not None else None,
+            worker_name=name,
         ).start()
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
