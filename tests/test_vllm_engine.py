@@ -40,6 +40,9 @@ VLLM_ENV = {
     "WORKER_HEARTBEAT_TTL_SECS": "5",
     "WORKER_HEARTBEAT_INTERVAL_SECS": "1",
     "LOG_LEVELS": "workers.vllm_engine=debug",
+    # The worker fetches every image again (no decoded-image cache keyed on the URL), so a URL
+    # whose pixels changed reaches vLLM with its new pixels.
+    "IMAGE_LOCAL_CACHE_ENTRIES": "0",
 }
 
 
@@ -149,6 +152,50 @@ def test_vllms_kv_events_put_the_prompts_blocks_in_the_routers_index(vllm_platfo
     while not set(hashes) <= index.worker_blocks("v1"):
         assert time.monotonic() < deadline, platform.log_tail("worker-v1")
         time.sleep(0.1)
+
+
+def test_the_same_url_with_new_pixels_is_not_a_false_hit_in_vllms_cache(vllm_platform, origin) -> None:
+    # given an image answered once, whose origin then serves other pixels of the same size
+    platform = vllm_platform
+    chat = f"{platform.base_url}/v1/chat/completions"
+    url = origin.add("/changing.png", picture(5), content_type="image/png")
+    before = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    origin.add("/changing.png", picture(6), content_type="image/png")
+
+    # when the same URL comes again
+    after = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then the router sent it back (same URL identity), but vLLM reused none of the old picture:
+    # the image starts in the prompt's first block, so nothing at all was cached
+    assert before.status_code == after.status_code == 200, after.text
+    assert after.headers["X-Routed-Worker"] == "v1"
+    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # and the same new pixels once more are a hit again
+    again = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
+def test_the_seed_example_across_two_vllm_workers(platform_processes, origin) -> None:
+    # given two vLLM workers (one OpenMP thread each) behind the router
+    platform = platform_processes(**VLLM_ENV)
+    for name in ("va", "vb"):
+        platform.start_worker(name, "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers("va", "vb", timeout=500)
+    platform.start_server()
+    url = origin.add("/seed2.png", picture(7), content_type="image/png")
+    chat = f"{platform.base_url}/v1/chat/completions"
+
+    # when the same image and question come twice
+    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then the second went back to the worker that served the first, the router saw the overlap
+    # (from that worker's KV events), and vLLM reused at least the image's 3 full blocks
+    assert first.status_code == second.status_code == 200, second.text
+    assert second.headers["X-Routed-Worker"] == first.headers["X-Routed-Worker"]
+    overlap, total = (int(n) for n in second.headers["X-Routing-Overlap"].split("/"))
+    assert overlap >= 3 and total >= overlap
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
 
 
 def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform, origin) -> None:
