@@ -198,7 +198,9 @@ def test_the_seed_example_across_two_vllm_workers(platform_processes, origin) ->
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
 
 
-def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform, origin) -> None:
+def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason_and_logprobs_come_back(
+    vllm_platform, origin
+) -> None:
     # given a vLLM worker and an image
     platform = vllm_platform
     url = origin.add("/stream.png", picture(2), content_type="image/png")
@@ -224,6 +226,20 @@ def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason(vllm_platform,
     # then the text came in several pieces, and it ended for its length
     assert sum(1 for piece in pieces if piece) >= 2
     assert reasons[-1] == "length" or "length" in reasons
+
+    # and log probabilities come back in OpenAI's shape, one entry per token, from vLLM's
+    answer = httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url, max_tokens=4, logprobs=True, top_logprobs=2),
+        headers=platform.headers,
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer.json()["usage"]["completion_tokens"] == 4
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
 
 
 def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second(
