@@ -273,6 +273,68 @@ def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second
     assert int(pattern.search(platform.log("worker-v1")).group(1)) < 3000
 
 
+_VLLM_DIRECTLY = """
+import json, os, sys
+from PIL import Image
+from vllm import LLM, SamplingParams
+
+model, image_path, question, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+llm = LLM(model=model, enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20, dtype="float32",
+          max_model_len=8192, max_num_seqs=16, limit_mm_per_prompt={"image": 8, "video": 0})
+messages = [{"role": "user", "content": [
+    {"type": "text", "text": question},
+    {"type": "image_pil", "image_pil": Image.open(image_path).convert("RGB")},
+]}]
+out = llm.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+print("RESULT " + json.dumps({"text": out.outputs[0].text, "tokens": list(out.outputs[0].token_ids),
+                              "prompt_tokens": len(out.prompt_token_ids)}))
+"""
+
+
+def test_greedy_answers_equal_vllms_own_chat_on_the_same_image(vllm_platform, origin, tmp_path) -> None:
+    # given an image, answered greedily through the platform's vLLM worker (float32, alone)
+    platform = vllm_platform
+    image = picture(8)
+    url = origin.add("/greedy.png", image, content_type="image/png")
+    through_platform = httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url, max_tokens=16),
+        headers=platform.headers,
+        timeout=120,
+    )
+    assert through_platform.status_code == 200, through_platform.text
+
+    # when vLLM's own LLM.chat answers the same question about the same pixels
+    path = tmp_path / "greedy.png"
+    path.write_bytes(image)
+    env = {**platform.env, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            "-c",
+            _VLLM_DIRECTLY,
+            str(platform.env["MODEL_PATH"]),
+            str(path),
+            "Describe this image.",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        cwd=tmp_path,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    direct = json.loads(lines[-1][len("RESULT ") :])
+
+    # then the prompt had the same length and the answer is the same, token for token
+    body = through_platform.json()
+    assert body["usage"]["prompt_tokens"] == direct["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == len(direct["tokens"])
+    assert body["choices"][0]["message"]["content"] == direct["text"]
+
+
 def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:
     # given a deployment hashing prompts in blocks of 16
     platform = platform_processes(**{**VLLM_ENV, "KV_BLOCK_SIZE": "16"})
