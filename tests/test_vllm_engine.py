@@ -198,6 +198,27 @@ def test_the_seed_example_across_two_vllm_workers(platform_processes, origin) ->
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
 
 
+def test_a_qwen3_vl_vllm_worker_answers_the_same_image_from_its_cache(
+    platform_processes, qwen3_demo_dir, origin
+):
+    # given a vLLM worker serving the Qwen3-VL demo checkpoint
+    platform = platform_processes(**VLLM_ENV, MODEL_PATH=str(qwen3_demo_dir), MODEL_NAME="demo")
+    platform.start_worker("q3", "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers("q3", timeout=400)
+    platform.start_server()
+    url = origin.add("/q3.png", picture(9), content_type="image/png")
+    chat = f"{platform.base_url}/v1/chat/completions"
+
+    # when the same image comes twice
+    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then vLLM laid it out as the router did (checked on both), and reused the image's blocks
+    assert first.status_code == second.status_code == 200, first.text + platform.log_tail("worker-q3")
+    assert len(re.findall(r"vLLM's layout agrees with the router's", platform.log("worker-q3"))) == 2
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
 def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason_and_logprobs_come_back(
     vllm_platform, origin
 ) -> None:
