@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 
-.PHONY: install run test lint bench clean-var
+.PHONY: install run test lint bench clean-var vllm
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,3 +31,19 @@ bench: install
 	$(PY) bench/prefix_cache.py
 	$(PY) bench/routing.py
 	$(PY) bench/metrics.py
+
+# The vLLM engine's own virtualenv (README: "Workers on vLLM"). PyPI's torchvision links CUDA
+# libraries that the CPU torch lacks: torchaudio and torchcodec go (nothing here uses them) and
+# deploy/vllm/sitecustomize.py lets torchvision's image code import without its compiled ops.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.requirements-installed
+
+$(VLLM_STAMP): requirements-vllm.txt deploy/vllm/sitecustomize.py
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -q -y torchaudio torchcodec
+	cp deploy/vllm/sitecustomize.py "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	$(VLLM_VENV)/bin/python -c "import torchvision, vllm; from transformers import Qwen2VLImageProcessor"
+	@touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)

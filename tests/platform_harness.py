@@ -230,9 +230,10 @@ class PlatformProcesses:
     def heartbeat_key(self, name: str) -> str:
         return f"{self.namespace}hb:{name}"
 
-    def start_worker(self, name: str, *extra: str) -> None:
+    def start_worker(self, name: str, *extra: str, python: str | None = None) -> None:
+        """`run_worker` under this test's interpreter, or `python` (the vLLM virtualenv's, say)."""
         self.workers[name] = self._spawn(
-            f"worker-{name}", [sys.executable, "manage.py", "run_worker", "--name", name, *extra]
+            f"worker-{name}", [python or sys.executable, "manage.py", "run_worker", "--name", name, *extra]
         )
 
     def wait_for_workers(self, *names: str, timeout: float = 90.0) -> None:

@@ -14,7 +14,9 @@ from routing.prompt.hashing import (
     MediaPlacement,
     block_hashes,
     chain_sequence_hashes,
+    local_block_hash,
     local_block_hashes,
+    next_sequence_hash,
 )
 
 IMAGE_A = 0x0123_4567_89AB_CDEF
@@ -202,3 +204,30 @@ def test_a_240k_token_prompt_hashes_in_milliseconds() -> None:
     assert len(hashes) == 15_000
     # Typically ~10 ms here; the bound only catches a quadratic media scan or per-token packing.
     assert min(timings) < 0.15
+
+
+def test_a_prompt_hashed_block_by_block_from_its_media_tags_equals_the_whole_prompts_hashes() -> None:
+    # given a prompt of 6 blocks of 8 with two images, one spanning three blocks
+    size = 8
+    tokens = [7, 8, 9, *[5] * 19, 1, 2, *[5] * 6, *range(100, 118)]
+    media = [MediaPlacement(0xA1A1A1A1A1A1A1A1, 3, 19), MediaPlacement(0xB2B2B2B2B2B2B2B2, 24, 6)]
+    whole_local = local_block_hashes(tokens, size, media)
+    whole = block_hashes(tokens, size, media, salt=99)
+
+    # when each block is hashed alone from its tokens and (media, start - block start) tags, as
+    # an engine's KV events report them, and chained from the previous block's sequence hash
+    local, chained, previous = [], [], None
+    for block in range(len(tokens) // size):
+        start = block * size
+        tags = [
+            (m.routing_hash, m.start - start)
+            for m in media
+            if m.start < start + size and m.start + m.length > start
+        ]
+        local.append(local_block_hash(tokens[start : start + size], tags))
+        previous = next_sequence_hash(previous, local[-1], salt=99)
+        chained.append(previous)
+
+    # then both ways agree on every block
+    assert local == whole_local
+    assert chained == whole

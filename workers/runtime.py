@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from PIL import Image
@@ -38,6 +38,9 @@ from routing.observe.cache_stats import CacheStats
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
+if TYPE_CHECKING:
+    from workers.engine.api import InferenceEngine
+
 logger = logging.getLogger("workers.runtime")
 
 # How often a running request checks whether the frontend asked it to stop.
@@ -51,7 +54,7 @@ class NoRuntime(RuntimeError):
 @dataclass
 class WorkerRuntime:
     name: str
-    engine: Any  # workers.engine.Engine; typed loosely so this module imports without torch
+    engine: InferenceEngine  # the native engine or a hosted one (workers.engine.api)
     client: redis.Redis
     namespace: str
     session_scoped: bool = False
@@ -95,8 +98,11 @@ class WorkerRuntime:
             if task.kv and scope_key is None:
                 blocks = len(self.engine.kv_block_hashes())
                 report["kv_blocks"] = blocks if dry_run else self.engine.clear_kv_cache()
-            if task.embeddings:
-                cache = self.engine.embedding_cache
+            # An engine that keeps no embedding cache of the platform's (vLLM keeps its own).
+            cache = getattr(self.engine, "embedding_cache", None)
+            if task.embeddings and cache is None:
+                report["embeddings"] = "off"
+            elif task.embeddings:
                 if dry_run:
                     report["embeddings"] = cache.count(scope_key)
                 else:
@@ -135,7 +141,8 @@ class WorkerRuntime:
         return None if cache_salt is None else f"salt-{cache_salt:016x}"
 
     def serve(self, payload: dict[str, Any] | GenerateTask) -> None:
-        from workers.engine import GenerationRequest, ImageInput, VideoInput
+        from workers.engine.api import EngineFailure, GenerationRequest
+        from workers.prompt_layout import ImageInput, VideoInput
 
         raw_id = payload.request_id if isinstance(payload, GenerateTask) else payload.get("request_id")
         writer = ResponseWriter(self.client, self.namespace, str(raw_id))
@@ -188,6 +195,7 @@ class WorkerRuntime:
                 use_embedding_cache=not (self.session_scoped and not task.scope_key),
                 processed=_processed_inputs(task.processed, self.media),
                 videos=_video_inputs(VideoInput, task.videos, self.media),
+                expected_block_hashes=task.block_hashes,
             )
             receipts: list[Any] = []
             await_features = None
@@ -220,6 +228,11 @@ class WorkerRuntime:
                 # A reference whose bytes are gone: say so plainly, it is no fault of the engine.
                 writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=exc.message))
                 logger.warning("request %s: %s", request_id, exc.message)
+            elif isinstance(exc, EngineFailure):
+                # An engine's own named failure (vLLM laid the prompt out differently from the
+                # router, say): its message says what went wrong, and it is no client's fault.
+                writer.emit(ErrorEvent(status=exc.status, code=exc.code, message=str(exc)))
+                logger.error("request %s failed on worker %s: %s", request_id, self.name, exc)
             elif isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
                 writer.emit(
@@ -272,10 +285,7 @@ class WorkerRuntime:
         with self._gauge_lock:
             self._in_engine += step
         labels = {"worker": self.name}
-        load_report = getattr(self.engine, "load_report", None)
-        if load_report is None:
-            return
-        report = load_report()
+        report = self.engine.load_report()
         telemetry.set_gauge("engine_running_requests", report.running, labels=labels)
         telemetry.set_gauge("engine_waiting_requests", report.waiting, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_used", report.kv_blocks_used, labels=labels)
@@ -446,7 +456,7 @@ def _cache_salt(raw: Any) -> int | None:
     """The task's cache salt (16 hex digits) as the u64 the block hashes fold in."""
     if raw is None:
         return None
-    from workers.engine import PromptError
+    from workers.prompt_layout import PromptError
 
     try:
         salt = int(str(raw), 16)
@@ -463,7 +473,7 @@ def _processed_inputs(processed: dict[str, Any] | None, media: MediaStore | None
     if processed is None:
         return None
     from routing.prompt.processor_view import decode_processed
-    from workers.engine import PromptError
+    from workers.prompt_layout import PromptError
 
     def load(payload: Mapping[str, Any]) -> bytes:
         if media is None:

@@ -111,6 +111,25 @@ def local_block_hashes(
     return hashes
 
 
+def local_block_hash(block_tokens: Sequence[int], media_tags: Sequence[tuple[int, int]] = ()) -> int:
+    """One full block's local hash, as `local_block_hashes` computes it for a block of a prompt:
+    the block's tokens, then a (routing hash, media start - block start) tag for each media run
+    it covers, in start order. For an engine that reports its blocks one by one (vLLM's KV
+    events carry each block's tokens and the (media, offset) pairs it covers)."""
+    data = _token_bytes(block_tokens).tobytes()
+    return _xxh3_64(
+        b"".join([data, *(_MEDIA_TAG.pack(h, offset) for h, offset in media_tags)]), BLOCK_HASH_SEED
+    )
+
+
+def next_sequence_hash(previous: int | None, local: int, salt: int | None = None) -> int:
+    """The sequence hash of a block whose predecessor's sequence hash is `previous` (None: the
+    prompt's first block, salted as `chain_sequence_hashes` salts it)."""
+    if previous is None:
+        return chain_sequence_hashes([local], salt)[0]
+    return _xxh3_64(_U64_PAIR.pack(previous, local), BLOCK_HASH_SEED)
+
+
 def cache_salt(*parts: str) -> int:
     """The u64 a cache partition folds into the first block (a tenant, a request's `cache_salt`).
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -42,6 +43,10 @@ from routing.observe.cache_stats import CacheStats
 from routing.state.redis_keys import redact_url, sync_client
 
 logger = logging.getLogger("workers.run_worker")
+
+ENGINE_NATIVE = "native"
+ENGINE_VLLM = "vllm"
+ENGINES = (ENGINE_NATIVE, ENGINE_VLLM)
 
 
 class Command(BaseCommand):
@@ -78,6 +83,29 @@ class Command(BaseCommand):
             "encode: vision tower and projector only, computing image features for llm workers.",
         )
 
+        parser.add_argument(
+            "--engine",
+            choices=ENGINES,
+            default=ENGINE_NATIVE,
+            help="native: the platform's own engine (default); vllm: vLLM's AsyncLLM in this process, "
+            "run from the vLLM virtualenv (`make vllm`, then .venv-vllm/bin/python manage.py run_worker).",
+        )
+        parser.add_argument(
+            "--kv-cache-mb",
+            type=int,
+            default=int(os.environ.get("VLLM_KV_CACHE_MB", "256")),
+            help="--engine vllm: the KV cache's size in MiB (vLLM's kv_cache_memory_bytes; default "
+            "VLLM_KV_CACHE_MB or 256). Explicit, so engines sharing a machine never guess.",
+        )
+        parser.add_argument(
+            "--vllm-arg",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="--engine vllm: a further vLLM engine argument (AsyncEngineArgs field; VALUE is "
+            "JSON where it parses, else a string), e.g. --vllm-arg max_model_len=4096. Repeatable.",
+        )
+
     def handle(self, *args, **options) -> None:
         name: str = options["name"]
         if not name.replace("-", "").replace("_", "").isalnum():
@@ -98,6 +126,11 @@ class Command(BaseCommand):
                     f"({', '.join(sorted(VISION_PARTS))}); {model_path} is {model_type!r}: use --role both"
                 )
 
+        engine_kind: str = options["engine"]
+        vllm_args = _vllm_args(options["vllm_arg"]) if engine_kind == ENGINE_VLLM else {}
+        if engine_kind == ENGINE_VLLM:
+            _check_vllm_options(options["role"], options["device"])
+
         client = sync_client(settings.REDIS_URL)
         namespace = settings.REDIS_KEY_PREFIX
         instance = new_instance_id()
@@ -116,7 +149,9 @@ class Command(BaseCommand):
         from workers.runtime import build_image_loader, install_runtime
         from workers.vision_encoder import vision_tower
 
-        if options["threads"] > 0:
+        if engine_kind == ENGINE_VLLM:
+            _bound_vllm_threads(options["threads"])
+        elif options["threads"] > 0:
             import torch
 
             torch.set_num_threads(options["threads"])
@@ -148,6 +183,12 @@ class Command(BaseCommand):
             towers.attach(runtime.encoder.vision_module)
             kv_capacity = 0
             warmed = ""
+        elif engine_kind == ENGINE_VLLM:
+            runtime = _vllm_runtime(
+                name, model_path, client, features, image_loader, options["kv_cache_mb"], vllm_args, publisher
+            )
+            kv_capacity = runtime.engine.kv_capacity_blocks
+            warmed = f" (a warm-up prompt took {runtime.engine.warm_up():.0f} ms)"
         else:
             runtime = _generating_runtime(
                 name, role, model_path, options["device"], client, encoders, features, image_loader, publisher
@@ -163,7 +204,7 @@ class Command(BaseCommand):
         runtime.stats = stats
         model_name = settings.MODEL_NAME or model_path.resolve().name
         self.stdout.write(
-            f"worker {name} ({role}): loaded {model_path} on {options['device']} "
+            f"worker {name} ({role}, {engine_kind} engine): loaded {model_path} on {options['device']} "
             f"in {time.monotonic() - started:.1f} s{warmed}"
         )
         install_runtime(runtime)
@@ -184,7 +225,7 @@ class Command(BaseCommand):
             shared_image_cache=image_loader.shared_cache_description,
             instance=instance,
             role=role,
-            schedule_policy="" if role == ROLE_ENCODE else runtime.engine.scheduler.policy,
+            schedule_policy="" if role == ROLE_ENCODE else runtime.engine.schedule_policy,
         )
         Worker.objects.update_or_create(
             name=name,
@@ -255,6 +296,8 @@ class Command(BaseCommand):
             stats.close()
             metrics.close()
             image_loader.close()
+            if engine_kind == ENGINE_VLLM:
+                runtime.engine.close()  # vLLM's engine core is a child process: stop it with us
             if own:
                 Worker.objects.filter(name=name, pid=heartbeat.pid, host=heartbeat.host).update(
                     deregistered_at=timezone.now()
@@ -359,6 +402,77 @@ def _generating_runtime(name, role, model_path, device, client, encoders, featur
     )
 
 
+def _check_vllm_options(role: str, device: str) -> None:
+    """What a vLLM worker cannot do, refused before anything loads."""
+    if role != ROLE_BOTH:
+        raise CommandError(
+            f"--engine vllm runs --role both only: encode/llm disaggregation (--role {role}) "
+            "is the native engine's (vLLM's own E/PD is not wired to the platform yet)"
+        )
+    # vLLM's CPU attention takes blocks of a multiple of 32 tokens, and the router must hash
+    # prompts in vLLM's blocks (a mismatch would make every overlap wrong): one setting for both.
+    if device == "cpu" and settings.KV_BLOCK_SIZE % 32:
+        raise CommandError(
+            f"--engine vllm on a CPU needs KV_BLOCK_SIZE a multiple of 32 (vLLM's block), got "
+            f"{settings.KV_BLOCK_SIZE}: set KV_BLOCK_SIZE=32 for the whole deployment, router included"
+        )
+
+
+def _vllm_args(pairs: list[str]) -> dict[str, Any]:
+    """--vllm-arg NAME=VALUE pairs as vLLM engine arguments (VALUE as JSON where it parses)."""
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise CommandError(f"--vllm-arg {pair!r}: expected NAME=VALUE, NAME an engine argument")
+        try:
+            parsed[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            parsed[name] = raw
+    return parsed
+
+
+def _bound_vllm_threads(threads: int) -> None:
+    """vLLM binds its OpenMP threads to cores on its own ("auto"): two engines on one machine
+    then fight over the same cores. Unless the operator bound them (VLLM_CPU_OMP_THREADS_BIND),
+    the engine core runs unbound with --threads threads (its child process inherits these)."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def _vllm_runtime(name, model_path, client, features, image_loader, kv_cache_mb, engine_args, publisher):
+    """A worker whose engine is vLLM's AsyncLLM, with the platform's image loader and side store."""
+    from workers.runtime import WorkerRuntime
+    from workers.vllm_engine.engine import VllmEngine
+
+    try:
+        engine = VllmEngine(
+            model_path,
+            block_size=settings.KV_BLOCK_SIZE,
+            kv_cache_bytes=kv_cache_mb << 20,
+            max_running=settings.ENGINE_MAX_RUNNING,
+            load_image=image_loader.load_for_engine,
+            model_name=settings.MODEL_NAME or None,
+            engine_args=engine_args,
+            publish_events=publisher.publish if publisher is not None else None,
+            worker_name=name,
+        ).start()
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    return WorkerRuntime(
+        name=name,
+        engine=engine,
+        client=client,
+        namespace=settings.REDIS_KEY_PREFIX,
+        session_scoped=image_loader.session_scoped,
+        image_loader=image_loader,
+        media=features,
+    )
+
+
 def settle_heap() -> None:
     """Hide what was loaded so far (the model, its tokenizer, torch and transformers: some 400k
     objects that live as long as the process) from the garbage collector.
@@ -428,12 +542,12 @@ def _with_engine_load(heartbeat: Heartbeat, runtime) -> Heartbeat:
         heartbeat,
         running=load.running,
         waiting=load.waiting,
-        max_running=engine.scheduler.max_running,
+        max_running=engine.max_running,
         kv_blocks_used=load.kv_blocks_used,
         kv_blocks_free=load.kv_blocks_free,
         running_peak=load.running_peak,
         forward_passes=load.forward_passes,
         generated_tokens=load.generated_tokens,
         prefill_tokens_per_s=round(load.prefill_tokens_per_s, 1),
-        schedule_policy=engine.scheduler.policy,
+        schedule_policy=engine.schedule_policy,
     )

@@ -1,0 +1,388 @@
+"""Workers on vLLM (`run_worker --engine vllm`), end to end: the platform's frontend routes, a
+vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's own.
+
+These need vLLM's virtualenv (`make vllm`, 3.5 GB); without it they are skipped, saying so.
+vLLM starts in 40-80 s on a 2-core machine, so each test starts as few workers as it can.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from routing.kv.index import KvIndex
+from tests.image_server import ImageServer
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make vllm` to test vLLM workers"
+    ),
+]
+
+# vLLM's CPU attention takes blocks of 32 tokens; the router must hash in the same blocks.
+VLLM_ENV = {
+    "KV_BLOCK_SIZE": "32",
+    "VLLM_KV_CACHE_MB": "64",
+    "MEDIA_ALLOWED_HOSTS": "127.0.0.1",
+    "WORKER_HEARTBEAT_TTL_SECS": "5",
+    "WORKER_HEARTBEAT_INTERVAL_SECS": "1",
+    "LOG_LEVELS": "workers.vllm_engine=debug",
+    # The worker fetches every image again (no decoded-image cache keyed on the URL), so a URL
+    # whose pixels changed reaches vLLM with its new pixels.
+    "IMAGE_LOCAL_CACHE_ENTRIES": "0",
+}
+
+
+def picture(seed: int, size: tuple[int, int] = (336, 280)) -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise(size, 40 + seed).convert("RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_request(url: str, question: str = "Describe this image.", **fields) -> dict:
+    return {
+        "model": "demo",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": question},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+        **fields,
+    }
+
+
+@pytest.fixture
+def origin():
+    with ImageServer() as server:
+        yield server
+
+
+@pytest.fixture
+def vllm_platform(platform_processes):
+    platform = platform_processes(**VLLM_ENV)
+    platform.start_worker("v1", "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers("v1", timeout=400)
+    platform.start_server()
+    return platform
+
+
+def test_the_same_image_twice_is_answered_from_vllms_prefix_cache(vllm_platform, origin) -> None:
+    # given a vLLM worker behind the platform, and an image at its origin
+    platform = vllm_platform
+    url = origin.add("/seed.png", picture(1), content_type="image/png")
+    chat = f"{platform.base_url}/v1/chat/completions"
+
+    # when the same image and question come twice
+    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then vLLM answered both, the same way, and the second from its cache: the 336x280 image is
+    # 120 placeholders, so at least its 3 full blocks of 32 were reused, as vLLM counts them
+    assert first.status_code == 200, first.text + platform.log_tail("worker-v1")
+    assert second.status_code == 200, second.text
+    assert second.headers["X-Routed-Worker"] == "v1"
+    first_body, second_body = first.json(), second.json()
+    assert first_body["choices"][0]["message"]["content"] == second_body["choices"][0]["message"]["content"]
+    assert first_body["usage"]["prompt_tokens"] == second_body["usage"]["prompt_tokens"] > 120
+    assert first_body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second_body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    # and vLLM's expanded prompt hashed to the router's blocks, checked on both requests
+    assert (
+        len(re.findall(r"vLLM's layout agrees with the router's on \d+ blocks", platform.log("worker-v1")))
+        == 2
+    )
+
+
+def find_block_hashes(description: object) -> list[int] | None:
+    """The token view's block hashes, wherever `/v1/route` puts them."""
+    if isinstance(description, dict):
+        if "block_hashes" in description:
+            return [int(h) for h in description["block_hashes"]]
+        for value in description.values():
+            found = find_block_hashes(value)
+            if found is not None:
+                return found
+    return None
+
+
+def test_vllms_kv_events_put_the_prompts_blocks_in_the_routers_index(vllm_platform, origin) -> None:
+    # given a vLLM worker publishing its KV events, and the router's view of an image prompt
+    platform = vllm_platform
+    url = origin.add("/events.png", picture(4), content_type="image/png")
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=60
+    )
+    assert route.status_code == 200, route.text
+    hashes = find_block_hashes(route.json())
+    assert hashes and len(hashes) >= 4
+    index = KvIndex(platform.redis, platform.namespace)
+    assert not index.worker_blocks("v1") & set(hashes)
+
+    # when the worker answers it
+    answer = httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url),
+        headers=platform.headers,
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+
+    # then the index lists every block of the prompt under the worker, by the router's own
+    # hashes (translated from vLLM's, which key the image on its pixels)
+    deadline = time.monotonic() + 10
+    while not set(hashes) <= index.worker_blocks("v1"):
+        assert time.monotonic() < deadline, platform.log_tail("worker-v1")
+        time.sleep(0.1)
+
+
+def test_the_same_url_with_new_pixels_is_not_a_false_hit_in_vllms_cache(vllm_platform, origin) -> None:
+    # given an image answered once, whose origin then serves other pixels of the same size
+    platform = vllm_platform
+    chat = f"{platform.base_url}/v1/chat/completions"
+    url = origin.add("/changing.png", picture(5), content_type="image/png")
+    before = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    origin.add("/changing.png", picture(6), content_type="image/png")
+
+    # when the same URL comes again
+    after = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then the router sent it back (same URL identity), but vLLM reused none of the old picture:
+    # the image starts in the prompt's first block, so nothing at all was cached
+    assert before.status_code == after.status_code == 200, after.text
+    assert after.headers["X-Routed-Worker"] == "v1"
+    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # and the same new pixels once more are a hit again
+    again = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
+def test_the_seed_example_across_two_vllm_workers(platform_processes, origin) -> None:
+    # given two vLLM workers (one OpenMP thread each) behind the router
+    platform = platform_processes(**VLLM_ENV)
+    for name in ("va", "vb"):
+        platform.start_worker(name, "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers("va", "vb", timeout=500)
+    platform.start_server()
+    url = origin.add("/seed2.png", picture(7), content_type="image/png")
+    chat = f"{platform.base_url}/v1/chat/completions"
+
+    # when the same image and question come twice
+    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then the second went back to the worker that served the first, the router saw the overlap
+    # (from that worker's KV events), and vLLM reused at least the image's 3 full blocks
+    assert first.status_code == second.status_code == 200, second.text
+    assert second.headers["X-Routed-Worker"] == first.headers["X-Routed-Worker"]
+    overlap, total = (int(n) for n in second.headers["X-Routing-Overlap"].split("/"))
+    assert overlap >= 3 and total >= overlap
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
+def test_a_qwen3_vl_vllm_worker_answers_the_same_image_from_its_cache(
+    platform_processes, qwen3_demo_dir, origin
+):
+    # given a vLLM worker serving the Qwen3-VL demo checkpoint
+    platform = platform_processes(**VLLM_ENV, MODEL_PATH=str(qwen3_demo_dir), MODEL_NAME="demo")
+    platform.start_worker("q3", "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers("q3", timeout=400)
+    platform.start_server()
+    url = origin.add("/q3.png", picture(9), content_type="image/png")
+    chat = f"{platform.base_url}/v1/chat/completions"
+
+    # when the same image comes twice
+    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+
+    # then vLLM laid it out as the router did (checked on both), and reused the image's blocks
+    assert first.status_code == second.status_code == 200, first.text + platform.log_tail("worker-q3")
+    assert len(re.findall(r"vLLM's layout agrees with the router's", platform.log("worker-q3"))) == 2
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason_and_logprobs_come_back(
+    vllm_platform, origin
+) -> None:
+    # given a vLLM worker and an image
+    platform = vllm_platform
+    url = origin.add("/stream.png", picture(2), content_type="image/png")
+
+    # when the answer is streamed, with a length limit
+    pieces, reasons = [], []
+    with httpx.stream(
+        "POST",
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url, stream=True, max_tokens=6),
+        headers=platform.headers,
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"]
+            if choice:
+                pieces.append(choice[0]["delta"].get("content") or "")
+                reasons.append(choice[0].get("finish_reason"))
+
+    # then the text came in several pieces, and it ended for its length
+    assert sum(1 for piece in pieces if piece) >= 2
+    assert reasons[-1] == "length" or "length" in reasons
+
+    # and log probabilities come back in OpenAI's shape, one entry per token, from vLLM's
+    answer = httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url, max_tokens=4, logprobs=True, top_logprobs=2),
+        headers=platform.headers,
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer.json()["usage"]["completion_tokens"] == 4
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
+
+
+def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second(
+    vllm_platform, origin
+) -> None:
+    # given a vLLM worker streaming a long answer
+    platform = vllm_platform
+    url = origin.add("/long.png", picture(3), content_type="image/png")
+    request = image_request(url, stream=True, max_tokens=3000)
+
+    # when the client reads its first piece and hangs up
+    with httpx.stream(
+        "POST",
+        f"{platform.base_url}/v1/chat/completions",
+        json=request,
+        headers=platform.headers,
+        timeout=120,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break
+    gone = time.monotonic()
+
+    # then vLLM aborted the request within a second (0.2 s measured), long before its 3,000 tokens
+    pattern = re.compile(r"cancelled: vLLM aborted it after (\d+) tokens")
+    while not pattern.search(platform.log("worker-v1")):
+        assert time.monotonic() - gone < 10, platform.log_tail("worker-v1")
+        time.sleep(0.02)
+    assert time.monotonic() - gone < 1.0
+    assert int(pattern.search(platform.log("worker-v1")).group(1)) < 3000
+
+
+_VLLM_DIRECTLY = """
+import json, os, sys
+from PIL import Image
+from vllm import LLM, SamplingParams
+
+model, image_path, question, max_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+llm = LLM(model=model, enforce_eager=True, block_size=32, kv_cache_memory_bytes=64 << 20, dtype="float32",
+          max_model_len=8192, max_num_seqs=16, limit_mm_per_prompt={"image": 8, "video": 0})
+messages = [{"role": "user", "content": [
+    {"type": "text", "text": question},
+    {"type": "image_pil", "image_pil": Image.open(image_path).convert("RGB")},
+]}]
+out = llm.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+print("RESULT " + json.dumps({"text": out.outputs[0].text, "tokens": list(out.outputs[0].token_ids),
+                              "prompt_tokens": len(out.prompt_token_ids)}))
+"""
+
+
+def test_greedy_answers_equal_vllms_own_chat_on_the_same_image(vllm_platform, origin, tmp_path) -> None:
+    # given an image, answered greedily through the platform's vLLM worker (float32, alone)
+    platform = vllm_platform
+    image = picture(8)
+    url = origin.add("/greedy.png", image, content_type="image/png")
+    through_platform = httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=image_request(url, max_tokens=16),
+        headers=platform.headers,
+        timeout=120,
+    )
+    assert through_platform.status_code == 200, through_platform.text
+
+    # when vLLM's own LLM.chat answers the same question about the same pixels
+    path = tmp_path / "greedy.png"
+    path.write_bytes(image)
+    env = {**platform.env, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            str(VLLM_PYTHON),
+            "-c",
+            _VLLM_DIRECTLY,
+            str(platform.env["MODEL_PATH"]),
+            str(path),
+            "Describe this image.",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        cwd=tmp_path,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    direct = json.loads(lines[-1][len("RESULT ") :])
+
+    # then the prompt had the same length and the answer is the same, token for token
+    body = through_platform.json()
+    assert body["usage"]["prompt_tokens"] == direct["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == len(direct["tokens"])
+    assert body["choices"][0]["message"]["content"] == direct["text"]
+
+
+def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:
+    # given a deployment hashing prompts in blocks of 16
+    platform = platform_processes(**{**VLLM_ENV, "KV_BLOCK_SIZE": "16"})
+
+    # when a vLLM worker starts on a CPU
+    started = time.monotonic()
+    platform.start_worker("v16", "--engine", "vllm", python=str(VLLM_PYTHON))
+    code = platform.workers["v16"].wait(timeout=120)
+
+    # then it refuses at once, naming the setting, before loading anything
+    assert code != 0
+    assert "KV_BLOCK_SIZE" in platform.log("worker-v16")
+    assert time.monotonic() - started < 60
+
+
+def test_a_vllm_worker_refuses_to_be_an_encode_worker(platform_processes) -> None:
+    platform = platform_processes(**VLLM_ENV)
+    platform.start_worker("venc", "--engine", "vllm", "--role", "encode", python=str(VLLM_PYTHON))
+    assert platform.workers["venc"].wait(timeout=120) != 0
+    assert "--role encode" in platform.log("worker-venc")
+
+
+def test_the_vllm_virtualenv_imports_torchvision_for_qwen2_vls_image_processor() -> None:
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import torchvision; from transformers import Qwen2VLImageProcessor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
