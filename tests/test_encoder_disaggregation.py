@@ -25,8 +25,6 @@ from tests.conftest import TEST_REDIS_URL
 from tests.image_server import ImageServer
 from tests.platform_harness import PlatformProcesses
 
-pytestmark = pytest.mark.integration
-
 
 def png(seed: int, size: tuple[int, int] = (140, 112)) -> bytes:
     """The same bytes for the same seed (the identity of a data URL is its bytes')."""
@@ -57,9 +55,11 @@ def origin() -> Iterator[ImageServer]:
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[PlatformProcesses]:
+def platform(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
+) -> Iterator[PlatformProcesses]:
     namespace = f"test:epd{time.monotonic_ns() % 10**9}:"
-    processes = PlatformProcesses(
+    processes = platform_harness(
         tmp_path_factory.mktemp("epd"),
         demo_model_dir,
         TEST_REDIS_URL,
