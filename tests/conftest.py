@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -29,6 +30,7 @@ MARKERS_BY_FIXTURE = {
     "platform_harness": "integration",
     "demo_model_dir": "model",
     "qwen3_demo_dir": "model",
+    "llava_demo_dir": "model",
     "chromium": "browser",
 }
 
@@ -143,6 +145,25 @@ def qwen3_demo_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def llava_demo_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The LLaVA-1.5 ("llava") or LLaVA-NeXT ("llava_next") demo checkpoint, each built once per
+    session, when first asked for (several test files use them)."""
+    from workers.demo_model import build_demo_llava
+
+    names = {"llava": "llava-1.5-tiny", "llava_next": "llava-next-tiny"}
+    built: dict[str, Path] = {}
+
+    def directory(family: str) -> Path:
+        if family not in built:
+            path = tmp_path_factory.mktemp("models") / names[family]
+            build_demo_llava(path, next=family == "llava_next")
+            built[family] = path
+        return built[family]
+
+    return directory
+
+
+@pytest.fixture(scope="session")
 def shared_parts(demo_model_dir):
     """The demo model and its processor, loaded once: each test builds engines around them."""
     from workers.engine import Engine
@@ -212,7 +233,7 @@ def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: st
         processes.close()
 
 
-POOL_WORKERS = ("pool-a", "pool-b", "pool-c")
+POOL_WORKERS = ("pool_a", "pool_b", "pool_c")  # \w+ names: the routing log is read by regex
 POOL_TENANTS = 48  # made at once when the pool starts; a test past them makes its own
 
 
