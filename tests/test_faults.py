@@ -20,6 +20,7 @@ import uuid
 import httpx
 import pytest
 
+from routing.kv.load import LoadTracker
 from tests.platform_harness import PrivateRedis, run_worker_args
 
 
@@ -102,7 +103,13 @@ def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_an
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(0.8)  # dispatched to doomed while its heartbeat was still fresh
+    # all four routed to doomed (its reservations say so) while its heartbeat is still fresh: a
+    # wait for that state, not for a time that a loaded machine may overrun
+    load = LoadTracker(platform.redis, platform.namespace)
+    deadline = time.monotonic() + 30
+    while load.snapshot(["doomed"])["doomed"].active_requests < 4:
+        assert time.monotonic() < deadline, "the requests never all reached doomed"
+        time.sleep(0.05)
     set_enabled(platform, "spare", True)
     platform.stop_worker("doomed", signal.SIGKILL)
     started = time.monotonic()
