@@ -24,11 +24,12 @@ test: install lint
 	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The tiers are markers the fixtures a test uses apply (tests/conftest.py); two test processes,
-# since the inner loop is CPU-bound and starts no worker process.
+# The tiers are markers the fixtures a test uses apply (tests/conftest.py). Two test processes,
+# since the inner loop is CPU-bound and starts no worker process; a module's tests stay in one
+# of them, so the engines its module-scoped fixtures load are loaded once.
 check: install lint
 	@bash scripts/ensure_redis.sh
-	$(PY) -m pytest -m "not integration and not browser" -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not integration and not browser" -n 2 --dist loadscope $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
