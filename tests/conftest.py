@@ -69,6 +69,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     harness.starts_allowed_for = item.nodeid if marked else None
 
 
+@pytest.hookimpl(trylast=True)  # after the durations: next to the run's last lines
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):  # a parallel test process: the controller reports
         return
