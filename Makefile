@@ -1,11 +1,13 @@
-# `make run` starts the whole platform; `make test` runs the whole suite. Both install first.
+# `make run` starts the whole platform; `make test` runs the whole suite; `make check`, the inner
+# loop, runs lint and every test but those that start the platform's processes or a browser.
+# All install first.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 
-.PHONY: install run test lint bench clean-var vllm
+.PHONY: install run test check lint bench clean-var vllm
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +21,15 @@ run: install
 
 test: install lint
 	@bash scripts/ensure_redis.sh
+	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The tiers are markers the fixtures a test uses apply (tests/conftest.py). Two test processes,
+# since the inner loop is CPU-bound and starts no worker process; a module's tests stay in one
+# of them, so the engines its module-scoped fixtures load are loaded once.
+check: install lint
+	@bash scripts/ensure_redis.sh
+	$(PY) -m pytest -m "not integration and not browser" -n 2 --dist loadscope $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

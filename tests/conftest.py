@@ -1,19 +1,79 @@
-"""Fixtures shared by the whole suite.
+"""Fixtures shared by the whole suite, and the test tiers.
 
 Tests talk to the real Redis (TEST_REDIS_URL, default database 13 on the local server) and
 each test works inside a key namespace of its own, removing only the keys it wrote.
+
+A test's tier markers follow from the fixtures it uses (`pytest_collection_modifyitems`), so
+none can forget one: `make check` runs everything but `integration` and `browser`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from tests import platform_harness as harness
+
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+
+# The marker each fixture brings, to every test whose fixture closure holds it (module-scoped
+# fixtures of a test file included). Every fixture that starts the platform's processes
+# requests `platform_harness`; a process started without it fails (tests/platform_harness.py).
+MARKERS_BY_FIXTURE = {
+    "platform_harness": "integration",
+    "demo_model_dir": "model",
+    "qwen3_demo_dir": "model",
+    "llava_demo_dir": "model",
+    "chromium": "browser",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One file for the whole run, parallel test processes included (they inherit the variable).
+    if not os.environ.get(harness.WORKER_STARTS_FILE):
+        handle, path = tempfile.mkstemp(prefix="worker-starts-")
+        os.close(handle)
+        os.environ[harness.WORKER_STARTS_FILE] = path
+        config.stash[_starts_file_key] = path
+
+
+_starts_file_key = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_starts_file_key, None)
+    if path:
+        os.environ.pop(harness.WORKER_STARTS_FILE, None)
+        os.unlink(path)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        for fixture, marker in MARKERS_BY_FIXTURE.items():
+            if fixture in fixtures and item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marked = item.get_closest_marker("integration") is not None
+    harness.starts_allowed_for = item.nodeid if marked else None
+
+
+@pytest.hookimpl(trylast=True)  # after the durations: next to the run's last lines
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # a parallel test process: the controller reports
+        return
+    terminalreporter.write_line(f"worker processes started: {harness.worker_starts()}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -86,6 +146,25 @@ def qwen3_demo_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def llava_demo_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The LLaVA-1.5 ("llava") or LLaVA-NeXT ("llava_next") demo checkpoint, each built once per
+    session, when first asked for (several test files use them)."""
+    from workers.demo_model import build_demo_llava
+
+    names = {"llava": "llava-1.5-tiny", "llava_next": "llava-next-tiny"}
+    built: dict[str, Path] = {}
+
+    def directory(family: str) -> Path:
+        if family not in built:
+            path = tmp_path_factory.mktemp("models") / names[family]
+            build_demo_llava(path, next=family == "llava_next")
+            built[family] = path
+        return built[family]
+
+    return directory
+
+
+@pytest.fixture(scope="session")
 def shared_parts(demo_model_dir):
     """The demo model and its processor, loaded once: each test builds engines around them."""
     from workers.engine import Engine
@@ -118,21 +197,107 @@ def demo_engine(shared_parts):
     return build
 
 
+@pytest.fixture(scope="session")
+def chromium() -> tuple[str, str]:
+    """Headless Chromium and its driver: the browser and the driver's paths. Requesting it marks a
+    test `browser`; `make test` installs them where missing (scripts/ensure_chromium.sh)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not (browser and driver):
+        pytest.fail(
+            "the browser test needs Debian's chromium and chromium-driver: run scripts/ensure_chromium.sh"
+        )
+    return browser, driver
+
+
+@pytest.fixture(scope="session")
+def platform_harness() -> type[harness.PlatformProcesses]:
+    """What starts the platform's processes (tests/platform_harness.py). Every fixture that starts
+    them requests this one, which marks the tests that use it `integration`."""
+    return harness.PlatformProcesses
+
+
 @pytest.fixture
-def platform_processes(tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
-    """A factory for the real platform (workers, server); everything it started is stopped after."""
-    from tests.platform_harness import PlatformProcesses
+def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
+    """A factory for a platform of the test's own (workers, server), for a test that kills, freezes
+    or re-roles a worker, or needs worker settings of its own; everything it started is stopped
+    after. A test that only sends requests uses `pooled_platform`, which starts no worker."""
+    started: list[harness.PlatformProcesses] = []
 
-    started: list[PlatformProcesses] = []
-
-    def start(**env: str) -> PlatformProcesses:
-        processes = PlatformProcesses(tmp_path, demo_model_dir, redis_url, key_namespace, env)
+    def start(**env: str) -> harness.PlatformProcesses:
+        processes = platform_harness(tmp_path, demo_model_dir, redis_url, key_namespace, env)
         started.append(processes)
         return processes
 
     yield start
     for processes in started:
         processes.close()
+
+
+POOL_WORKERS = ("pool_a", "pool_b", "pool_c")  # \w+ names: the routing log is read by regex
+POOL_TENANTS = 48  # made at once when the pool starts; a test past them makes its own
+
+
+class WorkerPool:
+    """Worker processes started once per session, shared by the end-to-end tests that leave them
+    as they found them: each test gets frontends of its own and a tenant of its own, whose cache
+    salt keeps what other tests cached out of its requests' overlap."""
+
+    def __init__(self, processes: harness.PlatformProcesses, tenant_keys: list[str]) -> None:
+        self.processes = processes
+        self._tenant_keys = tenant_keys
+        self._tenants_used = 0
+
+    def fresh_tenant_key(self) -> str:
+        """An operator key of a tenant no earlier test used (it may call /v1/route and /metrics)."""
+        self._tenants_used += 1
+        if self._tenant_keys:
+            return self._tenant_keys.pop()
+        (key,) = self.processes.make_keys({"tenant": f"pool-tenant-{self._tenants_used}", "staff": True})
+        return key
+
+
+@pytest.fixture(scope="session")
+def worker_pool(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
+) -> Iterator[WorkerPool]:
+    processes = platform_harness(
+        tmp_path_factory.mktemp("worker-pool"),
+        demo_model_dir,
+        TEST_REDIS_URL,
+        f"test:{uuid.uuid4().hex[:12]}:",
+        {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+    )
+    try:
+        for name in POOL_WORKERS:
+            processes.start_worker(name)
+        # the tenants are made while the workers load the model
+        keys = processes.make_keys(
+            *({"tenant": f"pool-tenant-{i}", "staff": True} for i in range(POOL_TENANTS, 0, -1))
+        )
+        processes.wait_for_workers(*POOL_WORKERS)
+        yield WorkerPool(processes, keys)
+    finally:
+        processes.close()
+
+
+@pytest.fixture
+def pooled_platform(worker_pool: WorkerPool, tmp_path):
+    """A factory for the session's worker pool (POOL_WORKERS) behind frontends of the test's own:
+    `pooled_platform(**frontend_settings)`, then `start_server()`. It answers as a platform of
+    the test's own would, with a tenant of its own; the frontends are stopped after."""
+    joined: list[harness.PlatformProcesses] = []
+
+    def join(**env: str) -> harness.PlatformProcesses:
+        platform = harness.PlatformProcesses.joining(
+            worker_pool.processes, tmp_path, worker_pool.fresh_tenant_key(), env
+        )
+        joined.append(platform)
+        return platform
+
+    yield join
+    for platform in joined:
+        platform.close()
 
 
 @pytest.fixture
@@ -198,15 +363,15 @@ def _no_image_sizes_kept_from_another_test():
 
 
 @pytest.fixture(scope="session")
-def observed_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
-    """The real platform the observability tests share (tests/observed_platform.py)."""
+def observed_platform(platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
+    """The real platform the observability tests share (tests/observed_platform.py): workers of its
+    own, since those tests compare what the dashboard shows with all that the workers served."""
     from tests.image_server import ImageServer
     from tests.observed_platform import start_observed_platform
-    from tests.platform_harness import PlatformProcesses
 
     namespace = f"test:{uuid.uuid4().hex[:12]}:"
     with ImageServer() as origin:
-        processes = PlatformProcesses(
+        processes = platform_harness(
             tmp_path_factory.mktemp("observed"),
             demo_model_dir,
             TEST_REDIS_URL,
@@ -220,23 +385,17 @@ def observed_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
 
 
 @pytest.fixture(scope="session")
-def shared_platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir):
-    """One real platform (a worker, a server) for the whole session, for tests that only send it
-    requests and leave it as they found it (the fuzzer, the body limit): each test that needs a
-    platform of its own settings, or kills a process, starts its own with `platform_processes`.
-    """
-    from tests.platform_harness import PlatformProcesses
-
-    platform = PlatformProcesses(
-        tmp_path_factory.mktemp("shared-platform"),
-        demo_model_dir,
-        TEST_REDIS_URL,
-        f"test:{uuid.uuid4().hex[:12]}:",
-        {"MEDIA_ALLOWED_HOSTS": "127.0.0.1", "API_MAX_BODY_MB": "4"},
+def shared_platform(worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
+    """The worker pool behind one frontend for the whole session, for tests that only send it
+    requests and change nothing (the fuzzer, the body limit); a test that needs frontend settings
+    of its own uses `pooled_platform`, and one that kills a process `platform_processes`."""
+    platform = harness.PlatformProcesses.joining(
+        worker_pool.processes,
+        tmp_path_factory.mktemp("shared-frontend"),
+        worker_pool.fresh_tenant_key(),
+        {"API_MAX_BODY_MB": "4"},
     )
     try:
-        platform.start_worker("shared")
-        platform.wait_for_workers("shared")
         platform.start_server()
         yield platform
     finally:

@@ -27,6 +27,47 @@ import redis
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Each worker process a test starts is a line in this file (tests/conftest.py names it for the
+# whole session, parallel test processes included), so the run's summary can say how many it
+# started: starting one costs seconds, and the count is what keeps the suite fast.
+WORKER_STARTS_FILE = "TEST_WORKER_STARTS_FILE"
+
+# Set by tests/conftest.py before each test's fixtures: only a test marked `integration` (which
+# the fixtures that lead here mark) may start the platform's processes, so none can forget it.
+starts_allowed_for: str | None = None
+
+
+def count_worker_start(name: str) -> None:
+    """Record one started `run_worker` process (see WORKER_STARTS_FILE)."""
+    path = os.environ.get(WORKER_STARTS_FILE)
+    if path:
+        with open(path, "a", encoding="utf-8") as starts:
+            starts.write(f"{name}\n")
+
+
+def worker_starts() -> int:
+    """How many `run_worker` processes this session has started so far."""
+    path = os.environ.get(WORKER_STARTS_FILE)
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as starts:
+        return sum(1 for _ in starts)
+
+
+def _require_integration_marker(what: str) -> None:
+    if starts_allowed_for is None:
+        raise RuntimeError(
+            f"a test started {what} without the `integration` marker: reach the platform through "
+            "tests/conftest.py's fixtures (platform_harness, platform_processes, worker_pool), which mark it"
+        )
+
+
+def run_worker_args(name: str, *extra: str) -> list[str]:
+    """The command line of a `run_worker` process, counted as started (its caller starts it)."""
+    _require_integration_marker(f"worker {name}")
+    count_worker_start(name)
+    return [sys.executable, "manage.py", "run_worker", "--name", name, *extra]
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -121,7 +162,14 @@ def _remember_template(database: Path, api_key: str) -> None:
 
 class PlatformProcesses:
     def __init__(
-        self, tmp: Path, model_dir: Path, redis_url: str, namespace: str, env: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        model_dir: Path,
+        redis_url: str,
+        namespace: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        api_key: str | None = None,
     ) -> None:
         self.tmp = tmp
         self.namespace = namespace
@@ -152,8 +200,32 @@ class PlatformProcesses:
         self.server_urls: list[str] = []  # each server's base URL, in the order of `servers`
         self.base_url = ""  # the first server's
         self._logs: list[Path] = []
-        self.api_key = self._fresh_database(env or {})
+        self._pool: PlatformProcesses | None = None  # the platform whose workers this one borrows
+        self.api_key = self._fresh_database(env or {}) if api_key is None else api_key
         self.headers = {"Authorization": f"Bearer {self.api_key}"}
+
+    @classmethod
+    def joining(
+        cls, pool: PlatformProcesses, tmp: Path, api_key: str, env: Mapping[str, str] | None = None
+    ) -> PlatformProcesses:
+        """Frontends of a test's own, with settings of its own (`env`: frontend settings only), in
+        front of a running platform's workers: same Redis namespace, same database (the workers
+        write their rows there), a tenant of the test's own (`api_key`). Closing it stops only
+        what it started; the pool's workers and keys stay for the next test."""
+        joined = cls(
+            tmp,
+            Path(pool.env["MODEL_PATH"]),
+            pool.env["REDIS_URL"],
+            pool.namespace,
+            {**{k: v for k, v in pool.env.items() if os.environ.get(k) != v}, **(env or {})},
+            api_key=api_key,
+        )
+        joined.env["DATABASE_URL"] = pool.env["DATABASE_URL"]
+        # the pool's to read (pids, logs); a test that stops one of them is not a pool test, but
+        # it may start and stop workers of its own beside them
+        joined.workers = dict(pool.workers)
+        joined._pool = pool
+        return joined
 
     def _fresh_database(self, env: Mapping[str, str]) -> str:
         """A migrated database holding the test's API key; the key's plaintext.
@@ -221,20 +293,23 @@ class PlatformProcesses:
         assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stderr}"
         return done.stdout
 
-    def _spawn(self, label: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, label: str, args: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
         log = self.tmp / f"{label}.log"
         self._logs.append(log)
         handle = log.open("wb")
-        return subprocess.Popen(args, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            args, cwd=REPO, env={**self.env, **(env or {})}, stdout=handle, stderr=subprocess.STDOUT
+        )
 
     def heartbeat_key(self, name: str) -> str:
         return f"{self.namespace}hb:{name}"
 
     def start_worker(self, name: str, *extra: str, python: str | None = None) -> None:
         """`run_worker` under this test's interpreter, or `python` (the vLLM virtualenv's, say)."""
-        self.workers[name] = self._spawn(
-            f"worker-{name}", [python or sys.executable, "manage.py", "run_worker", "--name", name, *extra]
-        )
+        args = run_worker_args(name, *extra)
+        if python is not None:
+            args[0] = python
+        self.workers[name] = self._spawn(f"worker-{name}", args)
 
     def wait_for_workers(self, *names: str, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
@@ -258,8 +333,10 @@ class PlatformProcesses:
     def _consuming(self, name: str) -> bool:
         return re.search(rf"\b{re.escape(name)}@\S+ ready\.", self.log(f"worker-{name}")) is not None
 
-    def start_server(self, timeout: float = 60.0) -> str:
-        """Start one more frontend process; returns its base URL (the first is also `base_url`)."""
+    def start_server(self, timeout: float = 60.0, **env: str) -> str:
+        """Start one more frontend process, `env` its settings on top of the platform's; returns its
+        base URL (the first is also `base_url`)."""
+        _require_integration_marker("a frontend")
         port = free_port()
         label = "server" if not self.servers else f"server-{len(self.servers)}"
         server = self._spawn(
@@ -275,6 +352,7 @@ class PlatformProcesses:
                 str(port),
                 "--no-access-log",
             ],
+            env,
         )
         self.servers.append(server)
         base_url = f"http://127.0.0.1:{port}"
@@ -296,18 +374,35 @@ class PlatformProcesses:
         process.send_signal(sig)
         return process.wait(timeout=60) if wait else None
 
+    def _log_path(self, label: str) -> Path:
+        own = self.tmp / f"{label}.log"
+        if own.exists() or self._pool is None:
+            return own
+        return self._pool._log_path(label)  # a pooled worker's
+
     def log(self, label: str) -> str:
-        path = self.tmp / f"{label}.log"
+        path = self._log_path(label)
         return path.read_text(errors="replace") if path.exists() else ""
 
     def log_tail(self, label: str, lines: int = 40) -> str:
-        path = self.tmp / f"{label}.log"
+        path = self._log_path(label)
         if not path.exists():
             return "(no log)"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def close(self) -> None:
-        processes = [*self.workers.values(), *self.servers]
+        if self._pool is not None:  # the namespace and the pool's workers stay for the next test
+            own = [process for name, process in self.workers.items() if name not in self._pool.workers]
+            self._stop([*own, *self.servers])
+            self.redis.close()
+            return
+        self._stop([*self.workers.values(), *self.servers])
+        for key in self.redis.scan_iter(match=f"{self.namespace}*", count=1000):
+            self.redis.delete(key)
+        self.redis.close()
+
+    @staticmethod
+    def _stop(processes: list[subprocess.Popen]) -> None:
         for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -317,6 +412,3 @@ class PlatformProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        for key in self.redis.scan_iter(match=f"{self.namespace}*", count=1000):
-            self.redis.delete(key)
-        self.redis.close()

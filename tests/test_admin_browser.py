@@ -28,14 +28,14 @@ from tenants.usage import TenantUsage
 from tests.test_dashboard_browser import (
     NARROW,
     WIDE,
-    chromium_paths,
     full_page_screenshot,
     screenshots_dir,
     set_width,
     until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+# `browser` comes from the chromium fixture (tests/conftest.py): `make test` runs it, not `make check`.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 PASSWORD = "admin-browser-pw-7c1"
 # Each header cell of the change list, with how far its box reaches past what can be seen: the
@@ -74,8 +74,8 @@ KEY_COLUMNS = (
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[webdriver.Chrome]:
-    binary, driver_path = chromium_paths()
+def browser(chromium: tuple[str, str]) -> Iterator[webdriver.Chrome]:
+    binary, driver_path = chromium
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):

@@ -17,8 +17,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-pytestmark = pytest.mark.integration
-
 CHAT_EXAMPLES = 360
 ROUTE_EXAMPLES = 160
 

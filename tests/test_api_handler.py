@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
-
-pytestmark = pytest.mark.integration
 
 
 def test_api_answers_keep_the_security_headers_and_skip_the_browser_middleware(shared_platform) -> None:

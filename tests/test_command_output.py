@@ -15,12 +15,15 @@ COMMANDS = ["routing_stats", "flush_caches"]
 CHAT = {"messages": [{"role": "user", "content": "Where do rivers begin?"}]}
 
 
-@pytest.fixture
-def command_env(demo_model_dir, tmp_path) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def command_env(demo_model_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a shell with a migrated database; migrated once (a Django process of its
+    own), since the commands here only read it."""
+    database = tmp_path_factory.mktemp("commands") / "db.sqlite3"
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "inference_platform.settings",
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "DATABASE_URL": f"sqlite:///{database}",
         "MODEL_PATH": str(demo_model_dir),
         "PYTHONUNBUFFERED": "0",
     }

@@ -1,5 +1,6 @@
 """The live dashboard in a real browser: headless Chromium (Debian's `chromium` and
-`chromium-driver`, which `.ci/run` installs) driven by Selenium against the real platform.
+`chromium-driver`, which scripts/ensure_chromium.sh installs) driven by Selenium against the
+real platform.
 
 Screenshots go to $DASHBOARD_SCREENSHOTS if set, else to the test's temporary directory.
 """
@@ -7,7 +8,6 @@ Screenshots go to $DASHBOARD_SCREENSHOTS if set, else to the test's temporary di
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,8 +21,6 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
 from tests.observed_platform import ADMIN_PASSWORD, ADMIN_USER, WORKERS, ObservedPlatform
-
-pytestmark = pytest.mark.integration
 
 WIDE, NARROW = 1400, 800
 # Scrollbars aside, what the page lays out wider than the window (0: no horizontal scrolling).
@@ -48,17 +46,9 @@ return performance.getEntriesByType('resource')
 """
 
 
-def chromium_paths() -> tuple[str, str]:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not (browser and driver):
-        pytest.fail("the browser test needs Debian's chromium and chromium-driver (.ci/run installs them)")
-    return browser, driver
-
-
 @pytest.fixture(scope="module")
-def browser() -> Iterator[webdriver.Chrome]:
-    binary, driver_path = chromium_paths()
+def browser(chromium: tuple[str, str]) -> Iterator[webdriver.Chrome]:
+    binary, driver_path = chromium
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):

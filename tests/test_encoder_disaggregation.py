@@ -25,8 +25,6 @@ from tests.conftest import TEST_REDIS_URL
 from tests.image_server import ImageServer
 from tests.platform_harness import PlatformProcesses
 
-pytestmark = pytest.mark.integration
-
 
 def png(seed: int, size: tuple[int, int] = (140, 112)) -> bytes:
     """The same bytes for the same seed (the identity of a data URL is its bytes')."""
@@ -57,9 +55,11 @@ def origin() -> Iterator[ImageServer]:
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[PlatformProcesses]:
+def platform(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path
+) -> Iterator[PlatformProcesses]:
     namespace = f"test:epd{time.monotonic_ns() % 10**9}:"
-    processes = PlatformProcesses(
+    processes = platform_harness(
         tmp_path_factory.mktemp("epd"),
         demo_model_dir,
         TEST_REDIS_URL,
@@ -120,6 +120,23 @@ def ask(platform: PlatformProcesses, payload: dict) -> httpx.Response:
     )
     assert response.status_code == 200, response.text
     return response
+
+
+def until_the_frontend_routes_images_to_the_encoder(platform: PlatformProcesses) -> None:
+    """Waits until the frontend has read the admin's last change (an "enable"), which it rereads
+    when the change is announced: a wait for what the route shows, not for a time."""
+    deadline = time.monotonic() + 15
+    while True:
+        route = httpx.post(
+            f"{platform.base_url}/v1/route",
+            json=body("Is the encoder back?", data_url(4)),
+            headers=platform.headers,
+            timeout=30,
+        ).json()
+        if route["encode"]["mode"] == "epd":
+            return
+        assert time.monotonic() < deadline, route["encode"]
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -210,14 +227,20 @@ def test_flush_caches_empties_the_encode_workers_embedding_cache_and_its_affinit
 def test_a_drained_encode_worker_gets_nothing_new(platform, admin) -> None:
     before = counters(platform, "enc")["images"]
     admin_action(admin, "drain", "enc")
-    time.sleep(1.2)  # the frontend rereads the workers' rows per request; give the admin's write a moment
 
-    route = httpx.post(
-        f"{platform.base_url}/v1/route",
-        json=body("And now?", data_url(2)),
-        headers=platform.headers,
-        timeout=30,
-    ).json()
+    # the frontend rereads the workers' rows when the admin's change is announced: wait for the
+    # route to show it, not for a time
+    deadline = time.monotonic() + 15
+    while True:
+        route = httpx.post(
+            f"{platform.base_url}/v1/route",
+            json=body("And now?", data_url(2)),
+            headers=platform.headers,
+            timeout=30,
+        ).json()
+        if route["encode"]["mode"] == "aggregated" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert route["encode"]["mode"] == "aggregated"
     assert route["encode"]["candidates"][0]["ineligible_because"] == "draining"
     ask(platform, body("And now?", data_url(2)))
@@ -234,7 +257,7 @@ def test_a_backlogged_encoder_leaves_the_image_on_the_llm_worker_with_the_same_a
 ) -> None:
     # given the encoder re-enabled (previous test) with a simulated backlog: five images reserved
     # on it as a frontend does, and the LLM worker's cached prefix of the first question forgotten
-    time.sleep(1.2)  # the admin's "enable"
+    until_the_frontend_routes_images_to_the_encoder(platform)
     platform.manage("flush_caches", "--worker", "llm", "--json")
     pool = EncoderPool(
         platform.redis,
@@ -275,7 +298,7 @@ def test_an_encode_worker_killed_mid_request_leaves_it_answered_through_the_fall
 ) -> None:
     # given an image whose origin takes seconds to send it: the encoder is still fetching it when killed
     url = origin.add("/slow.png", png(3), content_type="image/png", body_delay=2.5)
-    time.sleep(1.2)  # the admin's "enable" from the previous test
+    until_the_frontend_routes_images_to_the_encoder(platform)  # the previous test's "enable"
     fallbacks_before = counters(platform, "llm")["fallback_encoder_gone"]
 
     with httpx.Client(timeout=90, headers=platform.headers) as client:

@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
@@ -244,12 +243,8 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(demo
 
 
 @pytest.fixture(scope="module")
-def llava_next(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    from workers.demo_model import build_demo_llava
-
-    path: Path = tmp_path_factory.mktemp("llava") / "llava-next"
-    build_demo_llava(path, next=True)
-    return Engine.load(path)
+def llava_next(llava_demo_dir) -> Engine:
+    return Engine.load(llava_demo_dir("llava_next"))
 
 
 def test_llava_greedy_outputs_in_one_batch_equal_generate_alone(llava_next: Engine) -> None:

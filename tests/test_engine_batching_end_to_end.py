@@ -8,9 +8,6 @@ import threading
 import time
 
 import httpx
-import pytest
-
-pytestmark = pytest.mark.integration
 
 CONCURRENT = 8
 

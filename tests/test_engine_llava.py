@@ -25,7 +25,6 @@ from routing.prompt.layouts import LlavaLayout, LlavaNextLayout, layout_for_mode
 from routing.prompt.model_view import model_view
 from routing.prompt.processor_view import decode_processed, processor_token_view
 from routing.prompt.token_view import ImageFacts, build_token_view
-from workers.demo_model import build_demo_llava
 from workers.embedding_cache import EmbeddingCache
 from workers.engine import (
     Engine,
@@ -43,12 +42,8 @@ LONG_TEXT = " ".join(["the red apple on the table near a quiet garden"] * 4)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("llava-checkpoints")
-    paths = {"llava": root / "llava-1.5-tiny", "llava_next": root / "llava-next-tiny"}
-    for family, path in paths.items():
-        build_demo_llava(path, next=family == "llava_next")
-    return paths
+def checkpoints(llava_demo_dir) -> dict[str, Path]:
+    return {family: llava_demo_dir(family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,8 @@ import uuid
 import httpx
 import pytest
 
-from tests.platform_harness import PrivateRedis
-
-pytestmark = pytest.mark.integration
+from routing.kv.load import LoadTracker
+from tests.platform_harness import PrivateRedis, run_worker_args
 
 
 def chat(
@@ -57,20 +56,19 @@ def active_requests(platform) -> dict[bytes, bytes]:
     return platform.redis.hgetall(f"{platform.namespace}load:totals")
 
 
-def own_platform(tmp_path_factory, demo_model_dir, redis_url: str, **env: str):
-    from tests.platform_harness import PlatformProcesses
-
-    return PlatformProcesses(
+def own_platform(platform_harness, tmp_path_factory, demo_model_dir, redis_url: str, **env: str):
+    return platform_harness(
         tmp_path_factory.mktemp("faults"), demo_model_dir, redis_url, f"test:{uuid.uuid4().hex[:12]}:", env
     )
 
 
 @pytest.fixture(scope="module")
-def two_workers(tmp_path_factory, demo_model_dir):
+def two_workers(platform_harness, tmp_path_factory, demo_model_dir):
     """Workers doomed and spare, two frontends; liveness marks of 2 s."""
     from tests.conftest import TEST_REDIS_URL
 
     platform = own_platform(
+        platform_harness,
         tmp_path_factory,
         demo_model_dir,
         TEST_REDIS_URL,
@@ -105,7 +103,13 @@ def test_requests_on_a_worker_killed_before_their_first_token_are_answered_by_an
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(0.8)  # dispatched to doomed while its heartbeat was still fresh
+    # all four routed to doomed (its reservations say so) while its heartbeat is still fresh: a
+    # wait for that state, not for a time that a loaded machine may overrun
+    load = LoadTracker(platform.redis, platform.namespace)
+    deadline = time.monotonic() + 30
+    while load.snapshot(["doomed"])["doomed"].active_requests < 4:
+        assert time.monotonic() < deadline, "the requests never all reached doomed"
+        time.sleep(0.05)
     set_enabled(platform, "spare", True)
     platform.stop_worker("doomed", signal.SIGKILL)
     started = time.monotonic()
@@ -175,9 +179,11 @@ def private_redis(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def redis_platform(private_redis, tmp_path_factory, demo_model_dir):
+def redis_platform(platform_harness, private_redis, tmp_path_factory, demo_model_dir):
     """A worker and a frontend on the private Redis, whose every wait is bounded by 2 s."""
-    platform = own_platform(tmp_path_factory, demo_model_dir, private_redis.url, REDIS_TIMEOUT_SECS="2")
+    platform = own_platform(
+        platform_harness, tmp_path_factory, demo_model_dir, private_redis.url, REDIS_TIMEOUT_SECS="2"
+    )
     try:
         platform.start_worker("sturdy")
         platform.wait_for_workers("sturdy")
@@ -340,7 +346,6 @@ def test_a_frozen_redis_answers_503_within_its_deadline_and_recovers_when_thawed
 def test_a_second_process_under_a_running_workers_name_never_deregisters_the_first(two_workers):
     # given spare serving, with blocks in the router's index
     import json
-    import sys
 
     from routing.kv.index import KvIndex
     from tests.platform_harness import REPO
@@ -357,7 +362,7 @@ def test_a_second_process_under_a_running_workers_name_never_deregisters_the_fir
 
     # when someone starts `run_worker --name spare` again, and stops it once it is up (if it is)
     impostor = subprocess.Popen(
-        [sys.executable, "manage.py", "run_worker", "--name", "spare"],
+        run_worker_args("spare"),
         cwd=REPO,
         env=platform.env,
         stdout=subprocess.DEVNULL,

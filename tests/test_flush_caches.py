@@ -15,8 +15,6 @@ from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
 from tests.platform_harness import REPO
 
-pytestmark = pytest.mark.integration
-
 
 def flush(platform, *args: str) -> dict:
     """The command as an operator runs it: in a shell that knows nothing of the workers' caches."""

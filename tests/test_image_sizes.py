@@ -186,12 +186,10 @@ def _chat(url: str, question: str = "What is in the picture?") -> dict:
     }
 
 
-def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(platform_processes) -> None:
+def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(pooled_platform) -> None:
     with ImageServer() as origin:
         url = origin.add("/product.png", noise_png("before", 448))
-        platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
-        platform.start_worker("w0")
-        platform.wait_for_workers("w0")
+        platform = pooled_platform()
         base_url = platform.start_server()
         with httpx.Client(base_url=base_url, headers=platform.headers, timeout=120) as client:
             first = client.post("/v1/chat/completions", json=_chat(url))
@@ -203,6 +201,7 @@ def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(p
             assert repeat.status_code == 200, repeat.text
             assert origin.hits("/product.png") == asked
             assert repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            worker = repeat.headers["X-Routed-Worker"]
 
             # the origin now serves a smaller picture, and the worker no longer holds the old one:
             # the worker refuses the kept size, and the frontend reads it afresh and plans the
@@ -211,7 +210,7 @@ def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(p
             # (the worker's caches only: a flush of every worker's would make the frontend forget
             # the size as well)
             every_cache = ("--cache", "kv", "--cache", "embeddings", "--cache", "images")
-            platform.manage("flush_caches", "--worker", "w0", *every_cache)
+            platform.manage("flush_caches", "--worker", worker, *every_cache)
             changed = client.post("/v1/chat/completions", json=_chat(url))
             assert changed.status_code == 200, changed.text
             assert changed.json()["usage"]["prompt_tokens"] < first.json()["usage"]["prompt_tokens"]

@@ -12,15 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from routing.observe.cache_stats import CacheStats
 from routing.observe.telemetry import MetricsRecorder
 from tests.observed_platform import WORKERS, ObservedPlatform
-
-pytestmark = pytest.mark.integration
 
 WINDOW_MINUTES = 60
 HISTORY_AGE_S = 3 * 3600  # outside the window, inside the day the minute buckets are kept

@@ -20,10 +20,9 @@ import pytest
 from PIL import Image
 
 from routing.kv.index import KvIndex
+from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
 from tests.platform_harness import REPO
-
-pytestmark = pytest.mark.integration
 
 
 def ask(platform, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -40,22 +39,21 @@ def ask(platform, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
     )
 
 
-def test_two_worker_processes_answer_requests_with_the_model(platform_processes):
+def test_worker_processes_answer_requests_with_the_model(pooled_platform):
     # Round robin: the KV router would rightly keep sending a repeated prompt to one worker.
-    platform = platform_processes(ROUTER_MODE="round_robin")
-    platform.start_worker("alpha")
-    platform.start_worker("beta")
-    platform.wait_for_workers("alpha", "beta")
+    platform = pooled_platform(ROUTER_MODE="round_robin")
     platform.start_server()
 
-    answers: dict[str, list[str]] = {"alpha": [], "beta": []}
+    answers: dict[str, list[str]] = {name: [] for name in POOL_WORKERS}
     served_before: set[str] = set()
-    for _ in range(4):
+    request_ids: list[str] = []
+    for _ in range(len(POOL_WORKERS) + 1):
         response = ask(platform, "Describe a red bicycle.")
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["object"] == "chat.completion"
         assert response.headers["X-Request-Id"] == body["id"]
+        request_ids.append(body["id"])
         usage = body["usage"]
         assert usage["completion_tokens"] > 0
         assert usage["prompt_tokens"] > 10
@@ -71,21 +69,22 @@ def test_two_worker_processes_answer_requests_with_the_model(platform_processes)
         assert body["choices"][0]["finish_reason"] in ("stop", "length")
         answers[worker].append(body["choices"][0]["message"]["content"])
 
-    # Both processes answered, and being the same model under greedy decoding, identically.
-    assert answers["alpha"] and answers["beta"]
-    assert len({*answers["alpha"], *answers["beta"]}) == 1
-    assert answers["alpha"][0].strip()
+    # Every process answered, and being the same model under greedy decoding, identically.
+    assert all(answers.values()), answers
+    texts = {text for texts in answers.values() for text in texts}
+    assert len(texts) == 1
+    (text,) = texts
+    assert text.strip()
     # Answered requests leave no response stream behind in Redis.
-    assert not list(platform.redis.scan_iter(match=f"{platform.namespace}resp:*"))
+    left = {key.decode() for key in platform.redis.scan_iter(match=f"{platform.namespace}resp:*")}
+    assert not {key for key in left if any(request_id in key for request_id in request_ids)}, left
     # A different prompt makes the model say something else: the text comes from the model.
     other = ask(platform, "What is the capital of a country made of glass?", max_tokens=8).json()
-    assert other["choices"][0]["message"]["content"] != answers["alpha"][0]
+    assert other["choices"][0]["message"]["content"] != text
 
 
-def test_streaming_sends_chunks_then_done(platform_processes):
-    platform = platform_processes()
-    platform.start_worker("solo")
-    platform.wait_for_workers("solo")
+def test_streaming_sends_chunks_then_done(pooled_platform):
+    platform = pooled_platform()
     base_url = platform.start_server()
 
     # The same server serves the admin, styled: its static files come from the ASGI app itself.
@@ -123,11 +122,11 @@ def test_streaming_sends_chunks_then_done(platform_processes):
     assert usage and usage["completion_tokens"] > 0
 
 
-def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(platform_processes):
-    platform = platform_processes(ROUTER_MODE="round_robin")
-    platform.start_worker("stays")
+def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(pooled_platform):
+    # given the pool's workers, which stay, and one of the test's own beside them, which leaves
+    platform = pooled_platform(ROUTER_MODE="round_robin")
     platform.start_worker("leaves")
-    platform.wait_for_workers("stays", "leaves")
+    platform.wait_for_workers("leaves")
     platform.start_server()
 
     assert platform.stop_worker("leaves", signal.SIGTERM) == 0
@@ -135,7 +134,7 @@ def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(platform_p
     assert "deregistered" in platform.log_tail("worker-leaves")
 
     routed = [ask(platform, f"Question {i}").headers["X-Routed-Worker"] for i in range(4)]
-    assert routed == ["stays"] * 4
+    assert set(routed) == set(POOL_WORKERS)  # round robin over those that stayed
     assert platform.redis.llen(f"{platform.namespace}worker.leaves") == 0
 
 
@@ -216,12 +215,10 @@ def test_stdlib_platform_module_works_in_each_process(platform_processes):
     assert stdlib_platform.system() in ("Linux", "Darwin", "Windows")
 
 
-def test_the_official_openai_client_works_against_the_platform(platform_processes):
+def test_the_official_openai_client_works_against_the_platform(pooled_platform):
     import openai
 
-    platform = platform_processes()
-    platform.start_worker("compat")
-    platform.wait_for_workers("compat")
+    platform = pooled_platform()
     base_url = platform.start_server()
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=platform.api_key, max_retries=0)
 
@@ -230,7 +227,7 @@ def test_the_official_openai_client_works_against_the_platform(platform_processe
         model="demo", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0
     )
     assert completion.choices[0].message.content
-    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # a fresh worker
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # a fresh tenant
     again = client.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0
     )

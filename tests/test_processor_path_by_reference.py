@@ -75,18 +75,13 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_refused() -> None:
         decode_processed(processed, lambda payload: b"\0" * 20)
 
 
-def test_the_processor_path_answers_as_the_registry_path_on_real_processes(shared_platform) -> None:
-    # given the shared platform, and a second frontend of it on the processor path
+def test_the_processor_path_answers_as_the_registry_path_on_real_processes(
+    shared_platform, pooled_platform
+) -> None:
+    # given the shared frontend, and a frontend of the same workers on the processor path
     platform = shared_platform
-    previous = platform.env.get("DYN_CHAT_PROCESSOR")
-    platform.env["DYN_CHAT_PROCESSOR"] = "transformers"
-    try:
-        processor_url = platform.start_server()
-    finally:
-        if previous is None:
-            platform.env.pop("DYN_CHAT_PROCESSOR")
-        else:
-            platform.env["DYN_CHAT_PROCESSOR"] = previous
+    processor = pooled_platform()
+    processor_url = processor.start_server(DYN_CHAT_PROCESSOR="transformers")
     body = {
         **two_image_request("demo", png_data_url(300, 200), png_data_url(200, 300, (10, 200, 10))),
         "max_tokens": 8,
@@ -95,8 +90,8 @@ def test_the_processor_path_answers_as_the_registry_path_on_real_processes(share
 
     # when the same request goes through each path
     answers = [
-        httpx.post(f"{url}/v1/chat/completions", json=body, headers=platform.headers, timeout=90)
-        for url in (platform.base_url, processor_url)
+        httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=90)
+        for url, headers in ((platform.base_url, platform.headers), (processor_url, processor.headers))
     ]
 
     # then both are answered, with the same greedy text

@@ -18,8 +18,6 @@ from PIL import Image
 from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
 
-pytestmark = pytest.mark.integration
-
 
 def picture(seed: int, size: tuple[int, int] = (336, 280)) -> bytes:
     image = Image.effect_noise(size, 40 + seed).convert("RGB")
@@ -56,11 +54,9 @@ def overlap_of(response: httpx.Response) -> tuple[int, int]:
     return int(done), int(total)
 
 
-def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_processes, origin):
-    platform = platform_processes(LOG_LEVELS="routing=debug", MEDIA_ALLOWED_HOSTS="127.0.0.1")
-    for name in ("a", "b", "c"):
-        platform.start_worker(name)
-    platform.wait_for_workers("a", "b", "c")
+def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(pooled_platform, origin):
+    # three workers (the session's pool), and a frontend that logs its routing decisions
+    platform = pooled_platform(LOG_LEVELS="routing=debug")
     base_url = platform.start_server()
     url = origin.add("/demo.png", picture(1), content_type="image/png")
 
@@ -105,11 +101,8 @@ def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(platform_pr
     assert rate > 0
 
 
-def test_two_frontend_processes_make_identical_choices(platform_processes, origin):
-    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
-    platform.start_worker("left")
-    platform.start_worker("right")
-    platform.wait_for_workers("left", "right")
+def test_two_frontend_processes_make_identical_choices(pooled_platform, origin):
+    platform = pooled_platform()
     first_frontend = platform.start_server()
     second_frontend = platform.start_server()
     url = origin.add("/shared.png", picture(3), content_type="image/png")

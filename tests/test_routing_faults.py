@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -21,11 +20,10 @@ import pytest
 import redis
 
 from routing.kv.load import LoadTracker
+from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO, PlatformProcesses, free_port
+from tests.platform_harness import REPO, free_port, run_worker_args
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
-
-pytestmark = pytest.mark.integration
 
 
 def text_request(text: str, max_tokens: int = 2, stream: bool = False) -> dict:
@@ -90,10 +88,10 @@ def origin():
 
 
 def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
-    tmp_path, demo_model_dir, key_namespace, own_redis, origin
+    platform_harness, tmp_path, demo_model_dir, key_namespace, own_redis, origin
 ):
     # given: two workers and a frontend on a Redis of the test's own; an image served once
-    platform = PlatformProcesses(
+    platform = platform_harness(
         tmp_path, demo_model_dir, own_redis.url, key_namespace, {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"}
     )
     try:
@@ -209,7 +207,7 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
 
     # and a third process under the live worker's name refuses to start, naming it
     refused = subprocess.run(
-        [sys.executable, "manage.py", "run_worker", "--name", "a"],
+        run_worker_args("a"),
         cwd=REPO,
         env=platform.env,
         capture_output=True,
@@ -220,13 +218,10 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
     assert "already running" in refused.stderr and f"pid {platform.workers['a'].pid}" in refused.stderr
 
 
-def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(platform_processes):
-    # given: three idle workers and two frontend processes
-    platform = platform_processes()
-    names = ("x", "y", "z")
-    for name in names:
-        platform.start_worker(name)
-    platform.wait_for_workers(*names)
+def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pooled_platform):
+    # given: three idle workers (the session's pool) and two frontend processes
+    platform = pooled_platform()
+    names = POOL_WORKERS
     frontends = [platform.start_server(), platform.start_server()]
     barrier = threading.Barrier(3)
     routed: list[str] = []
@@ -253,37 +248,50 @@ def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pla
 
 
 def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_processes):
-    # given: one worker that counts as busy with one request in flight
-    platform = platform_processes(ROUTER_BUSY_MAX_REQUESTS="1", ROUTER_BUSY_RETRY_AFTER_SECS="2")
+    # given: one worker that counts as busy with one request in flight, and that request held
+    # in flight: the worker is frozen before it is sent, so the request cannot finish before the
+    # second one has been answered, however fast or loaded the machine (its heartbeat outlives
+    # the hold)
+    platform = platform_processes(
+        ROUTER_BUSY_MAX_REQUESTS="1", ROUTER_BUSY_RETRY_AFTER_SECS="2", WORKER_HEARTBEAT_TTL_SECS="60"
+    )
     platform.start_worker("solo")
     platform.wait_for_workers("solo")
     base_url = platform.start_server()
-    first_token = threading.Event()
-    finished: list[int] = []
+    platform.stop_worker("solo", signal.SIGSTOP, wait=False)
+    held: list[httpx.Response] = []
 
     def long_request() -> None:
-        with httpx.stream(
-            "POST",
-            f"{base_url}/v1/chat/completions",
-            json=text_request("Tell a story.", 64, True),
-            headers=platform.headers,
-            timeout=90,
-        ) as response:
-            for line in response.iter_lines():
-                if '"content"' in line:
-                    first_token.set()
-            finished.append(response.status_code)
+        held.append(
+            httpx.post(
+                f"{base_url}/v1/chat/completions",
+                json=text_request("Tell a story.", 16),
+                headers=platform.headers,
+                timeout=90,
+            )
+        )
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    assert first_token.wait(60)
+    try:
+        # the frontend routed it: its reservation is what makes the worker count as busy
+        load = LoadTracker(platform.redis, platform.namespace)
+        deadline = time.monotonic() + 60
+        while not load.snapshot(["solo"])["solo"].active_requests:
+            assert time.monotonic() < deadline, "the first request was never routed"
+            time.sleep(0.05)
 
-    # when: another request comes while it runs
-    started = time.monotonic()
-    refused = httpx.post(
-        f"{base_url}/v1/chat/completions", json=text_request("And me?"), headers=platform.headers, timeout=30
-    )
-    waited = time.monotonic() - started
+        # when: another request comes while it is in flight
+        started = time.monotonic()
+        refused = httpx.post(
+            f"{base_url}/v1/chat/completions",
+            json=text_request("And me?"),
+            headers=platform.headers,
+            timeout=30,
+        )
+        waited = time.monotonic() - started
+    finally:
+        platform.workers["solo"].send_signal(signal.SIGCONT)
     thread.join(timeout=90)
 
     # then: refused at once, with when to retry; served once the worker is free again
@@ -291,7 +299,7 @@ def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_pr
     assert refused.json()["error"]["code"] == "all_workers_busy"
     assert refused.headers["Retry-After"] == "2"
     assert waited < 5
-    assert finished == [200]
+    assert [response.status_code for response in held] == [200], held[0].text if held else "no answer"
     # the engine's own report, one heartbeat old, may still count the finished request: a client
     # that waits as Retry-After says is served
     time.sleep(int(refused.headers["Retry-After"]))

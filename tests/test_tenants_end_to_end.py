@@ -21,8 +21,6 @@ import redis
 from tests.conftest import TEST_REDIS_URL
 from tests.platform_harness import PlatformProcesses
 
-pytestmark = pytest.mark.integration
-
 WORKER = "tenants-w"
 # Long enough for several full KV blocks: the "secret" a second tenant must not be able to probe.
 SECRET_PROMPT = (
@@ -35,9 +33,9 @@ ISSUED_KEYS: list[str] = []  # every key the module issued, for the test that gr
 
 
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory, demo_model_dir) -> Iterator[PlatformProcesses]:
+def platform(platform_harness, tmp_path_factory, demo_model_dir) -> Iterator[PlatformProcesses]:
     namespace = f"test:{uuid.uuid4().hex[:12]}:"
-    processes = PlatformProcesses(
+    processes = platform_harness(
         tmp_path_factory.mktemp("tenants"),
         demo_model_dir,
         TEST_REDIS_URL,

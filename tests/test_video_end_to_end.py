@@ -7,12 +7,9 @@ requests: the frontend fetches each time, the worker never does.
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from tests.image_server import ImageServer
 from tests.video_files import make_clip
-
-pytestmark = pytest.mark.integration
 
 
 def ask(base_url: str, headers: dict[str, str], url: str, question: str) -> httpx.Response:
@@ -34,13 +31,10 @@ def ask(base_url: str, headers: dict[str, str], url: str, question: str) -> http
 
 
 def test_the_same_video_twice_goes_back_to_its_worker_with_its_blocks_cached_and_no_encoder(
-    platform_processes,
+    pooled_platform,
 ):
-    # given two idle workers, a frontend, and a clip at an origin
-    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
-    platform.start_worker("alpha")
-    platform.start_worker("beta")
-    platform.wait_for_workers("alpha", "beta")
+    # given idle workers (the session's pool), a frontend, and a clip at an origin
+    platform = pooled_platform()
     base_url = platform.start_server()
     with ImageServer() as origin:
         url = origin.add(
@@ -56,7 +50,7 @@ def test_the_same_video_twice_goes_back_to_its_worker_with_its_blocks_cached_and
         ).json()
         (video,) = route["videos"]
 
-        # when one question about the clip is answered, then another while both workers are idle
+        # when one question about the clip is answered, then another while the workers are idle
         first = ask(base_url, platform.headers, url, "What happens in this clip?")
         assert first.status_code == 200, first.text
         second = ask(base_url, platform.headers, url, "Which colours do you see?")

@@ -22,7 +22,7 @@ from django.core.management import call_command
 from PIL import Image
 
 from routing.media.images import url_identity
-from workers.demo_model import HEAVY_VISION, build_demo_llava
+from workers.demo_model import HEAVY_VISION
 from workers.embedding_cache import EmbeddingCache, EmbeddingKey
 from workers.engine import Engine, GenerationRequest, ImageInput, load_image_directly
 from workers.kv_cache import KvPool
@@ -86,10 +86,8 @@ def qwen_encoder(demo_model_dir: Path) -> VisionEncoder:
 
 
 @pytest.fixture(scope="module")
-def llava_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llava-next-enc") / "llava-next-tiny"
-    build_demo_llava(path, next=True)
-    return path
+def llava_next_dir(llava_demo_dir) -> Path:
+    return llava_demo_dir("llava_next")
 
 
 # --- what is loaded --------------------------------------------------------------------------------
