@@ -26,6 +26,9 @@ from inference_platform.serving import check_served_model  # noqa: E402 - needs 
 # Image settings the model's processor refuses stop the start-up here, with the reason.
 check_served_model()
 
+from django.core.exceptions import ImproperlyConfigured  # noqa: E402
+from django.db import DatabaseError  # noqa: E402
+
 from inference_platform.metrics import frontend_source  # noqa: E402  (needs the app set up)
 from routing.deployment import statistics_namespace  # noqa: E402
 from routing.observe import telemetry  # noqa: E402
@@ -33,7 +36,14 @@ from routing.state.redis_keys import sync_client  # noqa: E402
 
 # This frontend's request metrics go to the deployment's Redis, where /metrics sums them, under
 # its database's deployment id (so another deployment on the same Redis never adds to them).
-telemetry.attach(sync_client(settings.REDIS_URL), statistics_namespace(), frontend_source())
+try:
+    _statistics = statistics_namespace()  # made on first use: the database must be migrated
+except DatabaseError as exc:
+    raise ImproperlyConfigured(
+        f"the frontend cannot read its deployment id from the database ({exc}): "
+        "run `manage.py migrate` before starting it (`make run` does)"
+    ) from exc
+telemetry.attach(sync_client(settings.REDIS_URL), _statistics, frontend_source())
 
 if not settings.API_AUTH_REQUIRED:
     import logging

@@ -189,8 +189,11 @@ def test_a_worker_killed_mid_request_is_a_502_with_the_request_id(platform_proce
     assert response.headers["X-Request-Id"] in error["message"]
 
 
+@pytest.mark.django_db  # importing the ASGI app reads the deployment id, in this process too
 def test_stdlib_platform_module_works_in_each_process(platform_processes):
     """Our project package is not called `platform`, so the standard library's stays importable."""
+    # The frontend's start-up reads its deployment id: it runs on the harness's migrated database.
+    env = platform_processes().env
     code = "import platform; print(platform.system())"
     for args in (
         [
@@ -201,7 +204,9 @@ def test_stdlib_platform_module_works_in_each_process(platform_processes):
         ],
         [sys.executable, "-c", f"import workers.engine; {code}"],
     ):
-        out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+        out = subprocess.run(
+            args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=True
+        ).stdout
         assert out.strip().splitlines()[-1] in ("Linux", "Darwin", "Windows")
     # and in this process, which imported the project's packages too: the module is the stdlib's
     import sysconfig
