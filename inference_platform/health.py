@@ -10,8 +10,8 @@ import redis
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
-from inference_platform.dispatch import eligible_workers
-from inference_platform.serving import served_model
+from inference_platform.serving.dispatch import eligible_workers
+from inference_platform.serving.prepare import served_model
 from routing.prompt.model_view import ModelDirectoryError
 
 

@@ -191,7 +191,7 @@ def _no_worker_rows_kept_from_another_test():
 @pytest.fixture(autouse=True)
 def _no_image_sizes_kept_from_another_test():
     """A size one test read by URL is not another's to use (an origin may reuse a path)."""
-    from inference_platform.serving import _image_sizes
+    from inference_platform.serving.prepare import _image_sizes
 
     yield
     _image_sizes.cache_clear()

@@ -252,7 +252,7 @@ async def test_a_replan_that_fails_unforeseen_fault_injected_answers_the_workers
 ):
     """The request's second preparation (the replan's) raises what nothing foresaw: the client
     gets the worker's own `image_changed`, and the reservation is still freed."""
-    from inference_platform import serving
+    from inference_platform.serving import prepare as serving
 
     prepare, calls = serving.prepare, []
 

@@ -149,7 +149,7 @@ def test_flush_caches_of_images_makes_every_frontend_ask_the_origin_again(origin
     from django.conf import settings
     from django.core.management import call_command
 
-    from inference_platform.serving import image_sizes
+    from inference_platform.serving.prepare import image_sizes
     from routing.media.images import SIZES_FLUSHED_KEY
 
     url = origin.add("/p.png", noise_png("p", 64))

@@ -14,8 +14,8 @@ import torch
 from asgiref.sync import async_to_sync
 
 from inference_platform.api.chat_request import parse_chat_request
-from inference_platform.dispatch import media_store, release_media
-from inference_platform.serving import prepare, store_media
+from inference_platform.serving.dispatch import media_store, release_media
+from inference_platform.serving.prepare import prepare, store_media
 from routing.media.store import MediaRef
 from routing.prompt.processor_view import decode_processed
 from tests.test_token_view import png_data_url, two_image_request

@@ -25,7 +25,7 @@ from inference_platform.api.chat_request import (
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
 )
-from inference_platform.serving import served_model
+from inference_platform.serving.prepare import served_model
 
 _JSON = "application/json"
 

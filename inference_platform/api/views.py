@@ -21,9 +21,9 @@ from inference_platform.api.auth import api_key_required
 from inference_platform.api.boundary import is_api_path, json_endpoint, new_request_id, only_get
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
-from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
-from inference_platform.request_metrics import RequestClock
-from inference_platform.serving import describe_route, finish_request, plan_request, served_model
+from inference_platform.serving.clock import RequestClock
+from inference_platform.serving.dispatch import Dispatch, follow, request_cancel, state_unavailable
+from inference_platform.serving.prepare import describe_route, finish_request, plan_request, served_model
 from routing.contract.responses import ResponseEvent
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
 from routing.prompt.model_view import ModelView

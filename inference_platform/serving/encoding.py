@@ -22,7 +22,7 @@ from typing import Any
 from django.conf import settings
 
 from inference_platform.celery import app as celery_app
-from inference_platform.dispatch import eligible_encoders, worker_states
+from inference_platform.serving.dispatch import eligible_encoders, worker_states
 from routing.contract.tasks import EncodeTask, GenerateTask
 from routing.fleet.encoders import (
     EncoderPool,

@@ -22,7 +22,7 @@ from django.conf import settings
 
 from inference_platform.api.chat_request import ChatRequest
 from inference_platform.api.errors import ApiError
-from inference_platform.dispatch import (
+from inference_platform.serving.dispatch import (
     Dispatch,
     eligible_workers,
     lease_ttl_s,
@@ -36,7 +36,7 @@ from inference_platform.dispatch import (
     worker_report,
     worker_states,
 )
-from inference_platform.encoding import describe_encoding, plan_encoding
+from inference_platform.serving.encoding import describe_encoding, plan_encoding
 from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.fleet.registry import Heartbeat
 from routing.kv.lease import RequestLease
