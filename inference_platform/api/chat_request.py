@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from inference_platform.api.errors import ApiError
+from inference_platform.serving.chat import ChatRequest, ImagePart, VideoPart
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 MAX_STOP_SEQUENCES = 4
@@ -24,40 +24,6 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 # Fields OpenAI defines that this platform cannot honour: refused by name rather than silently
 # ignored (a caller relying on them must know). Unknown fields stay ignored, as OpenAI does.
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio")
-
-
-@dataclass
-class ImagePart:
-    index: int  # position among the request's images, in prompt order
-    url: str
-    detail: str | None = None
-
-
-@dataclass
-class VideoPart:
-    index: int  # position among the request's videos, in prompt order
-    url: str
-
-
-@dataclass
-class ChatRequest:
-    model: str
-    messages: list[dict[str, Any]]  # normalised for the chat template
-    images: list[ImagePart]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    videos: list[VideoPart] = field(default_factory=list)
-    cache_salt: str | None = None  # vLLM's per-request cache partition, inside the tenant's
-    logprobs: bool = False
-    top_logprobs: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked in serving)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
-from inference_platform.api.errors import ApiError
 from inference_platform.celery import app as celery_app
+from inference_platform.serving.errors import ApiError
 from routing.contract.responses import (
     ResponseEvent,
     cancel_key,

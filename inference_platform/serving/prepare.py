@@ -20,8 +20,7 @@ from typing import Any
 import redis
 from django.conf import settings
 
-from inference_platform.api.chat_request import ChatRequest
-from inference_platform.api.errors import ApiError
+from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.dispatch import (
     Dispatch,
     eligible_workers,
@@ -37,6 +36,7 @@ from inference_platform.serving.dispatch import (
     worker_states,
 )
 from inference_platform.serving.encoding import describe_encoding, plan_encoding
+from inference_platform.serving.errors import ApiError
 from routing.contract.tasks import DoneEvent, GenerateTask, ImageRef, VideoRef
 from routing.fleet.registry import Heartbeat
 from routing.kv.lease import RequestLease

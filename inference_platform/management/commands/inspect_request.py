@@ -15,7 +15,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from inference_platform.api.chat_request import parse_chat_request, parse_json_body
-from inference_platform.api.errors import ApiError
+from inference_platform.serving.errors import ApiError
 from inference_platform.serving.prepare import prepare, served_model
 
 
