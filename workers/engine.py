@@ -129,6 +129,9 @@ class GenerationRequest:
     # Videos, decoded and sampled by the frontend (one <|video_pad|> each in the prompt).
     videos: list[VideoInput] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks: generate max_tokens tokens whatever the model says
+    # An answer continued after a migration: the tokens another worker already generated and the
+    # client has. They follow the prompt, and generation goes on after them.
+    continued_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -261,6 +264,7 @@ class _RequestState:
     # is held out of the scheduler while the engine encodes its other images ahead.
     features_gate: threading.Event | None = None
     covered_at_submit: int = 0  # prompt tokens the cached prefix covered at submission
+    tokens_streamed: int = 0  # generated tokens the pieces sent so far carried
     encoded_ahead: bool = False  # its locally encoded images are done (or were tried)
 
 
@@ -398,13 +402,13 @@ class Engine:
         on_token: Callable[[str], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
-        on_piece: Callable[[str, list[dict[str, Any]] | None], None] | None = None,
+        on_piece: Callable[[str, list[dict[str, Any]] | None, list[int]], None] | None = None,
         await_features: Callable[[], None] | None = None,
     ) -> GenerationResult:
         """Serves one request in the shared batch and waits for it; thread-safe. Callbacks run in
         the calling thread. `should_stop` is asked while waiting; True cancels the request.
         `on_piece` gets each piece of text as `on_token` does, with the log probabilities of the
-        tokens the piece completes (None when the request did not ask for them).
+        tokens the piece completes (None when the request did not ask for them) and their ids.
 
         E/PD: `await_features` runs here once the request is queued and sets the `embedding` of
         the images marked `features_expected` that arrive. Meanwhile the engine thread encodes
@@ -425,9 +429,9 @@ class Engine:
                         handle.cancel()
                     continue
                 if kind == "token":
-                    text, logprobs = value
+                    text, logprobs, token_ids = value
                     if on_piece is not None:
-                        on_piece(text, logprobs)
+                        on_piece(text, logprobs, token_ids)
                     if on_token is not None:
                         on_token(text)
                     if should_stop is not None and should_stop():
@@ -464,6 +468,9 @@ class Engine:
             top_logprobs=request.top_logprobs,
         )
         input_ids, placed = self._prompt(request)
+        if request.continued_token_ids:
+            # A continued answer: its earlier tokens are prompt here, computed in one prefill.
+            input_ids = [*input_ids, *request.continued_token_ids]
         if not fits(self.kv_pool, len(input_ids), request.max_tokens):
             needed = -(-(len(input_ids) + request.max_tokens) // self.block_size)
             raise PromptError(
@@ -493,7 +500,10 @@ class Engine:
         if any(image.features_expected for image in request.images):
             state.features_gate = threading.Event()
         state.stream = TextStream(
-            self.tokenizer, list(request.stop), functools.partial(self._send_piece, state)
+            self.tokenizer,
+            list(request.stop),
+            functools.partial(self._send_piece, state),
+            prior=request.continued_token_ids,
         )
         if self.uses_mrope:
             state.mrope, state.rope_delta = self.runner.rope_positions(input_ids, placed)
@@ -933,7 +943,9 @@ class Engine:
             start = len(state.logprob_entries)
             logprobs = self._logprob_entries(state, start, start + tokens)
             state.logprob_entries.extend(logprobs)
-        state.events.put(("token", (piece, logprobs)))
+        token_ids = state.stream.generated_ids[state.tokens_streamed : state.tokens_streamed + tokens]
+        state.tokens_streamed += tokens
+        state.events.put(("token", (piece, logprobs, token_ids)))
 
     def _logprobs(self, state: _RequestState) -> list[dict[str, Any]]:
         """The sampler's log probabilities in OpenAI's shape, one per token of the answer: those

@@ -23,7 +23,6 @@ from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
 from routing.contract.responses import (
     ResponseEvent,
-    cancel_key,
     live_key,
     read_response_events,
     response_key,
@@ -214,11 +213,6 @@ async def send_to_worker(worker: str, task: GenerateTask) -> None:
             f"Could not queue request {task.request_id} for worker {worker}: broker unavailable.",
             code="broker_unavailable",
         ) from exc
-
-
-async def request_cancel(request_id: str) -> None:
-    client = async_client(settings.REDIS_URL)
-    await client.set(cancel_key(settings.REDIS_KEY_PREFIX, request_id), b"1", ex=600)
 
 
 def lease_ttl_s() -> float:
