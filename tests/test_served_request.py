@@ -13,7 +13,9 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import httpx
 import pytest
 import redis
 from django.conf import settings as django_settings
@@ -504,3 +507,85 @@ async def test_redis_failing_while_following_fault_injected_answers_503_and_rele
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({503: 1}) and releases.cancels[rid] == 1
     await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+
+
+# --- a worker killed mid-answer, with real processes -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory, demo_model_dir):
+    """Two real workers and one frontend on the test Redis; heartbeats of 2 s."""
+    from tests.conftest import TEST_REDIS_URL
+    from tests.platform_harness import PlatformProcesses
+
+    platform = PlatformProcesses(
+        tmp_path_factory.mktemp("served"),
+        demo_model_dir,
+        TEST_REDIS_URL,
+        f"test:{uuid.uuid4().hex[:12]}:",
+        {"REQUEST_LIVENESS_TTL_SECS": "2", "REQUEST_FIRST_TOKEN_TIMEOUT_SECS": "60"},
+    )
+    try:
+        platform.start_worker("first")
+        platform.start_worker("second")
+        platform.wait_for_workers("first", "second")
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
+
+
+def stream_answer(platform, *, kill_after_chunks: int | None = None) -> tuple[str, dict, list[dict], str]:
+    """A streamed greedy answer: its text, usage, every event and the worker it was routed to;
+    with `kill_after_chunks`, that worker is SIGKILLed once so many content chunks arrived."""
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events: list[dict] = []
+    content = 0
+    url = f"{platform.base_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=platform.headers, timeout=90) as response:
+        assert response.status_code == 200, response.read()
+        worker = response.headers["X-Routed-Worker"]
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: ") :]))
+            if events[-1].get("choices") and events[-1]["choices"][0]["delta"].get("content"):
+                content += 1
+                if content == kill_after_chunks:
+                    platform.stop_worker(worker, signal.SIGKILL, wait=False)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    usage = next(e["usage"] for e in events if e.get("usage"))
+    return text, usage, events, worker
+
+
+@pytest.mark.integration
+def test_a_worker_killed_mid_stream_leaves_the_client_one_uninterrupted_greedy_answer(two_workers):
+    # given the uninterrupted greedy answer to a question
+    platform = two_workers
+    reference, reference_usage, _events, _worker = stream_answer(platform)
+    assert reference_usage["completion_tokens"] == 40  # long enough to be cut mid-way
+
+    # when the same question is streamed again, and its worker is killed after five chunks
+    text, usage, events, killed = stream_answer(platform, kill_after_chunks=5)
+
+    # then the client got one stream, no error in it, whose text is the uninterrupted answer's
+    assert not any("error" in event for event in events)
+    assert text == reference
+    # and usage counts each token once
+    assert usage["completion_tokens"] == reference_usage["completion_tokens"]
+    assert usage["prompt_tokens"] == reference_usage["prompt_tokens"]
+    # and the answer did move: the other worker continued it
+    log = platform.log("server")
+    assert f"worker {killed} went away after" in log and "migrated to" in log
+    # and nothing of it is left reserved
+    deadline = time.monotonic() + 5
+    while platform.redis.hgetall(f"{platform.namespace}load:totals") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert platform.redis.hgetall(f"{platform.namespace}load:totals") == {}
