@@ -60,16 +60,18 @@ def _pieces(engine, **options):
 
 
 @pytest.mark.parametrize(
-    ("images", "after_pieces"), [(0, 1), (1, 7)], ids=["text-after-1-piece", "image-after-7"]
+    ("images", "after_pieces", "penalties"),
+    [(0, 1, {}), (1, 7, {}), (0, 4, {"frequency_penalty": 0.8, "presence_penalty": 0.3})],
+    ids=["text-after-1-piece", "image-after-7", "penalties-after-4"],
 )
 def test_a_greedy_answer_continued_from_its_first_pieces_equals_the_uninterrupted_answer(
-    demo_engine, images, after_pieces
+    demo_engine, images, after_pieces, penalties
 ):
     # given an uninterrupted greedy answer, and the token ids its first pieces carried
     engine = demo_engine()
     prompt = chat(LONG_TEXT + " What next?", images=images)
     imgs = [image_input(1)] if images else []
-    whole, pieces = _pieces(engine, prompt=prompt, images=imgs, max_tokens=24, ignore_eos=True)
+    whole, pieces = _pieces(engine, prompt=prompt, images=imgs, max_tokens=24, ignore_eos=True, **penalties)
     assert sum(len(ids) for _, ids in pieces) <= whole.completion_tokens
     sent = pieces[:after_pieces]
     carried = [t for _, ids in sent for t in ids]
@@ -82,6 +84,7 @@ def test_a_greedy_answer_continued_from_its_first_pieces_equals_the_uninterrupte
         max_tokens=24 - len(carried),
         ignore_eos=True,
         continued_token_ids=carried,
+        **penalties,
     )
     # then the pieces sent plus the continuation are the answer, token for token, counted once
     assert "".join(t for t, _ in sent) + rest.text == whole.text

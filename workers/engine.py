@@ -489,10 +489,14 @@ class Engine:
             placed, usable * self.block_size, request.scope_key, cached_embeddings=request.use_embedding_cache
         )
         events: queue.SimpleQueue = queue.SimpleQueue()
+        sampler = RequestSampler(params)
+        for token in request.continued_token_ids:
+            # A continued answer's penalties count the tokens the first worker generated, too.
+            sampler.counts[token] = sampler.counts.get(token, 0) + 1
         state = _RequestState(
             request=request,
             placed=placed,
-            sampler=RequestSampler(params),
+            sampler=sampler,
             events=events,
             submitted_at=submitted_at,
             covered_at_submit=usable * self.block_size,

@@ -152,7 +152,10 @@ class ServedRequest:
             await self.close(CLIENT_CLOSED)
             raise
         except Exception as exc:
-            raise await self.fail(exc) from exc
+            error = await self.fail(exc)
+            if error is exc:
+                raise
+            raise error from exc
         self._log_sent()
         return self
 
@@ -295,7 +298,10 @@ class ServedRequest:
             await self.close(CLIENT_CLOSED)
             raise
         except Exception as exc:
-            raise await self.fail(exc) from exc
+            error = await self.fail(exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _note_sent(self, event: TokenEvent) -> None:
         self._text.append(event.text)
@@ -388,7 +394,6 @@ class ServedRequest:
         if self._replanned or self.lease is None or self.lease.state != RESERVED or self.chat is None:
             return False
         self._replanned = True
-        self._worker_ended = False
         try:
             salt = self.caller.cache_salt(self.chat.cache_salt)
             prepared = await asyncio.to_thread(
@@ -409,6 +414,7 @@ class ServedRequest:
             logger.exception("request %s: planning it again failed", self.request_id)
             return False
         self.prepared = prepared
+        self._worker_ended = False  # the new task runs: until it ends, it is the worker's to stop
         telemetry.inc("request_replans", labels={"worker": self.lease.worker})
         logger.info(
             "request %s: a picture changed at its origin since its size was read;"
