@@ -234,7 +234,9 @@ def run_mode(
             result = run_streams(base_url, platform.headers, image_urls, image_users)
             result.mode = mode
             time.sleep(1.2)  # counters are written as they happen; let the last ones land
-            pool = EncoderPool(redis.Redis.from_url(redis_url), namespace)
+            pool = EncoderPool(
+                redis.Redis.from_url(redis_url), namespace, statistics_namespace=platform.statistics_namespace
+            )
             snapshot = pool.snapshot([name for name, _ in workers])
             result.counters = {
                 name: {k: v for k, v in figures.items() if isinstance(v, int)}

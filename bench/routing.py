@@ -21,10 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from routing.contract.kv_events import KvEvent
 from routing.fleet.registry import Heartbeat, WorkerRegistry
+from routing.kv.decision import WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
-from routing.kv.router import KvRouter, WorkerReport
+from routing.kv.router import KvRouter
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import MediaPlacement, block_hashes
 from routing.prompt.layouts import layout_for_config

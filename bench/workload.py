@@ -487,7 +487,7 @@ class Bench:
 
     def routing_counters(self) -> tuple[int, int]:
         """Best overlap and overlap given up (blocks) summed over every decision so far."""
-        totals = self.redis.hgetall(f"{self.namespace}m:total")
+        totals = self.redis.hgetall(f"{self.platform.statistics_namespace}m:total")  # this deployment's
         best = given_up = 0.0
         for raw_field, value in totals.items():
             name = raw_field.decode(errors="replace").split("\x1f", 1)[0]

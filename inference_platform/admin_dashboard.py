@@ -16,6 +16,7 @@ from django.shortcuts import render
 from django.urls import path, reverse
 from django.views.decorators.http import require_GET
 
+from routing.deployment import deployment_id, statistics_namespace
 from routing.models import Worker
 from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
@@ -31,8 +32,8 @@ def poll_interval_ms(minutes: int) -> int:
 
 DASHBOARD_DEFAULT_MINUTES = 60
 CACHE_TITLES = {
-    "kv": "KV prefix",
-    "embedding": "Embeddings",
+    "kv": "Prefix (KV)",
+    "embedding": "Embeddings (of prefix misses)",
     "local_image": "Local images",
     "shared_image": "Shared images",
 }
@@ -40,7 +41,7 @@ CACHE_TITLES = {
 
 def deployment_snapshot(minutes: int) -> Snapshot:
     """The snapshot of this deployment: its Redis, its prefix, its worker rows."""
-    reader = shared_reader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    reader = shared_reader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, statistics_namespace())
     return reader.snapshot(Worker.objects.all(), minutes=minutes)
 
 
@@ -76,7 +77,10 @@ def short_window_label(minutes: int) -> str:
 
 
 def milliseconds(seconds: float | None) -> str:
-    return "—" if seconds is None else f"{seconds * 1000:.0f} ms"
+    """Whole milliseconds, but one decimal under 10 ms (an inter-token gap on a GPU)."""
+    if seconds is None:
+        return "—"
+    return f"{seconds * 1000:.1f} ms" if seconds < 0.01 else f"{seconds * 1000:.0f} ms"
 
 
 def rate(value: float) -> str:
@@ -88,30 +92,65 @@ def rate(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
-# (key, label): the big numbers, in the order shown; dashboard.js formats them the same way.
-NUMBERS: tuple[tuple[str, str], ...] = (
-    ("requests", "Requests"),
-    ("errors", "Errors"),
-    ("requests_per_s", "Requests/s"),
-    ("tokens_per_s", "Tokens/s"),
-    ("ttft_p50", "TTFT p50"),
-    ("ttft_p99", "TTFT p99"),
-    ("hit_kv", "KV prefix hit rate"),
-    ("hit_embedding", "Embedding hit rate"),
-    ("hit_local_image", "Local image hit rate"),
-    ("hit_shared_image", "Shared image hit rate"),
-    ("overlap_given_up", "Overlap given up"),
+EMBEDDING_NOTE = (
+    "The embedding cache is consulted only for images the prefix KV cache did not cover, so its "
+    "hit rate is of prefix misses: requests whose images all came from cached prefixes leave it "
+    "at — (no lookup)."
+)
+# (key, label, tooltip): the big numbers, in the order shown; dashboard.js formats them the same way.
+NUMBERS: tuple[tuple[str, str, str], ...] = (
+    ("requests", "Requests", "Chat requests answered in the window, whatever their status."),
+    ("server_errors", "Server errors (5xx)", "The platform's failures, and their share of the requests."),
+    (
+        "client_errors",
+        "Client errors (4xx)",
+        "The callers' mistakes (a bad request, a wrong key: 401, not JSON: 415; 499: the client left), "
+        "and their share.",
+    ),
+    ("rate_limited", "Rate limited (429)", "Requests over a tenant's limit, and their share."),
+    ("requests_per_s", "Requests/s", ""),
+    ("tokens_per_s", "Tokens/s", "Prompt and completion tokens per second."),
+    ("ttft_p50", "TTFT p50", "Time to first token."),
+    ("ttft_p99", "TTFT p99", "Time to first token."),
+    ("latency_p50", "E2E latency p50", "From the request's arrival to its last byte."),
+    ("inter_token_p50", "Inter-token p50", "Time between consecutive generated tokens."),
+    ("hit_kv", "Prefix hit rate (KV)", "Prompt tokens the workers' prefix KV caches already held."),
+    ("hit_embedding", "Embedding hit rate (of prefix misses)", EMBEDDING_NOTE),
+    ("hit_local_image", "Local image hit rate", ""),
+    ("hit_shared_image", "Shared image hit rate", ""),
+    ("overlap_given_up", "Overlap given up", ""),
 )
 # (key, title, unit, note): the charts; dashboard.js draws each from the snapshot.
 CHARTS: tuple[tuple[str, str, str, str], ...] = (
-    ("cache_hit_rates", "Cache hit rates, all workers", "%", ""),
-    ("per_worker:kv", "KV prefix hit rate per worker", "%", "Cached over prompt tokens."),
-    ("per_worker:embedding", "Embedding hit rate per worker", "%", ""),
+    ("cache_hit_rates", "Cache hit rates, all workers", "%", "Embeddings: of the prefix cache's misses."),
+    ("per_worker:kv", "Prefix hit rate (KV) per worker", "%", "Cached over prompt tokens."),
+    ("per_worker:embedding", "Embedding hit rate per worker, of prefix misses", "%", EMBEDDING_NOTE),
     ("per_worker:local_image", "Local image hit rate per worker", "%", ""),
     ("per_worker:shared_image", "Shared image hit rate per worker", "%", ""),
     ("ttft", "Time to first token", "ms", ""),
-    ("throughput", "Requests and tokens", "per second", ""),
-    ("errors", "Errors by status", "requests per minute", ""),
+    ("latency", "End-to-end latency", "ms", "From the request's arrival at the frontend to its last byte."),
+    ("inter_token", "Inter-token latency", "ms", "Time between consecutive generated tokens of a request."),
+    ("throughput", "Requests and tokens", "per second", "Requests/s on the right-hand axis."),
+    (
+        "queue",
+        "Queue depth per worker",
+        "requests waiting",
+        "Requests each worker's engine accepted and has not started: the mean of its samples each minute.",
+    ),
+    (
+        "kv_usage",
+        "KV cache use per worker",
+        "%",
+        "The KV pool's blocks held by running requests (cached, unreferenced blocks count as free, "
+        "as in vLLM's KV cache usage): the mean of its samples each minute.",
+    ),
+    (
+        "errors",
+        "Responses other than 200",
+        "requests per minute",
+        "5xx: the platform failed; 4xx: the client's mistake (499: it went away); 429: over a "
+        "tenant's limit. The data table has each status.",
+    ),
     (
         "overlap",
         "Routing: overlap given up",
@@ -128,15 +167,23 @@ def big_numbers(snapshot: Snapshot) -> list[dict[str, str]]:
     given_up = totals["overlap_given_up_blocks"]
     values = {
         "requests": str(totals["requests"]),
-        "errors": str(totals["errors"]),
+        "server_errors": count_and_share(totals["server_errors"], totals["server_error_share"]),
+        "client_errors": count_and_share(totals["client_errors"], totals["client_error_share"]),
+        "rate_limited": count_and_share(totals["rate_limited"], totals["rate_limited_share"]),
         "requests_per_s": rate(totals["requests_per_s"]),
         "tokens_per_s": rate(totals["tokens_per_s"]),
         "ttft_p50": milliseconds(totals["ttft"]["p50"]),
         "ttft_p99": milliseconds(totals["ttft"]["p99"]),
+        "latency_p50": milliseconds(totals["latency"]["p50"]),
+        "inter_token_p50": milliseconds(totals["inter_token"]["p50"]),
         **{f"hit_{cache}": percent(window["caches"][cache]["hit_rate"]) for cache in CACHES},
         "overlap_given_up": overlap_text(given_up, totals["overlap_given_up_share"]),
     }
-    return [{"key": key, "label": label, "value": values[key]} for key, label in NUMBERS]
+    return [{"key": key, "label": label, "value": values[key], "note": note} for key, label, note in NUMBERS]
+
+
+def count_and_share(count: int, share: float | None) -> str:
+    return str(count) if not count or share is None else f"{count} ({percent(share)})"
 
 
 def overlap_text(given_up: int | None, share: float | None) -> str:
@@ -162,6 +209,8 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
         "title": "Live dashboard",
         "redis_url": redact_url(settings.REDIS_URL),
         "key_prefix": settings.REDIS_KEY_PREFIX,
+        # Whose figures these are: another deployment on the same Redis and prefix has its own.
+        "deployment_id": deployment_id() if snapshot else "",
         "minutes": minutes,
         "window_label": window_label(minutes),
         "windows": [{"minutes": m, "label": short_window_label(m)} for m in WINDOWS],
@@ -183,6 +232,7 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
             {
                 **worker,
                 "rates": [percent(worker["window_caches"][cache]["hit_rate"]) for cache in CACHES],
+                "kv_usage_text": percent(worker["kv_usage"]),
                 "scope_text": scope_text(worker),
                 "shared_text": worker["shared_image_cache"] or "—",
             }

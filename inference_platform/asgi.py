@@ -27,11 +27,13 @@ from inference_platform.serving.prepare import check_served_model  # noqa: E402 
 check_served_model()
 
 from inference_platform.metrics import frontend_source  # noqa: E402  (needs the app set up)
+from routing.deployment import statistics_namespace  # noqa: E402
 from routing.observe import telemetry  # noqa: E402
 from routing.state.redis_keys import sync_client  # noqa: E402
 
-# This frontend's request metrics go to the deployment's Redis, where /metrics sums them.
-telemetry.attach(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, frontend_source())
+# This frontend's request metrics go to the deployment's Redis, where /metrics sums them, under
+# its database's deployment id (so another deployment on the same Redis never adds to them).
+telemetry.attach(sync_client(settings.REDIS_URL), statistics_namespace(), frontend_source())
 
 if not settings.API_AUTH_REQUIRED:
     import logging

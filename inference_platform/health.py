@@ -1,6 +1,7 @@
 """`GET /health` (liveness: the process answers) and `GET /ready` (it can serve: Redis answers
-and at least one live worker serves the model). Open to anyone: load balancers probe them, and
-they reveal nothing a caller could use (counts, no names)."""
+and at least one live worker takes requests for the model; a live fleet that is all drained is
+not ready). Open to anyone: load balancers probe them, and they reveal nothing a caller could
+use (counts, no names)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import redis
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
-from inference_platform.serving.dispatch import eligible_workers
+from inference_platform.fleet_status import RETRY_AFTER_S, fleet_availability
 from inference_platform.serving.prepare import served_model
 from routing.prompt.model_view import ModelDirectoryError
 
@@ -35,13 +36,17 @@ async def ready(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"status": "unavailable", **checks, "live_workers": 0}, status=503)
     try:
         model = served_model()
-        live = len(await eligible_workers(model.name, settings.KV_BLOCK_SIZE))
+        fleet = await fleet_availability(model.name, settings.KV_BLOCK_SIZE)
     except redis.RedisError as exc:
         checks["redis"] = f"unavailable: {type(exc).__name__}"
         return JsonResponse({"status": "unavailable", **checks, "live_workers": 0}, status=503)
     except ModelDirectoryError:
         return JsonResponse({"status": "unavailable", **checks, "reason": "model not loadable"}, status=503)
-    checks["live_workers"] = live
-    if live == 0:
-        return JsonResponse({"status": "unavailable", **checks, "reason": "no live worker"}, status=503)
+    # Live and accepting apart: a drained fleet is live, and still cannot serve.
+    checks["live_workers"] = fleet.live
+    checks["accepting_workers"] = len(fleet.accepting)
+    if not fleet.accepting:
+        response = JsonResponse({"status": "unavailable", **checks, "reason": fleet.summary}, status=503)
+        response["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     return JsonResponse({"status": "ready", **checks})

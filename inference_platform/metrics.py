@@ -27,6 +27,8 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from inference_platform.api.auth import api_key_required
+from inference_platform.serving.clock import counts_http_responses
+from routing.deployment import statistics_namespace
 from routing.fleet.encoders import FALLBACK_CAUSES
 from routing.models import Worker
 from routing.observe import telemetry
@@ -101,6 +103,7 @@ KV_TOKEN_COUNTERS: tuple[tuple[str, str], ...] = (
 
 
 @csrf_exempt  # a scraper's POST is a 405, not the CSRF failure page
+@counts_http_responses  # a scraper with a wrong token is a 401 Prometheus shows too
 @require_GET
 @api_key_required(operator=True, metrics_token=True)
 def metrics(request: HttpRequest) -> HttpResponse:
@@ -119,11 +122,12 @@ def metrics(request: HttpRequest) -> HttpResponse:
 
 def deployment_families() -> list[Metric]:
     client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
-    snapshot = shared_reader(client, namespace).snapshot(Worker.objects.all(), minutes=0)
+    statistics = statistics_namespace()
+    snapshot = shared_reader(client, namespace, statistics).snapshot(Worker.objects.all(), minutes=0)
     return [
         *snapshot_families(snapshot),
         *telemetry_families(
-            telemetry.read_totals(client, namespace), telemetry.read_gauges(client, namespace)
+            telemetry.read_totals(client, statistics), telemetry.read_gauges(client, statistics)
         ),
     ]
 
@@ -184,7 +188,9 @@ def encoder_families(section: dict) -> Iterator[Metric]:
     for name, key, help_text in ENCODER_GAUGES:
         family = GaugeMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))
         for e in entries:
-            family.add_metric((e["name"],), float(e[key]))
+            # Another role's embedding cache is its own gauge (mmr_embedding_cache_entries).
+            if key != "cached_entries" or e["role"] == "encode":
+                family.add_metric((e["name"],), float(e[key]))
         yield family
     for name, field, scale, help_text in ENCODER_COUNTERS:
         family = CounterMetricFamily(f"{PREFIX}{name}", help_text, labels=("worker",))

@@ -62,6 +62,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "tenants.context_processors.api_auth",
+                "inference_platform.fleet_status.fleet_banner",
             ],
         },
     },

@@ -108,3 +108,18 @@ class RoutingPolicySettings(models.Model):
     def save(self, *args, **kwargs) -> None:
         self.pk = 1  # one row: the deployment's policy
         super().save(*args, **kwargs)
+
+
+class Deployment(models.Model):
+    """This deployment's identity: one row, made on first use.
+
+    Statistics, telemetry and tenant usage live in Redis under a prefix that includes this id
+    (routing.deployment), so a fresh database on a Redis another deployment used (or still uses,
+    with the same REDIS_KEY_PREFIX) starts from zero instead of inheriting its figures.
+    """
+
+    deployment_id = models.CharField(max_length=32, unique=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.deployment_id

@@ -34,6 +34,7 @@ from django.utils import timezone
 from routing.prompt.hashing import cache_salt
 from routing.state.expiring import ExpiringLru
 from routing.state.redis_keys import read_generation, renew_generation, sync_client
+from tenants.key_use import note_key_used
 from tenants.models import ApiKey, Tenant
 
 logger = logging.getLogger("tenants.keys")
@@ -58,6 +59,7 @@ class Caller:
     requests_per_minute: int | None = None
     prompt_tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
+    usage_id: str | None = None  # keys the tenant's usage counters (tenants.usage)
 
     def cache_salt(self, request_salt: str | None = None) -> int | None:
         """The salt of this caller's cache partition (None: the shared, unsalted pool).
@@ -150,6 +152,7 @@ def _tenant_caller(tenant: Tenant, *, key_prefix: str | None, staff: bool) -> Ca
         requests_per_minute=tenant.requests_per_minute,
         prompt_tokens_per_minute=tenant.prompt_tokens_per_minute,
         max_concurrent_requests=tenant.max_concurrent_requests,
+        usage_id=str(tenant.usage_id),
     )
 
 
@@ -166,6 +169,7 @@ def authenticate(presented: str) -> Caller:
     if generation is not None:
         caller = verified_keys().get(digest, generation)
         if caller is not None:
+            note_key_used(shape.group(1))
             return caller
     key = ApiKey.objects.select_related("tenant").filter(prefix=shape.group(1)).first()
     # Compared in constant time, and a missing row costs the same hash as a present one.
@@ -178,6 +182,7 @@ def authenticate(presented: str) -> Caller:
     caller = caller_for(key)
     if generation is not None:
         verified_keys().put(digest, generation, caller, key.expires_at)
+    note_key_used(key.prefix)
     return caller
 
 

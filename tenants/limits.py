@@ -14,62 +14,12 @@ from dataclasses import dataclass
 
 import redis
 
-_BUCKET_LUA = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
--- tokens left in a bucket of `limit` per minute at `now`, without taking any
-local function level(key, limit, now)
-  local state = redis.call('HMGET', key, 't', 'ts')
-  local tokens = tonumber(state[1]) or limit
-  local ts = tonumber(state[2]) or now
-  return math.min(limit, tokens + (now - ts) * limit / 60000)
-end
-local function take(key, tokens, cost, now)
-  redis.call('HSET', key, 't', tokens - cost, 'ts', now)
-  redis.call('PEXPIRE', key, 120000)
-end
-"""
+from routing.state.lua import lua_script, lua_text
 
-# KEYS: rpm bucket, active set. ARGV: rpm limit (0: none), max concurrent (0: none), request id,
-# slot ttl ms. Returns {0, 0} admitted, or {1, wait ms} (requests), {2, wait ms} (concurrency).
-_ADMIT_LUA = (
-    _BUCKET_LUA
-    + """
-local now = now_ms()
-local rpm, max_active = tonumber(ARGV[1]), tonumber(ARGV[2])
-local tokens = 0
-if rpm > 0 then
-  tokens = level(KEYS[1], rpm, now)
-  if tokens < 1 then return {1, math.ceil((1 - tokens) * 60000 / rpm)} end
-end
-if max_active > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= max_active then
-    return {2, 1000}
-  end
-  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]))
-end
-if rpm > 0 then take(KEYS[1], tokens, 1, now) end
-return {0, 0}
-"""
-)
-
-# KEYS: tpm bucket. ARGV: limit, cost. Returns {0, 0} charged, {1, wait ms}, or {3, 0} never fits.
-_CHARGE_LUA = (
-    _BUCKET_LUA
-    + """
-local now = now_ms()
-local limit, cost = tonumber(ARGV[1]), tonumber(ARGV[2])
-if cost > limit then return {3, 0} end
-local tokens = level(KEYS[1], limit, now)
-if tokens < cost then return {1, math.ceil((cost - tokens) * 60000 / limit)} end
-take(KEYS[1], tokens, cost, now)
-return {0, 0}
-"""
-)
+# The limiter's Lua, in tenants/lua/: the bucket functions, composed in front of each script.
+_BUCKET_LUA = lua_text(__package__, "bucket_functions.lua")
+_ADMIT_LUA = lua_script(__package__, "admit.lua", _BUCKET_LUA)
+_CHARGE_LUA = lua_script(__package__, "charge.lua", _BUCKET_LUA)
 
 
 @dataclass(frozen=True)
@@ -91,6 +41,41 @@ class LimitExceeded(Exception):
         return f"Rate limit reached: the tenant's limit is {what}. Retry after {self.retry_after_s} s."
 
 
+@dataclass(frozen=True)
+class RateBudget:
+    """What is left of one per-minute limit after a request took its share: OpenAI's
+    `x-ratelimit-*` headers, `kind` "requests" or "tokens" (prompt tokens, here)."""
+
+    kind: str
+    limit: int
+    remaining: int
+    reset_ms: int  # until the bucket is full again (it refills continuously)
+
+    def headers(self) -> dict[str, str]:
+        return {
+            f"x-ratelimit-limit-{self.kind}": str(self.limit),
+            f"x-ratelimit-remaining-{self.kind}": str(max(0, self.remaining)),
+            f"x-ratelimit-reset-{self.kind}": duration(self.reset_ms),
+        }
+
+
+def duration(ms: int) -> str:
+    """A reset time as OpenAI writes it: `20ms`, `1s`, `6m0s`."""
+    if ms < 1000:
+        return f"{max(0, ms)}ms"
+    seconds = math.ceil(ms / 1000)
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
+
+
+def exceeded_headers(exceeded: LimitExceeded) -> dict[str, str]:
+    """A 429's `x-ratelimit-*` headers: the limit it hit, nothing left, full again after the wait."""
+    kind = {"requests_per_minute": "requests", "prompt_tokens_per_minute": "tokens"}.get(exceeded.limit)
+    if kind is None or exceeded.retry_after_s is None:
+        return {}  # concurrency has no per-minute budget; a request over the limit alone never fits
+    return RateBudget(kind, exceeded.value, 0, exceeded.retry_after_s * 1000).headers()
+
+
 class TenantLimiter:
     def __init__(self, client: redis.Redis, namespace: str, *, slot_ttl_s: float = 600.0) -> None:
         self._client = client
@@ -104,11 +89,12 @@ class TenantLimiter:
 
     def admit(
         self, tenant_id: int, request_id: str, *, requests_per_minute: int | None, max_concurrent: int | None
-    ) -> None:
-        """Count one request and take a concurrency slot, both or neither; LimitExceeded if over."""
+    ) -> RateBudget | None:
+        """Count one request and take a concurrency slot, both or neither; LimitExceeded if over.
+        Returns what is left of the requests-per-minute budget (None without that limit)."""
         if not requests_per_minute and not max_concurrent:
-            return
-        verdict, wait_ms = self._admit(
+            return None
+        verdict, wait_ms, *left = self._admit(
             keys=[self.key(tenant_id, "rpm"), self.key(tenant_id, "active")],
             args=[requests_per_minute or 0, max_concurrent or 0, request_id, self._slot_ttl_ms],
         )
@@ -116,15 +102,21 @@ class TenantLimiter:
             raise LimitExceeded("requests_per_minute", int(requests_per_minute or 0), _seconds(wait_ms))
         if verdict == 2:
             raise LimitExceeded("max_concurrent_requests", int(max_concurrent or 0), _seconds(wait_ms))
+        if not requests_per_minute or len(left) < 2:
+            return None
+        return RateBudget("requests", int(requests_per_minute), int(left[0]), int(left[1]))
 
-    def charge_prompt_tokens(self, tenant_id: int, tokens: int, *, limit: int | None) -> None:
+    def charge_prompt_tokens(self, tenant_id: int, tokens: int, *, limit: int | None) -> RateBudget | None:
+        """Take the prompt's tokens from the tenant's per-minute budget; LimitExceeded if over.
+        Returns what is left of it (None without that limit)."""
         if not limit:
-            return
-        verdict, wait_ms = self._charge(keys=[self.key(tenant_id, "tpm")], args=[limit, tokens])
+            return None
+        verdict, wait_ms, *left = self._charge(keys=[self.key(tenant_id, "tpm")], args=[limit, tokens])
         if verdict == 3:
             raise LimitExceeded("prompt_tokens_per_minute", limit, None)
         if verdict == 1:
             raise LimitExceeded("prompt_tokens_per_minute", limit, _seconds(wait_ms))
+        return RateBudget("tokens", int(limit), int(left[0]), int(left[1])) if len(left) >= 2 else None
 
     def release(self, tenant_id: int, request_id: str) -> None:
         """Free the request's concurrency slot (a no-op if it held none)."""

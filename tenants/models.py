@@ -7,6 +7,7 @@ in the admin, in logs and in the database lookup (see tenants/keys.py).
 from __future__ import annotations
 
 import secrets
+import uuid
 
 from django.db import models
 from django.utils import timezone
@@ -20,6 +21,9 @@ class Tenant(models.Model):
     """A customer of the platform. Every API key belongs to one; limits and usage are per tenant."""
 
     name = models.CharField(max_length=100, unique=True)
+    # Keys the tenant's usage counters in Redis: never reused, unlike a database id (a new
+    # database numbers its tenants from 1 again, and tenant #1 would inherit an old #1's usage).
+    usage_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     # Secret: it keys the tenant's partition of every cache (prefix KV, embeddings, images).
     # Never shown: knowing it would not let anyone in, but nothing needs to see it.
     cache_salt = models.CharField(max_length=64, default=new_cache_salt, editable=False)

@@ -94,6 +94,23 @@ class ObservedPlatform:
             ledger.kv_hits += 1 if cached else 0
         return response
 
+    def send_with_a_wrong_key(self) -> httpx.Response:
+        """A chat request a client sends with a key nobody issued: a 401, a request all the same."""
+        response = httpx.post(
+            f"{self.base_url}/v1/chat/completions",
+            json={"model": "demo", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": "Bearer sk-00000000.not-a-key-anyone-was-given-0000000000"},
+            timeout=60,
+        )
+        self.ledger.answered_at.append(time.time())
+        self.ledger.requests += 1
+        self.ledger.statuses[response.status_code] = self.ledger.statuses.get(response.status_code, 0) + 1
+        return response
+
+    def statuses_text(self) -> str:
+        """The ledger's statuses as routing_stats prints them: in code order."""
+        return ", ".join(f"{status}: {n}" for status, n in sorted(self.ledger.statuses.items()))
+
     def staff_session(self) -> httpx.Client:
         """An HTTP client logged into the admin, as the browser is."""
         client = httpx.Client(base_url=self.base_url, timeout=30)

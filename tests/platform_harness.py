@@ -81,7 +81,7 @@ import django
 django.setup()
 from django.core.management import call_command
 call_command("migrate", interactive=False, verbosity=0)
-call_command("api_keys", "create", "--tenant", "harness", "--name", "harness", "--staff")
+call_command("api_keys", "create", "--tenant", "harness", "--create-tenant", "--name", "harness", "--staff")
 """
 
 
@@ -181,6 +181,17 @@ class PlatformProcesses:
         if not own_database:
             _remember_template(database, api_key)
         return api_key
+
+    @property
+    def statistics_namespace(self) -> str:
+        """Where this platform's counters are (routing.deployment): its prefix and its database's
+        deployment id, which its first process to count anything made."""
+        import sqlite3
+
+        with sqlite3.connect(self.tmp / "db.sqlite3") as db:
+            row = db.execute("SELECT deployment_id FROM routing_deployment").fetchone()
+        assert row is not None, "no process of this platform has counted anything yet"
+        return f"{self.namespace}dep:{row[0]}:"
 
     def make_keys(self, *specs: dict) -> list[str]:
         """API keys for tenants of the test's own, in one process; each spec names a `tenant` and

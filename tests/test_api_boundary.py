@@ -99,6 +99,23 @@ async def test_every_v1_answer_is_in_the_openai_error_format(client, method, pat
     assert_openai_error(response, status, code)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/v1/embeddings/"])
+async def test_openai_endpoints_not_served_are_a_404_pointing_at_chat_completions(client, path):
+    response = await client.post(
+        path, data=b'{"model": "demo", "input": "hi"}', content_type="application/json"
+    )
+    error = assert_openai_error(response, 404, "not_found")["error"]
+    assert "is not served here" in error["message"]
+    assert "/v1/chat/completions" in error["message"]
+
+
+async def test_an_unknown_v1_path_lists_the_endpoints_this_server_serves(client):
+    error = assert_openai_error(await client.get("/v1/nothing"), 404, "not_found")["error"]
+    assert (
+        "No route for GET /v1/nothing" in error["message"] and "POST /v1/chat/completions" in error["message"]
+    )
+
+
 async def test_a_post_to_metrics_is_a_405_not_the_csrf_page():
     client = AsyncClient(enforce_csrf_checks=True)
     response = await client.post("/metrics", data=b"x", content_type="text/plain")

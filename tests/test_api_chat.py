@@ -92,10 +92,13 @@ async def test_a_body_that_is_not_an_object_is_a_400(client):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]},
+            "messages[0].content[0].type",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages[0].content[0].image_url",
+            "messages[0].content[0].image_url.url",
         ),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "ten"}, "max_tokens"),
@@ -110,7 +113,7 @@ async def test_a_body_that_is_not_an_object_is_a_400(client):
         ({"top_p": float("-inf")}, "top_p"),
         ({"seed": -5}, "seed"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"stop": [""]}, "stop"),
+        ({"stop": [""]}, "stop[0]"),
         ({"stream": "yes"}, "stream"),
         ({"n": 2}, "n"),
     ],
@@ -155,17 +158,20 @@ async def test_no_live_worker_is_a_503(client, served_demo_model):
     assert_openai_error(body, code="no_live_worker")
     assert body["error"]["type"] == "server_error"
     assert response["X-Request-Id"] in body["error"]["message"]
+    assert int(response["Retry-After"]) > 0  # a worker starting or restarting helps
 
 
 async def test_a_disabled_or_draining_worker_receives_nothing(client, served_demo_model, ghost_worker):
     await Worker.objects.filter(name="ghost").aupdate(draining=True)
-    status, body, _ = await post(client, chat_body(served_demo_model))
-    assert status == 503
-    assert body["error"]["code"] == "no_live_worker"
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 503 and response["Retry-After"]
+    assert body["error"]["code"] == "no_worker_accepting"
+    assert "ghost draining" in body["error"]["message"]
     await Worker.objects.filter(name="ghost").aupdate(draining=False, enabled=False)
     status, body, _ = await post(client, chat_body(served_demo_model))
     assert status == 503
-    assert body["error"]["code"] == "no_live_worker"
+    assert body["error"]["code"] == "no_worker_accepting"
+    assert "ghost disabled in the admin" in body["error"]["message"]
 
 
 async def test_a_worker_that_never_answers_fault_injected_is_a_504_with_the_request_id(

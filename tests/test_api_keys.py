@@ -8,7 +8,7 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
@@ -82,6 +82,15 @@ def test_it_answers_401_without_a_key_or_with_a_bad_one(served_demo_model):
         assert (Client(headers={}).get(path)).status_code == 401
 
 
+def test_a_key_sent_without_bearer_is_told_the_header_must_be_bearer_key(make_api_key, served_demo_model):
+    key = make_api_key()
+    response = Client(headers={"Authorization": key}).get("/v1/models")
+    error = assert_openai_error(response, 401, "missing_api_key")
+    assert "must be 'Bearer <key>'" in error["message"]
+    assert "didn't provide" not in error["message"]
+    assert key not in error["message"]
+
+
 def test_revoked_and_expired_keys_are_refused_and_say_why(make_api_key, served_demo_model):
     revoked, expired = make_api_key("acme"), make_api_key("acme")
     assert (Client(headers=bearer(revoked)).get("/v1/models")).status_code == 200
@@ -141,13 +150,18 @@ def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
     response = admin_client.post(
         "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
     )
-    assert response.status_code == 200, response.content[:2000]
-    assert "no-store" in response["Cache-Control"]
     key = ApiKey.objects.get(name="laptop")
-    page = response.content.decode()
+    # the POST answers with a redirect (POST/redirect/GET), and the key is on the page it names
+    assert response.status_code == 302, response.content[:2000]
+    assert response["Location"] == f"/admin/tenants/apikey/{key.pk}/created/"
+    assert b"sk-" not in response.content
+    shown = admin_client.get(response["Location"])
+    assert shown.status_code == 200 and "no-store" in shown["Cache-Control"]
+    page = shown.content.decode()
     start = page.index(f"sk-{key.prefix}.")
     plaintext = page[start : page.index("<", start)]
     assert authenticate(plaintext).tenant_name == "acme"
+    assert 'id="copy-api-key"' in page
     for url in (
         "/admin/tenants/apikey/",
         f"/admin/tenants/apikey/{key.pk}/change/",
@@ -161,27 +175,45 @@ def test_the_admin_shows_a_new_key_once_and_only_its_prefix_after(admin_client):
     assert key.masked in admin_client.get("/admin/tenants/apikey/").content.decode()
 
 
-def test_reloading_the_page_that_showed_a_new_key_makes_no_second_key(admin_client):
+def test_reloading_the_page_that_showed_a_new_key_makes_no_second_key_and_shows_it_no_more(admin_client):
     tenant = Tenant.objects.create(name="acme")
     form = add_key_form(admin_client, tenant=tenant.pk, name="laptop")
-    first = admin_client.post("/admin/tenants/apikey/add/", form)
-    assert first.status_code == 200 and b"shown only this once" in first.content
+    created = admin_client.post("/admin/tenants/apikey/add/", form)
+    first = admin_client.get(created["Location"])
+    assert b"shown only this once" in first.content
+    secret = re.search(r'id="new-api-key">sk-[0-9a-f]{8}\.([^<]+)<', first.content.decode())[1]
 
-    # a reload sends the same form again
-    again = admin_client.post("/admin/tenants/apikey/add/", form)
-    assert again.status_code == 200
-    assert b"This form was sent already" in again.content
-    assert b"sk-" not in again.content.split(b'id="content"')[1]
+    # a reload asks for the same page again: no key is made, and the secret is gone
+    again = admin_client.get(created["Location"])
+    assert again.status_code == 200 and b"shown once already" in again.content
+    assert secret not in again.content.decode()
     assert ApiKey.objects.filter(name="laptop").count() == 1
+    session = admin_client.session.get("tenants-apikey-new", {})
+    assert session == {}, "the session forgot the key once it was shown"
 
-    # a form that was never handed out makes nothing either; a fresh one makes the next key
+    # the same form sent again (back, then submit) makes nothing either; a fresh one makes the next key
+    resent = admin_client.post("/admin/tenants/apikey/add/", form)
+    assert resent.status_code == 200 and b"This form was sent already" in resent.content
     forged = admin_client.post("/admin/tenants/apikey/add/", {**form, "once": "made-up"})
     assert b"This form was sent already" in forged.content
     fresh = admin_client.post(
         "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
     )
-    assert b"shown only this once" in fresh.content
+    assert b"shown only this once" in admin_client.get(fresh["Location"]).content
     assert ApiKey.objects.filter(name="laptop").count() == 2
+
+
+def test_a_new_key_the_operator_never_came_to_see_leaves_the_session(admin_client, monkeypatch):
+    import time
+
+    tenant = Tenant.objects.create(name="acme")
+    created = admin_client.post(
+        "/admin/tenants/apikey/add/", add_key_form(admin_client, tenant=tenant.pk, name="laptop")
+    )
+    later = time.time() + 301
+    monkeypatch.setattr(time, "time", lambda: later)
+    page = admin_client.get(created["Location"])
+    assert b"shown once already" in page.content and b"shown only this once" not in page.content
 
 
 def test_a_key_verified_once_is_answered_without_the_database(django_assert_num_queries):
@@ -331,7 +363,9 @@ def test_the_admin_revokes_keys(admin_client):
 
 
 def test_the_api_keys_command_creates_lists_and_revokes(capsys):
-    call_command("api_keys", "create", "--tenant", "acme", "--name", "ci", "--expires-in-days", "30")
+    call_command(
+        "api_keys", "create", "--tenant", "acme", "--create-tenant", "--name", "ci", "--expires-in-days", "30"
+    )
     printed = capsys.readouterr().out
     plaintext = printed.strip().splitlines()[-1]
     caller = authenticate(plaintext)
@@ -345,6 +379,21 @@ def test_the_api_keys_command_creates_lists_and_revokes(capsys):
     assert "revoked" in capsys.readouterr().out
 
 
+def test_a_misspelt_tenant_is_refused_with_the_tenants_there_are_not_created(capsys):
+    # given one tenant
+    Tenant.objects.create(name="acme", requests_per_minute=60)
+    # when a key is asked for a tenant nobody made (a typo)
+    with pytest.raises(CommandError) as refused:
+        call_command("api_keys", "create", "--tenant", "acmee", "--name", "ci")
+    # then nothing is made, and the message lists the tenants and says how to create one
+    assert "acme" in str(refused.value) and "--create-tenant" in str(refused.value)
+    assert list(Tenant.objects.values_list("name", flat=True)) == ["acme"]
+    assert not ApiKey.objects.exists()
+    # and the existing tenant still takes a key without the flag
+    call_command("api_keys", "create", "--tenant", "acme", "--name", "ci")
+    assert authenticate(capsys.readouterr().out.strip().splitlines()[-1]).requests_per_minute == 60
+
+
 def test_ensure_demo_key_prints_a_key_once(capsys):
     call_command("ensure_demo_key")
     plaintext = capsys.readouterr().out.strip().rsplit(" ", 1)[-1]
@@ -356,22 +405,72 @@ def test_ensure_demo_key_prints_a_key_once(capsys):
 
 
 def test_the_tenant_list_shows_each_tenants_usage_and_sharing(admin_client, settings):
+    from routing.deployment import statistics_namespace
     from routing.state.redis_keys import sync_client
     from tenants.usage import TenantUsage
 
     # given two tenants, one sharing its cache, and usage the frontends counted in Redis
     busy = Tenant.objects.create(name="busy-tenant", share_prefix_cache=True, requests_per_minute=60)
     Tenant.objects.create(name="idle-tenant")
-    usage = TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-    usage.record(busy.pk, prompt=1234, cached=987, completion=55)
+    usage = TenantUsage(sync_client(settings.REDIS_URL), statistics_namespace())
+    usage.record(str(busy.usage_id), prompt=1234, cached=987, completion=55)
     try:
         # when an operator opens the tenant list and the tenant's page
         listing = admin_client.get("/admin/tenants/tenant/").content.decode()
         page = admin_client.get(f"/admin/tenants/tenant/{busy.pk}/change/").content.decode()
     finally:
-        sync_client(settings.REDIS_URL).delete(usage.key(busy.pk))
+        sync_client(settings.REDIS_URL).delete(usage.key(str(busy.usage_id)))
 
     # then both show the counters, and the list shows who shares
     for shown in (listing, page):
-        assert "1234" in shown and "987" in shown and "55" in shown
-    assert "Cached tokens" in listing and "Share prefix cache" in listing
+        assert "1,<wbr>234" in shown and "987" in shown and "55" in shown
+    assert "Cached tokens" in listing and "Prefix cache" in listing and "shared" in listing
+
+
+def test_a_keys_page_revokes_it_and_shows_when_it_was_last_used(admin_client):
+    from django.contrib.admin.models import LogEntry
+
+    from tenants.key_use import forget_recorded_uses
+
+    # given a key that was never used, and one that opened a request
+    tenant = Tenant.objects.create(name="acme")
+    idle, _ = create_api_key(tenant, "idle")
+    used, plaintext = create_api_key(tenant, "used")
+    forget_recorded_uses()
+    authenticate(plaintext)
+    # then the list and each key's page say when each was last used
+    listing = admin_client.get("/admin/tenants/apikey/").content.decode()
+    assert "Last used" in listing and "never" in listing
+    assert (
+        f"{timezone.now():%Y-%m-%d}"
+        in admin_client.get(f"/admin/tenants/apikey/{used.pk}/change/").content.decode()
+    )
+    page = admin_client.get(f"/admin/tenants/apikey/{idle.pk}/change/").content.decode()
+    assert "never" in page and 'id="revoke-key"' in page
+
+    # when the operator presses Revoke on the key's page (a GET of its address does nothing)
+    assert admin_client.get(f"/admin/tenants/apikey/{used.pk}/revoke/").status_code == 405
+    response = admin_client.post(f"/admin/tenants/apikey/{used.pk}/revoke/")
+
+    # then the key is refused from now on, kept in the list, and the history says who revoked it
+    assert response.status_code == 302
+    with pytest.raises(KeyRefused, match="revoked"):
+        authenticate(plaintext)
+    assert ApiKey.objects.filter(pk=used.pk).exists()
+    assert LogEntry.objects.get(object_id=str(used.pk)).get_change_message() == "Revoked."
+    assert 'id="revoke-key"' not in admin_client.get(response["Location"]).content.decode()
+
+
+def test_not_being_staff_or_sharing_is_written_in_words_not_a_red_cross(admin_client):
+    tenant = Tenant.objects.create(name="acme")
+    key, _ = create_api_key(tenant, "ci")
+    for url in (
+        "/admin/tenants/apikey/",
+        f"/admin/tenants/apikey/{key.pk}/change/",
+        "/admin/tenants/tenant/",
+        f"/admin/tenants/tenant/{tenant.pk}/change/",
+    ):
+        page = admin_client.get(url).content.decode()
+        assert "icon-no.svg" not in page, url
+    assert "tenant" in admin_client.get("/admin/tenants/apikey/").content.decode()
+    assert ">own<" in admin_client.get("/admin/tenants/tenant/").content.decode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -10,7 +11,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from routing.observe import telemetry
 from routing.observe.cache_stats import FIELDS, SERIES_TTL_SECS, CacheStats, read_all, read_series, series_key
+from routing.observe.telemetry import MetricsRecorder
 
 
 def test_counts_reach_redis_on_flush_per_worker_and_cache(
@@ -73,7 +76,7 @@ def test_counting_never_waits_on_redis(key_namespace: str) -> None:
     for _ in range(2000):
         stats.incr("local_image", "hits")
     assert time.perf_counter() - started < 0.5
-    stats._stop.set()  # no close(): its final flush would wait on the silent server
+    stats.recorder._stop.set()  # no close(): its final flush would wait on the silent server
     client.close()
     silent.close()
 
@@ -89,8 +92,8 @@ def test_a_failed_flush_keeps_the_counts_for_the_next_one(key_namespace: str) ->
         stats.flush()
     with pytest.raises(redis.ConnectionError):
         stats.flush()
-    assert sum(fields["hits"] for fields in stats._pending.values()) == 4
-    stats._stop.set()
+    assert sum(fields.get("hits", 0) for fields in stats.recorder._pending.values()) == 4
+    stats.recorder._stop.set()
 
 
 def test_per_minute_series_buckets_counts_with_a_day_of_ttl(
@@ -123,3 +126,24 @@ def test_unknown_caches_and_counters_are_refused(redis_client: redis.Redis, key_
         stats.incr("image", "hits")
     with pytest.raises(ValueError, match="counter"):
         stats.incr("kv", "hit")
+
+
+def test_cache_counts_and_metrics_share_one_buffer_and_one_flush(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given a worker process's recorder, and its cache counters recording into it
+    recorder = MetricsRecorder(redis_client, key_namespace, source="gpu0", flush_interval=60)
+    stats = CacheStats(redis_client, key_namespace, "gpu0", recorder=recorder)
+    # when both count and the recorder flushes once
+    recorder.inc("completion_tokens", 3, labels={"worker": "gpu0"})
+    stats.incr("kv", "hits", 2)
+    recorder.flush()
+    # then both reach Redis, through one flusher thread
+    assert read_all(redis_client, key_namespace)["gpu0"]["kv"]["hits"] == 2
+    totals = telemetry.read_totals(redis_client, key_namespace)
+    assert telemetry.counter_sum(totals, "completion_tokens", worker="gpu0") == 3
+    flushers = [t for t in threading.enumerate() if t is recorder._flusher]
+    assert len(flushers) == 1
+    stats.close()  # the recorder is not its own: it stays for whoever made it
+    assert recorder._flusher.is_alive()
+    recorder.close()

@@ -16,6 +16,7 @@ from django.test import Client
 
 from inference_platform.admin_dashboard import big_numbers
 from routing.contract.kv_events import KvEvent
+from routing.deployment import deployment_id, statistics_namespace
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
@@ -97,8 +98,10 @@ ROWS = [
 ]
 
 
-def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
-    """Write what running workers and frontends would, through the classes they use."""
+def populate(client: redis.Redis, namespace: str, *, now: float, statistics: str | None = None) -> None:
+    """Write what running workers and frontends would, through the classes they use: live state
+    under `namespace`, counters under `statistics` (the deployment's; `namespace` if not given)."""
+    counted = namespace if statistics is None else statistics
     registry = WorkerRegistry(client, namespace)
     for name, device, capacity in (("gpu0", "cuda:0", 1000), ("gpu1", "cuda:1", 500), ("gpu3", "cpu", 64)):
         beat = Heartbeat(name, "demo", block_size=16, device=device, kv_capacity_blocks=capacity)
@@ -125,11 +128,11 @@ def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
     load.free("gpu1", "r3")
 
     # Two minutes ago gpu0 hit half its prompt tokens; this minute three quarters of them.
-    earlier = CacheStats(client, namespace, "gpu0", clock=lambda: now - 120)
+    earlier = CacheStats(client, counted, "gpu0", clock=lambda: now - 120)
     earlier.incr("kv", "cached_tokens", 10)
     earlier.incr("kv", "prompt_tokens", 20)
     earlier.close()
-    gpu0 = CacheStats(client, namespace, "gpu0", clock=lambda: now)
+    gpu0 = CacheStats(client, counted, "gpu0", clock=lambda: now)
     gpu0.incr("kv", "cached_tokens", 20)
     gpu0.incr("kv", "prompt_tokens", 20)
     gpu0.incr("kv", "hits", 3)
@@ -140,11 +143,11 @@ def populate(client: redis.Redis, namespace: str, *, now: float) -> None:
     gpu0.incr("shared_image", "bytes", 2048)
     gpu0.incr("shared_image", "errors", 1)
     gpu0.close()
-    gpu1 = CacheStats(client, namespace, "gpu1", clock=lambda: now)
+    gpu1 = CacheStats(client, counted, "gpu1", clock=lambda: now)
     gpu1.incr("kv", "prompt_tokens", 10)
     gpu1.incr("local_image", "bypasses", 4)
     gpu1.close()
-    gpu3 = CacheStats(client, namespace, "gpu3", clock=lambda: now)
+    gpu3 = CacheStats(client, counted, "gpu3", clock=lambda: now)
     gpu3.incr("shared_image", "bypasses", 1)
     gpu3.close()
 
@@ -179,7 +182,7 @@ def set_up_deployment(settings, client: redis.Redis, url: str, namespace: str) -
     settings.REDIS_URL = url
     settings.REDIS_KEY_PREFIX = namespace
     now = away_from_a_minute_boundary()
-    populate(client, namespace, now=now)
+    populate(client, namespace, now=now, statistics=statistics_namespace())
     create_rows()
     return now
 
@@ -335,15 +338,18 @@ def test_dashboard_page_shows_each_worker_its_state_and_kv_hit_rate(
         assert cells[0].split()[0] == name
         assert cells[1] == expected["state"]
         rate = expected["kv_hit_rate"]  # over the window, which holds every minute populate wrote
-        assert cells[4] == ("—" if rate is None else f"{rate * 100:.1f}%")
-        if name == "gpu0":  # the engine's batch and KV pool, from its heartbeat
-            assert cells[2].endswith(" batch 3/16 +1, KV 40/960")
+        assert cells[5] == ("—" if rate is None else f"{rate * 100:.1f}%")
+        if name == "gpu0":  # the engine's batch, and its KV pool held by requests, from its heartbeat
+            assert cells[2].endswith(" batch 3/16 +1")
+            assert cells[3].split() == ["4.0%", "40/1000"]
     # The script starts from the same snapshot the table shows.
     embedded = re.search(
         r'<script id="dashboard-snapshot" type="application/json">(.*?)</script>', page, re.S
     )
     assert embedded and [w["name"] for w in json.loads(embedded[1])["workers"]] == list(EXPECTED)
     assert re.search(r'<script src="/static/dashboard/dashboard.js"', page)
+    # whose figures: the deployment whose statistics these are
+    assert f"deployment <code>{deployment_id()}</code>" in page
     assert re.search(r'<script src="/static/vendor/uplot/uPlot.iife.min.js"', page)
 
 
@@ -466,7 +472,7 @@ def test_admin_help_texts_are_escaped(admin_client: Client) -> None:
     page = admin_client.get(
         f"/admin/routing/worker/{Worker.objects.get(name='gpu9').pk}/change/"
     ).content.decode()
-    assert "worker.&lt;name&gt;" in page
+    assert "worker.gpu9" in page  # the queue, from the name
     assert "worker.<name>" not in page
 
 
@@ -500,7 +506,11 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
     assert (totals["overlap_given_up_blocks"], totals["overlap_given_up_share"]) == (2, 0.25)
     assert totals["best_overlap_blocks"] == 8
     shown = {number["key"]: number["value"] for number in big_numbers(snapshot)}
-    assert (shown["requests"], shown["errors"], shown["overlap_given_up"]) == ("4", "1", "2 blocks (25.0%)")
+    assert (shown["requests"], shown["server_errors"], shown["overlap_given_up"]) == (
+        "4",
+        "1 (25.0%)",
+        "2 blocks (25.0%)",
+    )
     assert totals["requests_per_s"] == pytest.approx(4 / 300)
     assert window["statuses"] == ["200", "503"]
     assert len(window["per_minute"]) == 5 and window["per_minute"][-1]["requests"] == 4
@@ -510,7 +520,7 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
 def test_snapshot_shows_the_overlap_the_router_gave_up(redis_client: redis.Redis, key_namespace: str) -> None:
     # given: two decisions recorded by a frontend process: one took the best overlap, one gave up 6
     from inference_platform.serving.dispatch import record_decision
-    from routing.kv.router import RoutingDecision
+    from routing.kv.decision import RoutingDecision
     from routing.observe import telemetry
 
     recorder = telemetry.MetricsRecorder(redis_client, key_namespace, source="frontend-test")
@@ -533,3 +543,112 @@ def test_snapshot_shows_the_overlap_the_router_gave_up(redis_client: redis.Redis
         "overlap_given_up_blocks": 6,
         "given_up_fraction": 6 / 18,
     }
+
+
+def test_the_dashboard_separates_server_errors_from_client_mistakes_and_rate_limits(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given: answers of every kind in one minute: 10 served, 2 failed by the platform, 5 client
+    # mistakes (a bad request, a wrong key, not JSON, a client that left) and 3 over a limit
+    now = away_from_a_minute_boundary()
+    recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
+    for status, n in (
+        ("200", 10),
+        ("503", 1),
+        ("500", 1),
+        ("400", 2),
+        ("401", 1),
+        ("415", 1),
+        ("499", 1),
+        ("429", 3),
+    ):
+        recorder.inc("requests", n, labels={"status": status, "worker": "none"})
+    recorder.close()
+    # when
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
+    totals = snapshot["window"]["totals"]
+    # then: counts and shares per class, statuses in order, and the big numbers say the same
+    assert (totals["server_errors"], totals["client_errors"], totals["rate_limited"]) == (2, 5, 3)
+    assert totals["server_error_share"] == pytest.approx(2 / 20)
+    assert totals["client_error_share"] == pytest.approx(5 / 20)
+    assert totals["rate_limited_share"] == pytest.approx(3 / 20)
+    assert list(totals["by_status"]) == ["200", "400", "401", "415", "429", "499", "500", "503"]
+    assert snapshot["window"]["per_minute"][-1]["server_errors"] == 2
+    shown = {number["key"]: number["value"] for number in big_numbers(snapshot)}
+    assert (shown["server_errors"], shown["client_errors"], shown["rate_limited"]) == (
+        "2 (10.0%)",
+        "5 (25.0%)",
+        "3 (15.0%)",
+    )
+    assert "errors" not in shown, "one red 'Errors' figure lumped the client's mistakes with ours"
+
+
+def test_queue_depth_and_kv_use_over_time_come_from_the_workers_gauge_samples(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given: a worker that reported, over two flushes this minute, 2 then 4 requests waiting and
+    # 100 then 300 of 1000 KV blocks held by running requests
+    now = away_from_a_minute_boundary()
+    # (flushed by hand only: a background flush would take a third sample)
+    worker = MetricsRecorder(
+        redis_client, key_namespace, source="gpu0", clock=lambda: now, flush_interval=3600
+    )
+    for waiting, used in ((2, 100), (4, 300)):
+        worker.set_gauge("engine_waiting_requests", waiting, labels={"worker": "gpu0"})
+        worker.set_gauge("engine_running_requests", 1, labels={"worker": "gpu0"})
+        worker.set_gauge("engine_kv_blocks_used", used, labels={"worker": "gpu0"})
+        worker.set_gauge("engine_kv_blocks_free", 1000 - used, labels={"worker": "gpu0"})
+        worker.flush()
+    # when
+    window = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=3, now=now)["window"]
+    # then: the minute's means, per worker and in all; the minutes before have none
+    gpu0 = window["per_worker"]["gpu0"]
+    assert gpu0["engine_waiting"][-1] == pytest.approx(3)
+    assert gpu0["kv_usage"][-1] == pytest.approx(0.2)
+    assert gpu0["engine_waiting"][:2] == [None, None] and gpu0["kv_usage"][:2] == [None, None]
+    assert window["per_minute"][-1]["engine_waiting"] == pytest.approx(3)
+    assert window["workers"] == ["gpu0"]  # listed for its queue, though it answered nothing yet
+
+
+def test_latency_and_inter_token_quantiles_are_in_the_window(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    now = away_from_a_minute_boundary()
+    recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
+    for _ in range(10):
+        recorder.observe("request_duration_seconds", 0.7, labels={"worker": "gpu0"})
+        recorder.observe("inter_token_seconds", 0.004, labels={"worker": "gpu0"})
+    recorder.close()
+    snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=2, now=now)
+    totals = snapshot["window"]["totals"]
+    assert 0.5 < totals["latency"]["p50"] <= 1.0
+    assert 0.0025 < totals["inter_token"]["p50"] <= 0.005
+    shown = {number["key"]: number["value"] for number in big_numbers(snapshot)}
+    assert shown["latency_p50"].endswith(" ms") and shown["inter_token_p50"].endswith(" ms")
+    assert "." in shown["inter_token_p50"], "under 10 ms is shown with a decimal"
+
+
+def test_the_epd_table_shows_the_embeddings_a_both_worker_holds_not_the_routers_empty_list(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    from routing.fleet.encoders import EncoderPool
+
+    # given: a `both` worker that ran its vision tower and holds 6 embeddings in its own cache
+    # (which it lists for no router), and an encode worker whose 2 entries the router lists
+    registry = WorkerRegistry(redis_client, key_namespace)
+    registry.beat(Heartbeat("gpu0", "demo", block_size=16, role="both"), ttl_s=60)
+    registry.beat(Heartbeat("enc0", "demo", block_size=16, role="encode"), ttl_s=60)
+    pool = EncoderPool(redis_client, key_namespace)
+    pool.count("gpu0", {"tower_forwards": 6})
+    pool.count("enc0", {"images": 2, "cache_misses": 2})
+    pool.cached("enc0", "-:aa")
+    pool.cached("enc0", "-:bb")
+    worker = MetricsRecorder(redis_client, key_namespace, source="gpu0")
+    worker.set_gauge("embedding_cache_entries", 6, labels={"worker": "gpu0"})
+    worker.close()
+    # when
+    rows = [Row("gpu0"), Row("enc0")]
+    section = DashboardReader(redis_client, key_namespace).snapshot(rows, minutes=0)["encoders"]
+    # then
+    held = {entry["name"]: entry["cached_entries"] for entry in section["workers"]}
+    assert held == {"gpu0": 6, "enc0": 2}

@@ -122,6 +122,21 @@ def requests_in_chart_table(driver: webdriver.Chrome) -> int:
     return sum(int(text) for text in cells if text.isdigit())
 
 
+def chart_table(driver: webdriver.Chrome, chart: str) -> dict[str, list[str]]:
+    """A chart's data table by series: its cells, newest minute first."""
+    return driver.execute_script(
+        "const table = {};"
+        f"for (const td of document.querySelectorAll('[data-chart=\"{chart}\"] .chart-data td[data-series]'))"
+        "  (table[td.dataset.series] = table[td.dataset.series] || []).push(td.textContent);"
+        "return table;"
+    )
+
+
+def measured(cells: list[str]) -> bool:
+    """Some minute of the series holds a figure (a minute with none shows —)."""
+    return any(cell not in ("—", "") for cell in cells)
+
+
 def worker_state(driver: webdriver.Chrome, worker: str) -> str:
     return driver.find_element(By.CSS_SELECTOR, f'#workers tr[data-worker="{worker}"] td.state').text
 
@@ -157,6 +172,7 @@ def test_dashboard_in_a_browser_shows_what_was_sent_follows_a_drain_and_fits_800
     assert driver.execute_script("return arguments[0].scrollWidth - arguments[0].clientWidth;", module) <= 0
     for image in (0, 0, 1, 0):
         assert platform.send(image).status_code == 200
+    assert platform.send_with_a_wrong_key().status_code == 401  # a client's mistake, not an error of ours
 
     # when: the dashboard is open on the last hour
     driver.get(f"{platform.base_url}/admin/dashboard/?minutes=60")
@@ -167,7 +183,48 @@ def test_dashboard_in_a_browser_shows_what_was_sent_follows_a_drain_and_fits_800
     until(lambda: requests_in_chart_table(driver), lambda v: v == sent, what="the chart's data table")
     assert number(driver, "hit_kv") not in ("—", "0.0%"), "repeated images hit the KV prefix cache"
     assert number(driver, "overlap_given_up").endswith("%)"), "the router's overlap figures reached the page"
-    assert len(driver.find_elements(By.CSS_SELECTOR, "#charts .uplot")) == 9, "every chart drew"
+    charts = driver.find_elements(By.CSS_SELECTOR, "#charts .chart")
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#charts .uplot")) == len(charts) == 13, (
+        "every chart drew"
+    )
+    # 5xx apart from 4xx and 429: the wrong key is a client error, and nothing is red
+    until(
+        lambda: number(driver, "client_errors"),
+        lambda v: v.startswith("1 ("),
+        what="the 401 as a client error",
+    )
+    assert number(driver, "server_errors") == "0" and number(driver, "rate_limited") == "0"
+    assert not driver.find_elements(By.CSS_SELECTOR, '#numbers [data-figure="server_errors"].bad')
+    assert "errors" not in [
+        box.get_attribute("data-figure") for box in driver.find_elements(By.CSS_SELECTOR, "#numbers .number")
+    ]
+    errors = until(
+        lambda: chart_table(driver, "errors"), lambda t: "HTTP 401" in t, what="the 401 in the table"
+    )
+    column_sum = lambda cells: sum(int(cell) for cell in cells if cell.isdigit())  # noqa: E731
+    assert column_sum(errors["4xx client"]) == 1 and column_sum(errors["5xx server"]) == 0
+    # end-to-end and inter-token latency, queue depth and KV pool use over time, per worker
+    for chart in ("latency", "inter_token"):
+        table = until(
+            lambda c=chart: chart_table(driver, c), lambda t: measured(t.get("p50", [])), what=chart
+        )
+        assert set(table) == {"p50", "p90", "p99"}
+    for chart in ("queue", "kv_usage"):
+        table = until(lambda c=chart: chart_table(driver, c), lambda t: set(t) == set(WORKERS), what=chart)
+        assert all(measured(cells) for cells in table.values()), (chart, table)
+    # requests/s on an axis of its own: the throughput chart has a right-hand one
+    right_axis = '[data-chart="throughput"] .u-axis'
+    assert len(driver.find_elements(By.CSS_SELECTOR, right_axis)) == 3, "time, tokens/s and requests/s axes"
+    # the worker table says which KV figure is which: prefix hits apart from KV cache use
+    headings = [
+        th.get_attribute("textContent").strip()
+        for th in driver.find_elements(By.CSS_SELECTOR, "#workers thead th")
+    ]
+    assert "Prefix hit" in headings and "KV use" in headings and "KV" not in headings
+    assert (
+        "of prefix misses"
+        in driver.find_element(By.CSS_SELECTOR, '[data-figure="hit_embedding"] .label').text
+    )
     full_page_screenshot(driver, shots / "dashboard-1400.png", WIDE)
     assert driver.execute_script(OVERFLOW_JS) <= 0
 

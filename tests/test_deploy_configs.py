@@ -59,14 +59,15 @@ def test_every_metric_the_grafana_dashboard_names_exists_in_metrics(deployment: 
 def test_the_grafana_dashboard_has_the_panels_operators_asked_for() -> None:
     titles = " | ".join(panel["title"] for panel in json.loads(GRAFANA.read_text())["panels"]).lower()
     for wanted in (
-        "kv prefix hit rate per worker",
-        "embedding cache hit rate per worker",
+        "prefix hit rate (kv) per worker",
+        "embedding cache hit rate per worker (of prefix misses)",
         "local image cache hit rate per worker",
         "shared image cache hit rate per worker",
         "time to first token",
         "requests per second",
         "tokens per second",
-        "errors by status",
+        "server (5xx), client (4xx), rate limited (429)",
+        "refused at the api's edge",
         "running and waiting",
         "kv cache use",
         "overlap given up",

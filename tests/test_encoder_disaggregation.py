@@ -109,7 +109,9 @@ def admin_action(admin: httpx.Client, action: str, worker: str) -> None:
 
 
 def counters(platform: PlatformProcesses, worker: str) -> dict[str, int]:
-    return EncoderPool(platform.redis, platform.namespace).snapshot([worker])[worker]
+    return EncoderPool(
+        platform.redis, platform.namespace, statistics_namespace=platform.statistics_namespace
+    ).snapshot([worker])[worker]
 
 
 def ask(platform: PlatformProcesses, payload: dict) -> httpx.Response:
@@ -234,7 +236,12 @@ def test_a_backlogged_encoder_leaves_the_image_on_the_llm_worker_with_the_same_a
     # on it as a frontend does, and the LLM worker's cached prefix of the first question forgotten
     time.sleep(1.2)  # the admin's "enable"
     platform.manage("flush_caches", "--worker", "llm", "--json")
-    pool = EncoderPool(platform.redis, platform.namespace, pending_ttl_s=30)
+    pool = EncoderPool(
+        platform.redis,
+        platform.namespace,
+        pending_ttl_s=30,
+        statistics_namespace=platform.statistics_namespace,
+    )
     backlog = [f"simulated-backlog:{n}" for n in range(5)]
     pool.reserve("enc", backlog)
     try:

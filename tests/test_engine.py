@@ -303,14 +303,18 @@ def test_events_replayed_after_evictions_equal_the_cached_blocks(make_engine) ->
     assert log.blocks == engine.kv_block_hashes() == set()
 
 
-def test_a_request_larger_than_the_whole_pool_is_refused_naming_the_limit(make_engine) -> None:
+def test_a_request_larger_than_the_whole_pool_is_refused_as_context_length_exceeded(make_engine) -> None:
     prompt = chat(LONG_TEXT * 2, images=1)
     small = make_engine(capacity=2)
 
-    with pytest.raises(PromptError, match="KV_CAPACITY_BLOCKS") as refused:
+    with pytest.raises(PromptError) as refused:
         small.generate(request(prompt, [image_input(10)]))
 
-    assert refused.value.status == 400
+    # OpenAI's code, the limit in tokens (the pool's 2 blocks), no worker setting named
+    assert (refused.value.status, refused.value.code) == (400, "context_length_exceeded")
+    message = str(refused.value)
+    assert f"maximum context length is {2 * small.block_size} tokens" in message
+    assert "KV_CAPACITY_BLOCKS" not in message and "blocks" not in message
     assert small.load_report().kv_blocks_used == 0
 
 

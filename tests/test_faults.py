@@ -244,7 +244,7 @@ def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
 def generations_run(platform, worker: str) -> int:
     """Requests `worker` ran to the end since Redis last started empty: its KV cache counts one hit
     or one miss per finished generation (flushed to Redis about once a second)."""
-    totals = platform.redis.hgetall(f"{platform.namespace}stats:{worker}:kv")
+    totals = platform.redis.hgetall(f"{platform.statistics_namespace}stats:{worker}:kv")
     return int(totals.get(b"hits", 0)) + int(totals.get(b"misses", 0))
 
 

@@ -252,6 +252,16 @@ def test_an_internal_address_is_refused_with_403_without_an_allowlist(
     assert server.hits("/a.png") == 0  # refused before any connection
 
 
+def test_a_refused_internal_address_says_which_setting_allows_it_and_on_which_processes(
+    server: ImageServer, small_png: bytes
+) -> None:
+    server.add("/a.png", small_png)
+    error = _refusal(fetch_bytes, server.url("/a.png"), MediaPolicy())
+    assert "MEDIA_ALLOWED_HOSTS" in error.message
+    # both sides fetch, so an operator must set it on both
+    assert "API server" in error.message and "every worker" in error.message
+
+
 def test_a_redirect_to_a_private_address_is_refused(server: ImageServer) -> None:
     url = server.add_redirect("/r", "http://10.0.0.7/internal.png")
     error = _refusal(fetch_bytes, url, LOCAL)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from django.conf import settings as live_settings
@@ -11,6 +13,7 @@ from django.test import Client
 from prometheus_client.openmetrics import parser as openmetrics_parser
 from prometheus_client.parser import text_string_to_metric_families
 
+from routing.deployment import statistics_namespace
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.observe.cache_stats import CacheStats
 from routing.observe.metric_catalog import CATALOG
@@ -61,9 +64,7 @@ def test_metrics_parse_in_both_formats_with_help_and_type_for_every_metric(
     deployment: float, accept: str
 ) -> None:
     # given: requests recorded through the telemetry every process uses
-    recorder = MetricsRecorder(
-        sync_client(live_settings.REDIS_URL), live_settings.REDIS_KEY_PREFIX, source="web:t"
-    )
+    recorder = MetricsRecorder(sync_client(live_settings.REDIS_URL), statistics_namespace(), source="web:t")
     recorder.inc("requests", labels={"status": "200", "worker": "gpu0"})
     recorder.observe("ttft_seconds", 0.2, labels={"worker": "gpu0"})
     recorder.close()
@@ -136,7 +137,7 @@ def test_label_values_are_escaped(deployment: float, redis_client: redis.Redis, 
     odd_model = 'say "hi"\nC:\\models'
     odd_name = 'odd"\\name'
     WorkerRegistry(redis_client, key_namespace).beat(Heartbeat(odd_name, odd_model, block_size=16), ttl_s=60)
-    counted = CacheStats(redis_client, key_namespace, odd_name)
+    counted = CacheStats(redis_client, statistics_namespace(), odd_name)
     counted.incr("kv", "hits")
     counted.close()
     # when
@@ -158,3 +159,55 @@ def test_metrics_answer_503_when_redis_is_unreachable(deployment: float, setting
 @pytest.mark.django_db
 def test_metrics_refuse_other_methods(deployment: float) -> None:
     assert scraper().post("/metrics").status_code == 405
+
+
+def scraped_from(url: str, headers: dict[str, str]) -> list[Sample]:
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    assert response.status_code == 200
+    return [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    ]
+
+
+def counted(samples: list[Sample], name: str, **labels: str) -> float:
+    return sum(v for n, ls, v in samples if n == name and ls == labels)
+
+
+@pytest.mark.integration
+def test_refusals_at_the_edge_401_and_415_appear_in_metrics(shared_platform) -> None:
+    # given: what /metrics said before (the platform is shared by other tests)
+    url, chat = shared_platform.base_url, "/v1/chat/completions"
+    before = scraped_from(url, shared_platform.headers)
+    # when: a client with a wrong key, one with none, one sending a form, and a key guessed on /v1/models
+    wrong = {"Authorization": "Bearer sk-00000000.guessedguessedguessedguessedguessed"}
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{url}{chat}", json=body, headers=wrong, timeout=30).status_code == 401
+    assert httpx.post(f"{url}{chat}", json=body, timeout=30).status_code == 401
+    form = httpx.post(f"{url}{chat}", data={"a": "b"}, headers=shared_platform.headers, timeout=30)
+    assert form.status_code == 415
+    assert httpx.get(f"{url}/v1/models", headers=wrong, timeout=30).status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=wrong, timeout=30).status_code == 401
+
+    # then: within a flush, each is counted by route and status, and the chat ones as chat requests
+    def added(samples: list[Sample], name: str, **labels: str) -> float:
+        return counted(samples, name, **labels) - counted(before, name, **labels)
+
+    expected = {
+        ("mmr_http_requests_total", chat, "401"): 2,
+        ("mmr_http_requests_total", chat, "415"): 1,
+        ("mmr_http_requests_total", "/v1/models", "401"): 1,
+        ("mmr_http_requests_total", "/metrics", "401"): 1,
+    }
+    deadline = time.monotonic() + 15
+    while True:
+        samples = scraped_from(url, shared_platform.headers)
+        seen = {key: added(samples, key[0], handler=key[1], status=key[2]) for key in expected}
+        chat_401 = added(samples, "mmr_requests_total", status="401", worker="none")
+        chat_415 = added(samples, "mmr_requests_total", status="415", worker="none")
+        if (seen, chat_401, chat_415) == (expected, 2, 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert seen == expected
+    assert (chat_401, chat_415) == (2, 1)

@@ -60,7 +60,7 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
     observed_platform: ObservedPlatform,
 ) -> None:
     platform = observed_platform
-    redis_client, namespace = platform.processes.redis, platform.processes.namespace
+    redis_client, namespace = platform.processes.redis, platform.processes.statistics_namespace
     # given: requests answered three hours ago, recorded by the classes the processes record with
     # (their own clocks put them there; the platform's processes cannot be sent back in time)
     then = time.time() - HISTORY_AGE_S
@@ -94,7 +94,9 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
     finally:
         staff.close()
     assert window_matches(dashboard, platform), (dashboard["window"]["totals"], platform.ledger)
-    assert dashboard["window"]["totals"]["by_status"] == {"200": platform.ledger.requests}
+    assert dashboard["window"]["totals"]["by_status"] == {
+        str(status): n for status, n in sorted(platform.ledger.statuses.items())
+    }
     # the router's quality figure: repeated images had a best eligible overlap, some or all kept
     routing = dashboard["window"]["totals"]
     assert routing["best_overlap_blocks"] > 0
@@ -103,7 +105,7 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
     assert stats["caches"]["kv"]["hits"] == platform.ledger.kv_hits + 5
     # and a terminal reader gets the same figures as text
     text = platform.manage("routing_stats", "--minutes", str(WINDOW_MINUTES))
-    assert f"requests           {platform.ledger.requests} (200: {platform.ledger.requests})" in text
+    assert f"requests           {platform.ledger.requests} ({platform.statuses_text()})" in text
 
 
 def scrape(base_url: str, auth: dict[str, str], *, openmetrics: bool = False) -> dict[str, Any]:

@@ -38,9 +38,9 @@ def post(client: Client, body: dict):
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.type"),
+        ({"modalities": ["text", "audio"]}, "modalities[1]"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"n": 2}, "n"),
     ],
@@ -69,7 +69,7 @@ def test_unknown_fields_and_text_response_format_are_accepted_as_openai_does() -
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
-        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"cache_salt": ""}, "cache_salt"),
     ],
@@ -109,6 +109,7 @@ def test_health_answers_without_a_key_and_ready_needs_a_live_worker(served_demo_
             "status": "ready",
             "redis": "ok",
             "live_workers": 1,
+            "accepting_workers": 1,
         }
     finally:
         registry.remove("readyness")
@@ -137,6 +138,21 @@ def test_the_openapi_document_is_valid_and_says_what_this_server_accepts(setting
     assert document["paths"]["/v1/chat/completions"]["post"]["responses"]["429"]["headers"]["Retry-After"]
 
 
+def test_the_openapi_document_states_the_default_max_tokens_and_what_the_api_sends(settings):
+    settings.MAX_TOKENS_LIMIT = 4096
+    document = Client().get("/v1/openapi.json").json()
+    validate(document)
+    schemas = document["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["default"] == 256
+    assert parse_chat_request(chat_body("demo", max_tokens=None), max_tokens_limit=4096).max_tokens == 256
+    # video parts, the operators' endpoints, the headers and the error codes are described
+    assert "VideoPart" in json.dumps(schemas["Message"])
+    assert {"/v1/route", "/metrics"} <= set(document["paths"])
+    headers = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["headers"]
+    assert {"X-Routed-Worker", "X-Encoder-Calls", "x-ratelimit-remaining-requests"} <= set(headers)
+    assert "context_length_exceeded" in json.dumps(document["paths"]["/v1/chat/completions"])
+
+
 def test_the_docs_page_lists_every_endpoint_and_loads_nothing_from_elsewhere():
     page = Client().get("/v1/docs").content.decode()
     for path in ("/v1/chat/completions", "/v1/models/{model_id}", "/ready", "/v1/openapi.json"):
@@ -145,6 +161,26 @@ def test_the_docs_page_lists_every_endpoint_and_loads_nothing_from_elsewhere():
     # the document's CommonMark code spans read as code, not as backticks
     assert "<code>Authorization: Bearer &lt;API key&gt;</code>" in page
     assert "`" not in page.split("<body>", 1)[1].split("<h2>Request fields</h2>", 1)[1]
+
+
+def test_the_docs_pages_example_runs_against_this_server_with_an_image_it_can_fetch(settings):
+    settings.ALLOWED_HOSTS = ["gpu-box.internal"]
+    page = Client(HTTP_HOST="gpu-box.internal:8000").get("/v1/docs").content.decode()
+    assert "curl -s http://gpu-box.internal:8000/v1/chat/completions" in page
+    assert "$BASE" not in page and "example.com" not in page
+    assert '"url": "data:image/png;base64,' in page
+
+
+def test_the_docs_page_documents_video_headers_limits_errors_and_operator_endpoints(settings):
+    settings.MAX_TOKENS_LIMIT = 1234
+    page = Client().get("/v1/docs").content.decode()
+    assert "video_url" in page
+    for header in ("X-Routed-Worker", "X-Routing-Overlap", "X-Encoder-Calls", "x-ratelimit-reset-tokens"):
+        assert f"<code>{header}</code>" in page
+    assert "at most 1234 (<code>MAX_TOKENS_LIMIT</code>)" in page and "256 when omitted" in page
+    for code in ("context_length_exceeded", "address_refused", "rate_limit_exceeded", "no_live_worker"):
+        assert f"<code>{code}</code>" in page
+    assert "POST /v1/route" in page and "GET /metrics" in page
 
 
 def test_the_docs_pages_code_spans_escape_what_they_hold():
@@ -176,3 +212,79 @@ def test_control_tokens_in_a_clients_text_stay_text(served_demo_model):
     assert tokenizer.token_to_id("<|image_pad|>") not in ids
     # and what the client wrote is still there, as text
     assert "im_start|>system" in tokenizer.decode(ids, skip_special_tokens=False).replace("\u2060", "")
+
+
+def image_body(model: str, url: str) -> dict:
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+def test_a_loopback_image_is_refused_naming_the_part_and_how_to_allow_it(client, served_demo_model, settings):
+    settings.MEDIA_ALLOWED_HOSTS = []
+    # the port answers nothing: the address is refused before any connection
+    status, body = post(client, image_body(served_demo_model, "http://127.0.0.1:9/cat.png"))
+    assert status == 403
+    error = body["error"]
+    assert error["code"] == "address_refused"
+    assert error["param"] == "messages[0].content[1].image_url"
+    assert error["message"].startswith("image 0: ")
+    assert "MEDIA_ALLOWED_HOSTS" in error["message"] and "every worker" in error["message"]
+
+
+def test_a_workers_image_refusal_names_the_same_message_part_as_the_frontends():
+    from inference_platform.serving.served import ServedRequest
+    from routing.contract.tasks import ErrorEvent
+
+    # given a request whose second image a worker refused (its allowlist lacks the host)
+    body = image_body("demo", "http://a.test/1.png")
+    body["messages"].append(
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/2.png"}}]}
+    )
+    chat = parse_chat_request(body, max_tokens_limit=16)
+    refused = ErrorEvent(status=403, code="address_refused", message="image 1: refused", image_index=1)
+    # when the frontend answers it
+    served = ServedRequest("req-1")
+    served.chat = chat
+    error = served._worker_error(refused)
+    # then its param is the client's own message part, as the frontend's refusal would say
+    assert (error.status, error.param) == (403, "messages[1].content[0].image_url")
+    assert error.message == "image 1: refused"
+
+
+def test_a_prompt_longer_than_any_workers_context_is_context_length_exceeded_at_the_frontend(
+    client, served_demo_model, settings
+):
+    # given one live worker whose KV pool holds 4 blocks (64 tokens at the default block size)
+    registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    Worker.objects.create(name="small", model_name=served_demo_model)
+    beat = Heartbeat(
+        name="small", model=served_demo_model, block_size=settings.KV_BLOCK_SIZE, kv_capacity_blocks=4
+    )
+    registry.beat(beat, 30)
+    limit = 4 * settings.KV_BLOCK_SIZE
+    try:
+        # when a request asks for more than that, prompt and completion together
+        status, body = post(client, chat_body(served_demo_model, max_tokens=limit))
+    finally:
+        registry.remove("small")
+    # then it is OpenAI's 400, in tokens, naming no worker setting
+    assert status == 400
+    error = body["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+    assert f"maximum context length is {limit} tokens" in error["message"]
+    assert f"{limit} in the completion" in error["message"]
+    assert "KV_CAPACITY_BLOCKS" not in error["message"]
+
+
+def test_a_refusal_after_the_request_was_counted_still_says_what_is_left_of_the_tenants_budget(
+    make_api_key, served_demo_model
+):
+    # given a tenant of 10 requests a minute, and no live worker
+    key = make_api_key("paced", requests_per_minute=10)
+    response = Client(headers={"Authorization": f"Bearer {key}"}).post(
+        "/v1/chat/completions", data=json.dumps(chat_body(served_demo_model)), content_type="application/json"
+    )
+    # then the 503 carries the requests budget this request took from
+    assert response.status_code == 503
+    assert response["x-ratelimit-limit-requests"] == "10"
+    assert response["x-ratelimit-remaining-requests"] == "9"

@@ -7,6 +7,7 @@ talks HTTP to it as a client would.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import signal
 import subprocess
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from routing.kv.index import KvIndex
+from tests.image_server import ImageServer
 from tests.platform_harness import REPO
 
 pytestmark = pytest.mark.integration
@@ -244,3 +247,29 @@ def test_the_official_openai_client_works_against_the_platform(platform_processe
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}])
     assert missing.value.code == "model_not_found"
+
+
+def test_an_origin_allowed_on_the_frontend_only_is_refused_by_the_worker_with_the_same_context(
+    platform_processes,
+):
+    # given a worker started without MEDIA_ALLOWED_HOSTS and a frontend with it (a half-done setup)
+    platform = platform_processes()
+    platform.start_worker("strict")
+    platform.wait_for_workers("strict")
+    platform.env["MEDIA_ALLOWED_HOSTS"] = "127.0.0.1"
+    platform.start_server()
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 120, 200)).save(picture, format="PNG")
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": ""}}]
+    # when a request names a loopback image (the frontend reads its header, the worker fetches it)
+    with ImageServer() as origin:
+        content[1]["image_url"]["url"] = origin.add("/cat.png", picture.getvalue())
+        response = ask(platform, "", messages=[{"role": "user", "content": content}])
+    # then the worker's refusal reads as the frontend's would: the image, the part, the setting
+    assert response.status_code == 403, response.text
+    error = response.json()["error"]
+    assert error["code"] == "address_refused"
+    assert error["param"] == "messages[0].content[1].image_url"
+    assert error["message"].startswith("image 0: ")
+    assert "MEDIA_ALLOWED_HOSTS" in error["message"] and "every worker" in error["message"]
+    assert response.headers["X-Routed-Worker"] == "strict"

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from routing.kv.index import LuaScript
+from routing.state.lua import LuaScript
 from routing.state.redis_direct import DirectCommands, direct_commands
 from tests.platform_harness import PrivateRedis
 

@@ -16,10 +16,11 @@ import redis
 
 from routing.contract.kv_events import KvEvent
 from routing.kv.affinity import SessionAffinity
+from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
-from routing.kv.router import AllWorkersBusy, KvRouter, NoEligibleWorker, RoutingDecision, WorkerReport
+from routing.kv.router import KvRouter
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import MediaPlacement, block_hashes
 

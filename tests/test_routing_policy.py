@@ -8,11 +8,12 @@ import time
 
 import httpx
 import pytest
+from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
 from django.test import Client
 
 from routing.models import RoutingPolicySettings
-from routing.policy import REFRESH_S, current_policy
+from routing.policy import REFRESH_S, current_policy, forget_cached_policy
 from tests.platform_harness import REPO
 
 pytestmark = pytest.mark.django_db
@@ -32,35 +33,85 @@ def test_without_a_saved_policy_the_environment_applies(settings):
     assert (policy.source, policy.mode, policy.routing.temperature) == ("environment", "random", 0.25)
 
 
-def test_the_admin_opens_the_one_policy_created_from_the_environment(settings, staff_client):
+def test_the_policy_page_get_leaves_the_database_untouched_and_the_environment_still_applies(
+    settings, staff_client
+):
+    # given no saved policy and an environment that says overlap credit 0.5
     settings.ROUTER_OVERLAP_CREDIT = 0.5
+    # when an operator opens the policy page (the list redirects to the one policy's page)
     response = staff_client.get("/admin/routing/routingpolicysettings/")
     assert response.status_code == 302
     assert response["Location"].endswith("/admin/routing/routingpolicysettings/1/change/")
-    assert RoutingPolicySettings.objects.get().overlap_credit == 0.5
-    assert staff_client.get(response["Location"]).status_code == 200
+    page = staff_client.get(response["Location"])
+    # then it shows the environment's values and says they come from there
+    assert page.status_code == 200
+    assert page.context["adminform"].form.initial["overlap_credit"] == 0.5
+    assert "The environment (ROUTER_MODE" in page.content.decode()
+    assert b"reset-policy" not in page.content  # nothing saved: nothing to reset
+    # and nothing was written: a later change of the environment still applies
+    assert not RoutingPolicySettings.objects.exists() and not LogEntry.objects.exists()
+    settings.ROUTER_OVERLAP_CREDIT = 0.75
+    forget_cached_policy()
+    policy = current_policy()
+    assert (policy.source, policy.routing.overlap_credit) == ("environment", 0.75)
+
+
+POLICY_FORM = {
+    "mode": "kv", "overlap_credit": "2.0", "prefill_load_scale": "0.5", "temperature": "0.1",
+    "session_affinity": "", "frontend_decoding": "on",
+}  # fmt: skip
 
 
 def test_a_policy_saved_in_the_admin_applies_at_once_and_refuses_negative_values(staff_client):
-    staff_client.get("/admin/routing/routingpolicysettings/")
-    assert current_policy().source == "admin"
-    form = {
-        "mode": "kv", "overlap_credit": "2.0", "prefill_load_scale": "0.5", "temperature": "0.1",
-        "session_affinity": "", "frontend_decoding": "on",
-    }  # fmt: skip
-    response = staff_client.post("/admin/routing/routingpolicysettings/1/change/", form)
+    assert current_policy().source == "environment"
+    response = staff_client.post("/admin/routing/routingpolicysettings/1/change/", POLICY_FORM)
     assert response.status_code == 302
     policy = current_policy()
+    assert policy.source == "admin"
     assert (policy.routing.overlap_credit, policy.routing.prefill_load_scale, policy.routing.temperature) == (
         2.0, 0.5, 0.1,
     )  # fmt: skip
     assert policy.session_affinity is False and policy.frontend_decoding is True
 
     refused = staff_client.post(
-        "/admin/routing/routingpolicysettings/1/change/", {**form, "temperature": "-1"}
+        "/admin/routing/routingpolicysettings/1/change/", {**POLICY_FORM, "temperature": "-1"}
     )
     assert refused.status_code == 200  # the form again, with its error
     assert current_policy().routing.temperature == 0.1
+
+
+def test_the_policy_page_says_who_saved_it_and_a_reset_gives_the_environment_back(settings, staff_client):
+    settings.ROUTER_OVERLAP_CREDIT = 0.5
+    # given a policy an operator saved
+    staff_client.post("/admin/routing/routingpolicysettings/1/change/", POLICY_FORM)
+    page = staff_client.get("/admin/routing/routingpolicysettings/1/change/").content.decode()
+    assert "Saved by operator at" in page and "overlap_credit 0.5" in page
+    assert 'id="reset-policy"' in page
+    # a GET of the reset address changes nothing
+    assert staff_client.get("/admin/routing/routingpolicysettings/reset/").status_code == 405
+    assert current_policy().source == "admin"
+
+    # when the operator resets it
+    response = staff_client.post("/admin/routing/routingpolicysettings/reset/")
+
+    # then the environment applies again, and the admin's log says who reset it
+    assert response.status_code == 302
+    assert not RoutingPolicySettings.objects.exists()
+    policy = current_policy()
+    assert (policy.source, policy.routing.overlap_credit) == ("environment", 0.5)
+    entry = LogEntry.objects.order_by("-action_time").first()
+    assert entry.get_change_message() == "Reset to the environment's settings."
+    assert entry.user.get_username() == "operator"
+    assert "The environment (ROUTER_MODE" in staff_client.get(response["Location"]).content.decode()
+
+
+def test_a_policy_saved_outside_the_admin_is_not_credited_to_the_last_operator(staff_client):
+    # given an operator's save, then another from a shell (no admin log entry)
+    staff_client.post("/admin/routing/routingpolicysettings/1/change/", POLICY_FORM)
+    RoutingPolicySettings(mode="random").save()
+    # then the page says when it was saved, not that the operator saved it
+    page = staff_client.get("/admin/routing/routingpolicysettings/1/change/").content.decode()
+    assert "Saved at" in page and "Saved by operator" not in page
 
 
 @pytest.mark.integration

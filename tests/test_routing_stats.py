@@ -7,8 +7,10 @@ import json
 
 import pytest
 import redis
+from django.conf import settings as live_settings
 from django.core.management import CommandError, call_command
 
+from routing.deployment import statistics_namespace
 from routing.models import Worker
 from routing.observe.dashboard import DashboardReader
 from tests.test_dashboard import EXPECTED, closed_port, set_up_deployment
@@ -32,7 +34,9 @@ def test_json_output_is_the_dashboards_snapshot(
     # when
     printed = json.loads(run_command("--json", "--minutes", "5"))
     # then: the same as the reader gives the admin, bar the moment it was taken
-    direct = DashboardReader(redis_client, key_namespace).snapshot(Worker.objects.all(), minutes=5)
+    direct = DashboardReader(redis_client, key_namespace, statistics_namespace()).snapshot(
+        Worker.objects.all(), minutes=5
+    )
     assert printed.pop("generated_at") <= direct.pop("generated_at")
     assert printed == json.loads(json.dumps(direct))
     workers = {w["name"]: w for w in printed["workers"]}
@@ -79,3 +83,24 @@ def test_an_unreachable_redis_is_reported_without_its_password(deployment: float
         run_command("--json")
     assert "unavailable" in str(refused.value)
     assert "pw-for-stats" not in str(refused.value)
+
+
+@pytest.mark.django_db
+def test_the_all_time_block_is_labelled_and_statuses_are_in_order(deployment: float) -> None:
+    from routing.observe.telemetry import MetricsRecorder
+    from routing.state.redis_keys import sync_client
+
+    # given: statuses recorded in no particular order
+    recorder = MetricsRecorder(sync_client(live_settings.REDIS_URL), statistics_namespace(), source="web:t")
+    for status in ("503", "200", "429", "401", "200"):
+        recorder.inc("requests", labels={"status": status, "worker": "none"})
+    recorder.close()
+    # when
+    lines = run_command("--minutes", "3").splitlines()
+    # then: the totals say they are all-time, and the window's statuses read in code order
+    all_time = lines.index("All time (since this deployment's statistics began, or were last reset):")
+    assert lines[all_time + 1].startswith("cache")
+    requests = next(line for line in lines if line.strip().startswith("requests"))
+    assert requests.split(None, 1)[1] == "5 (200: 2, 401: 1, 429: 1, 503: 1)"
+    failures = next(line for line in lines if line.strip().startswith("not 200"))
+    assert failures.split(None, 2)[2] == "5xx 1 (20.0%), 4xx 1 (20.0%), 429 1 (20.0%)"

@@ -10,7 +10,7 @@ import redis
 
 from routing.prompt.hashing import block_hashes, cache_salt, local_block_hashes
 from tenants.keys import ANONYMOUS, Caller
-from tenants.limits import LimitExceeded, TenantLimiter
+from tenants.limits import LimitExceeded, TenantLimiter, duration, exceeded_headers
 from tenants.usage import TenantUsage
 from workers.runtime import WorkerRuntime
 
@@ -73,22 +73,55 @@ def test_prompt_tokens_per_minute_and_a_request_larger_than_the_limit(limiter):
     assert never.value.retry_after_s is None and "larger" in never.value.describe()
 
 
+def test_an_admitted_request_reports_what_is_left_as_openais_ratelimit_headers(limiter):
+    # given a tenant of 3 requests and 1,000 prompt tokens per minute
+    requests = limiter.admit(1, "a", requests_per_minute=3, max_concurrent=None)
+    tokens = limiter.charge_prompt_tokens(1, 600, limit=1000)
+    # then each budget says its limit, what is left, and when its bucket is full again
+    headers = requests.headers() | tokens.headers()
+    assert headers["x-ratelimit-limit-requests"] == "3"
+    assert headers["x-ratelimit-remaining-requests"] == "2"
+    assert headers["x-ratelimit-reset-requests"] in ("20s", "19s")  # one request back in 60/3 s
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["x-ratelimit-remaining-tokens"] == "400"
+    assert headers["x-ratelimit-reset-tokens"] in ("36s", "35s")
+    # a second request leaves one fewer
+    assert limiter.admit(1, "b", requests_per_minute=3, max_concurrent=None).remaining == 1
+
+
+def test_a_refusal_reports_nothing_left_until_its_retry_after(limiter):
+    with pytest.raises(LimitExceeded) as refused:
+        for n in range(3):
+            limiter.admit(1, f"r{n}", requests_per_minute=2, max_concurrent=None)
+    headers = exceeded_headers(refused.value)
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"] == duration(refused.value.retry_after_s * 1000)
+    # a concurrency limit has no per-minute budget to report
+    assert exceeded_headers(LimitExceeded("max_concurrent_requests", 2, 1)) == {}
+
+
+@pytest.mark.parametrize(("ms", "shown"), [(20, "20ms"), (1000, "1s"), (1001, "2s"), (360_000, "6m0s")])
+def test_reset_times_read_as_openai_writes_them(ms, shown):
+    assert duration(ms) == shown
+
+
 def test_no_limit_writes_nothing(limiter, redis_client, key_namespace):
-    limiter.admit(1, "a", requests_per_minute=None, max_concurrent=None)
-    limiter.charge_prompt_tokens(1, 10, limit=None)
+    assert limiter.admit(1, "a", requests_per_minute=None, max_concurrent=None) is None
+    assert limiter.charge_prompt_tokens(1, 10, limit=None) is None
     assert not list(redis_client.scan_iter(match=f"{key_namespace}rl:*"))
 
 
 def test_usage_counters_add_up_per_tenant(redis_client, key_namespace):
     usage = TenantUsage(redis_client, key_namespace)
-    usage.record(1, prompt=10, cached=4, completion=3)
-    usage.record(1, prompt=5, completion=2)
-    usage.refused(1)
-    totals = usage.totals([1, 2])
-    assert totals[1] == {
+    busy, idle = "6f1c2a40-0000-4000-8000-000000000001", "6f1c2a40-0000-4000-8000-000000000002"
+    usage.record(busy, prompt=10, cached=4, completion=3)
+    usage.record(busy, prompt=5, completion=2)
+    usage.refused(busy)
+    totals = usage.totals([busy, idle])
+    assert totals[busy] == {
         "requests": 2, "prompt_tokens": 15, "cached_tokens": 4, "completion_tokens": 5, "refused": 1,
     }  # fmt: skip
-    assert totals[2] == dict.fromkeys(totals[2], 0)
+    assert totals[idle] == dict.fromkeys(totals[idle], 0)
 
 
 def tenant(tenant_id: int, partition: str | None) -> Caller:

@@ -126,9 +126,30 @@ def test_over_the_limit_the_client_gets_a_rate_limit_error_with_retry_after(plat
         )
     assert limited.value.code == "rate_limit_exceeded"
     assert 1 <= int(limited.value.response.headers["Retry-After"]) <= 60
+    assert limited.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     # another tenant is not held back by this one's limit
     (other,) = keys(platform, {"tenant": "unrelated"})
     assert client(platform, other).models.list().data
+
+
+def test_answers_carry_openais_ratelimit_headers_where_the_tenant_has_limits(platform):
+    limited, unlimited = keys(
+        platform,
+        {"tenant": "metered", "requests_per_minute": 5, "prompt_tokens_per_minute": 10_000},
+        {"tenant": "boundless"},
+    )
+    answer = ask(platform, limited, "Hi")
+    prompt_tokens = answer.json()["usage"]["prompt_tokens"]
+    assert answer.headers["x-ratelimit-limit-requests"] == "5"
+    assert answer.headers["x-ratelimit-remaining-requests"] == "4"
+    assert answer.headers["x-ratelimit-limit-tokens"] == "10000"
+    assert answer.headers["x-ratelimit-remaining-tokens"] == str(10_000 - prompt_tokens)
+    assert answer.headers["x-ratelimit-reset-requests"].endswith("s")
+    # a stream's answer carries them too, and a tenant without limits gets none
+    streamed = ask(platform, limited, "Hi", stream=True)
+    # (3 left, or 4 if the bucket refilled one request, 12 s at 5 a minute, since the first)
+    assert streamed.headers["x-ratelimit-remaining-requests"] in ("3", "4")
+    assert not any(name.startswith("x-ratelimit") for name in ask(platform, unlimited, "Hi").headers)
 
 
 def test_a_completion_carries_logprobs_when_asked(platform):
@@ -264,7 +285,15 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(platform):
     ]
     # Chat cases run the model (about a tenth of a second each here); the others are cheap.
     # Operations without inputs (health, ready) give hypothesis one distinct case only.
-    budget = {"createChatCompletion": 110, "listModels": 20, "retrieveModel": 175, "health": 5, "ready": 5}
+    budget = {
+        "createChatCompletion": 110,
+        "listModels": 20,
+        "retrieveModel": 175,
+        "health": 5,
+        "ready": 5,
+        "route": 30,  # the operators' endpoints: the platform's key is a staff key
+        "metrics": 3,
+    }
     calls: dict[str, int] = {}
     statuses: dict[int, int] = {}
     spent: dict[str, float] = {}

@@ -188,8 +188,9 @@ async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it(api_headers):
     response = await KeyedAsyncClient(api_headers).post(
         "/v1/chat/completions", data=json.dumps(bad), content_type="application/json"
     )
+    # a scheme the platform never fetches is refused by the parser, which names the URL's field
     assert response.status_code == 400
-    assert json.loads(response.content)["error"]["message"].startswith("image 0")
+    assert json.loads(response.content)["error"]["param"] == "messages[1].content[1].image_url.url"
 
 
 def test_the_processor_path_gives_the_registry_view_for_the_demo_model(settings):
@@ -222,6 +223,61 @@ def test_the_processor_path_routes_a_family_outside_the_registry_exactly(setting
     assert exact.fallback is None
     assert [image.tokens > 0 for image in exact.images] == [True, True]
     assert len(exact.tokens) == exact.prompt_tokens
+
+
+def test_inspect_request_shows_each_workers_overlap_load_and_cost_as_the_router_scores_them(
+    tmp_path, capsys, settings, served_demo_model
+):
+    from routing.fleet.registry import Heartbeat, WorkerRegistry
+    from routing.models import Worker
+    from routing.policy import current_policy
+    from routing.state.redis_keys import sync_client
+
+    # given two idle live workers of the model and a third one draining
+    registry = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    for name in ("idle-a", "idle-b", "leaving"):
+        Worker.objects.create(name=name, model_name=served_demo_model, draining=name == "leaving")
+        registry.beat(Heartbeat(name=name, model=served_demo_model, block_size=settings.KV_BLOCK_SIZE), 30)
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))))
+    try:
+        call_command("inspect_request", str(path), "--json")
+        printed = json.loads(capsys.readouterr().out)
+        call_command("inspect_request", str(path))
+        text = capsys.readouterr().out
+    finally:
+        for name in ("idle-a", "idle-b", "leaving"):
+            registry.remove(name)
+
+    # then each eligible worker carries the cost terms of the router's formula (nothing cached,
+    # no load: prefill ISL/bs blocks, decode all n blocks), and the draining one says why not
+    isl, block_size = printed["prompt_tokens"], printed["block_size"]
+    prefill, decode = isl / block_size, float(-(-isl // block_size))
+    scale = current_policy().routing.prefill_load_scale
+    by_name = {worker["worker"]: worker for worker in printed["candidates"]}
+    for name in ("idle-a", "idle-b"):
+        assert by_name[name]["overlap"] == 0
+        assert by_name[name]["prefill_blocks"] == pytest.approx(prefill)
+        assert by_name[name]["decode_blocks"] == pytest.approx(decode)
+        assert by_name[name]["cost"] == pytest.approx(scale * prefill + decode)
+    assert by_name["leaving"]["ineligible_because"] == "draining" and "cost" not in by_name["leaving"]
+    assert printed["choice"]["worker"] in ("idle-a", "idle-b")
+    # and the text says the same, one row per worker
+    assert f"{scale * prefill + decode:.2f}" in text
+    assert "leaving" in text and "not eligible: draining" in text
+    # (equal costs: the router breaks the tie at random, each run afresh)
+    assert "choice         idle-a: 0/" in text or "choice         idle-b: 0/" in text
+
+
+def test_inspect_request_without_redis_still_prints_the_view_and_says_why_no_workers(
+    tmp_path, capsys, settings
+):
+    settings.REDIS_URL = "redis://127.0.0.1:9/0"
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+    call_command("inspect_request", str(path))
+    printed = capsys.readouterr().out
+    assert "prompt tokens" in printed and "workers        unknown: Redis did not answer" in printed
 
 
 @pytest.mark.django_db(transaction=True)

@@ -119,3 +119,43 @@ def test_an_image_reference_whose_bytes_are_gone_is_a_clear_error_at_once(
     error = next(event for event in events if event.type == ERROR).event
     assert (error.status, error.code) == (503, "media_missing")
     assert "no longer stored" in error.message
+
+
+def test_a_worker_refusing_an_origin_the_frontend_allowed_names_the_image_and_how_to_allow_it(
+    engine_and_loader, redis_client, key_namespace, monkeypatch
+):
+    """MEDIA_ALLOWED_HOSTS set on the frontend only: the worker's refusal carries the frontend's
+    context (which image, the setting and where to set it), not less."""
+    from workers.runtime import WorkerRuntime, build_image_loader
+
+    # given a worker whose loader has no allowlist (the frontend's had one and sent the URL on)
+    engine, _ = engine_and_loader
+    strict_loader = build_image_loader("w", stats=None)
+    monkeypatch.setattr(engine, "_load_image", strict_loader.load_for_engine)
+    runtime = WorkerRuntime(
+        name="w", engine=engine, client=redis_client, namespace=key_namespace, image_loader=strict_loader
+    )
+    # when it is asked to fetch an image from a loopback origin
+    try:
+        with ImageServer() as origin:
+            runtime.serve(
+                {
+                    "request_id": "r-loopback",
+                    "prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n",
+                    "images": [{"identity": "0" * 32, "url": origin.url("/a.png")}],
+                    "max_tokens": 2,
+                    "temperature": 0.0,
+                    "top_p": 1.0,
+                    "contract_version": CONTRACT_VERSION,
+                }
+            )
+    finally:
+        strict_loader.close()
+    # then the refusal names the image, the setting and both places it must be set
+    events = parse_stream_entries(redis_client.xrange(response_key(key_namespace, "r-loopback")))
+    error = next(event for event in events if event.type == ERROR)
+    assert (error.data["status"], error.data["code"]) == (403, "address_refused")
+    assert error.data["image_index"] == 0
+    assert error.data["message"].startswith("image 0: ")
+    assert "MEDIA_ALLOWED_HOSTS" in error.data["message"]
+    assert "API server and of every worker" in error.data["message"]

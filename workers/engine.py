@@ -46,6 +46,7 @@ from workers.processed_inputs import processed_prompt
 from workers.processors import load_processor
 from workers.prompt_layout import (
     LLAVA_MODEL_TYPES,
+    ContextLengthExceeded,
     DeclaredSize,
     ImageChangedError,
     ImageInput,
@@ -472,11 +473,17 @@ class Engine:
             # A continued answer: its earlier tokens are prompt here, computed in one prefill.
             input_ids = [*input_ids, *request.continued_token_ids]
         if not fits(self.kv_pool, len(input_ids), request.max_tokens):
-            needed = -(-(len(input_ids) + request.max_tokens) // self.block_size)
-            raise PromptError(
-                f"the prompt's {len(input_ids)} tokens plus max_tokens {request.max_tokens} need "
-                f"{needed} KV blocks of {self.block_size} tokens; this worker's pool holds "
-                f"{self.kv_pool.capacity_blocks} (KV_CAPACITY_BLOCKS)"
+            # The client hears the limit in tokens; the operator's log names the setting.
+            logger.info(
+                "request %s: %d prompt tokens + max_tokens %d exceed the KV pool of %d blocks "
+                "(KV_CAPACITY_BLOCKS)",
+                request.request_id,
+                len(input_ids),
+                request.max_tokens,
+                self.kv_pool.capacity_blocks,
+            )
+            raise ContextLengthExceeded(
+                self.kv_pool.capacity_blocks * self.block_size, len(input_ids), request.max_tokens
             )
         media = [MediaPlacement(routing_hash(p.source.identity), p.start, p.length) for p in placed]
         local_hashes = local_block_hashes(input_ids, self.block_size, media)
@@ -586,7 +593,7 @@ class Engine:
         returns how long it took (ms). A process's first forward pass pays allocations and lazy
         initialisation, which a user's first request paid before: on the demo model, one torch
         thread, a 100-word prompt's first token took 41-45 ms the first time and 29-32 ms after
-        (docs/ARCHITECTURE.md).
+        (docs/decisions/2026-12-02-engine-warm-up.md).
 
         Leaves nothing behind: no block cached or announced to the router, and the counters the
         heartbeat reports as they were. The prefill rate above all: that slow step would have

@@ -47,11 +47,19 @@ DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 class ImageLoadError(Exception):
     """An image cannot be loaded; `status` is the HTTP status the API should answer with."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, *, image_index: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.image_index = image_index
+
+    def for_image(self, index: int | None) -> ImageLoadError:
+        """The same error naming the image (its 0-based place among the request's images), as
+        the frontend's MediaError.for_image does: a refusal reads alike whichever side fetched."""
+        if index is None or self.image_index is not None:
+            return self
+        return ImageLoadError(self.status, f"image {index}: {self.message}", self.code, image_index=index)
 
 
 @dataclass(frozen=True)

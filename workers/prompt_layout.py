@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from routing.contract.tasks import IMAGE_CHANGED
+from routing.contract.tasks import CONTEXT_LENGTH_EXCEEDED, IMAGE_CHANGED, context_length_message
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,17 @@ class PromptError(ValueError):
     code = "invalid_prompt"
 
 
+class ContextLengthExceeded(PromptError):
+    """A prompt and completion this worker's KV pool can never hold: OpenAI's code and words,
+    in tokens, as the frontend answers it when it sees the limit first."""
+
+    code = CONTEXT_LENGTH_EXCEEDED
+    param = "messages"
+
+    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int) -> None:
+        super().__init__(context_length_message(limit, prompt_tokens, max_tokens))
+
+
 class ImageChangedError(PromptError):
     """A picture whose size at its origin is no longer the one its request was routed with: the
     request was sound when sent, the picture changed since (409; sent again, it is read afresh)."""
@@ -42,6 +53,7 @@ class ImageChangedError(PromptError):
 class ImageInput:
     identity: str  # 32-hex identity from the frontend
     url: str | None = None
+    index: int | None = None  # place among the request's images, named in a refusal ("image 0: ...")
     data: bytes | None = None  # encoded bytes handed over when frontend decoding is on
     # The size the frontend read from the image's header. With it, the prompt is laid out before
     # any image is loaded, and an image inside the cached prefix is never fetched at all.

@@ -115,6 +115,7 @@ class WorkerRuntime:
                     else self.image_loader.flush_shared(scope_key, dry_run=dry_run)
                 )
                 report["shared_images"] = "off" if flushed is None else flushed
+            self.report_engine_gauges()  # the embedding cache's size, at once
         except Exception as exc:
             logger.exception("flush on worker %s failed", self.name)
             writer.emit(ErrorEvent(status=500, code="flush_failed", message=f"{type(exc).__name__}: {exc}"))
@@ -226,7 +227,14 @@ class WorkerRuntime:
             elif isinstance(status, int) and 400 <= status < 500:
                 # The request itself was bad (an image the origin refused, say): the client's error.
                 writer.emit(
-                    ErrorEvent(status=status, code=getattr(exc, "code", "invalid_request"), message=str(exc))
+                    ErrorEvent(
+                        status=status,
+                        code=getattr(exc, "code", "invalid_request"),
+                        message=str(exc),
+                        param=getattr(exc, "param", None),
+                        # which of the request's images, so the frontend can name its message part
+                        image_index=getattr(exc, "image_index", None),
+                    )
                 )
                 logger.info("request %s refused: %s", request_id, exc)
             else:
@@ -276,6 +284,9 @@ class WorkerRuntime:
         telemetry.set_gauge("engine_waiting_requests", report.waiting, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_used", report.kv_blocks_used, labels=labels)
         telemetry.set_gauge("engine_kv_blocks_free", report.kv_blocks_free, labels=labels)
+        cache = getattr(self.engine, "embedding_cache", None)
+        if cache is not None:  # what the dashboard's E/PD table shows for this worker's embeddings
+            telemetry.set_gauge("embedding_cache_entries", len(cache), labels=labels)
 
     def serve_encode(self, payload: dict[str, Any]) -> None:
         if self.features is not None:
@@ -317,11 +328,19 @@ class EngineImageLoader(ImageLoader):
         return "off" if self._shared is None else self._shared.config.redacted_url
 
     def load_for_engine(self, image: Any, scope_key: str | None) -> Image.Image:
-        if image.data is not None:
-            return self.load_bytes(image.identity, image.data, scope_key=scope_key).image
-        if image.url is None:
-            raise ImageLoadError(400, f"image {image.identity} has neither bytes nor a URL", "invalid_image")
-        return self.load(image.url, image.identity, scope_key=scope_key).image
+        """The decoded image; a refusal names the image as the frontend's would ("image 0: ...")."""
+        try:
+            if image.data is not None:
+                return self.load_bytes(image.identity, image.data, scope_key=scope_key).image
+            if image.url is None:
+                raise ImageLoadError(
+                    400, f"image {image.identity} has neither bytes nor a URL", "invalid_image"
+                )
+            return self.load(image.url, image.identity, scope_key=scope_key).image
+        except (MediaError, ImageLoadError) as exc:
+            if image.index is None:
+                raise
+            raise exc.for_image(image.index) from None
 
 
 def build_image_loader(worker: str, stats: CacheStats | None, model_path: Any = None) -> EngineImageLoader:
@@ -381,7 +400,8 @@ def _image_inputs(image_input_class, images: Sequence[ImageRef], media: MediaSto
     refs = [MediaRef(image.media_ref, image.media_bytes) for image in images if image.media_ref]
     blobs = iter(media.get_many(refs))
     return [
-        _image_input(image_input_class, image, next(blobs) if image.media_ref else None) for image in images
+        _image_input(image_input_class, image, index, next(blobs) if image.media_ref else None)
+        for index, image in enumerate(images)
     ]
 
 
@@ -411,13 +431,15 @@ def _video_inputs(video_input_class, videos: Sequence[VideoRef], media: MediaSto
     ]
 
 
-def _image_input(image_input_class, image: ImageRef, stored: bytes | None = None):
-    """An ImageInput from the task's image: bytes from the side store, or base64 in the task."""
+def _image_input(image_input_class, image: ImageRef, index: int, stored: bytes | None = None):
+    """An ImageInput from the task's image (the task's images are the request's, in order):
+    bytes from the side store, or base64 in the task."""
     if stored is None and image.data_b64:
         stored = base64.b64decode(image.data_b64)
     return image_input_class(
         identity=image.identity,
         url=image.url,
+        index=index,
         data=stored,
         width=image.width,
         height=image.height,

@@ -32,8 +32,14 @@ def quantile(q: float, metric: str, by: str = "") -> str:
 
 # (title, unit, [(expr, legend)], width)
 PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
-    ("KV prefix hit rate per worker (prompt tokens)", "percentunit", [(hit_rate("kv"), "{{worker}}")], 12),
-    ("Embedding cache hit rate per worker", "percentunit", [(hit_rate("embedding"), "{{worker}}")], 12),
+    ("Prefix hit rate (KV) per worker (prompt tokens)", "percentunit", [(hit_rate("kv"), "{{worker}}")], 12),
+    # Consulted only for images the prefix cache did not cover: 0 lookups is no fault.
+    (
+        "Embedding cache hit rate per worker (of prefix misses)",
+        "percentunit",
+        [(hit_rate("embedding"), "{{worker}}")],
+        12,
+    ),
     ("Local image cache hit rate per worker", "percentunit", [(hit_rate("local_image"), "{{worker}}")], 12),
     ("Shared image cache hit rate per worker", "percentunit", [(hit_rate("shared_image"), "{{worker}}")], 12),
     (
@@ -74,9 +80,25 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
         12,
     ),
     (
-        "Errors by status",
+        "Responses other than 200: server (5xx), client (4xx), rate limited (429)",
         "reqps",
-        [(f'sum by (status) (rate(mmr_requests_total{{status!="200"}}[{RATE}]))', "{{status}}")],
+        [
+            (f'sum(rate(mmr_requests_total{{status=~"5.."}}[{RATE}]))', "5xx server"),
+            (f'sum(rate(mmr_requests_total{{status=~"4..",status!="429"}}[{RATE}]))', "4xx client"),
+            (f'sum(rate(mmr_requests_total{{status="429"}}[{RATE}]))', "429 rate limited"),
+        ],
+        12,
+    ),
+    (
+        "Refused at the API's edge, by route (401 key, 403 operator only, 413 too large, 415 not JSON)",
+        "reqps",
+        [
+            (
+                "sum by (handler, status)"
+                f' (rate(mmr_http_requests_total{{status=~"401|403|413|415"}}[{RATE}]))',
+                "{{handler}} {{status}}",
+            )
+        ],
         12,
     ),
     (

@@ -28,12 +28,27 @@ _MISSING = (
 )
 
 
+_NOT_BEARER = (
+    "The Authorization header must be 'Bearer <key>' (e.g. 'Authorization: Bearer sk-...'); "
+    "this one does not start with 'Bearer'."
+)
+
+
 def _presented_key(request: HttpRequest) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, credentials = header.partition(" ")
     if scheme.lower() != "bearer" or not credentials.strip():
         return None
     return credentials.strip()
+
+
+def _missing_key_error(request: HttpRequest) -> ApiError:
+    """No key found: a header that holds one without its scheme (`Authorization: sk-...`, a
+    common slip) is told what the header must look like, not that no key came."""
+    header = request.headers.get("Authorization", "").strip()
+    if header and header.partition(" ")[0].lower() != "bearer":
+        return ApiError(401, _NOT_BEARER, code="missing_api_key")  # no key in the form asked for
+    return ApiError(401, _MISSING, code="missing_api_key")
 
 
 def _metrics_token_matches(presented: str | None) -> bool:
@@ -51,7 +66,7 @@ def identify(request: HttpRequest, *, operator: bool = False, metrics_token: boo
     if presented is None:
         if not settings.API_AUTH_REQUIRED:
             return ANONYMOUS
-        raise ApiError(401, _MISSING, code="missing_api_key")
+        raise _missing_key_error(request)
     try:
         caller = authenticate(presented)
     except KeyRefused as refused:

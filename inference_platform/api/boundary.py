@@ -26,6 +26,7 @@ from django.http import HttpRequest, HttpResponse
 
 from inference_platform.api.chat_request import parse_json_body
 from inference_platform.api.errors import ApiError, error_response
+from inference_platform.serving.clock import record_http_response, route_of
 
 logger = logging.getLogger("inference_platform.api")
 
@@ -59,7 +60,7 @@ class RequestBodyLimit:
             return
         declared = _declared_length(scope)
         if declared is not None and declared > self.limit:
-            await self._refuse(send)
+            await self._refuse(send, scope["path"])
             return
         chunks: list[bytes] = []
         received = 0
@@ -69,7 +70,7 @@ class RequestBodyLimit:
                 return  # the client left before sending its body: nobody to answer
             received += len(message.get("body", b""))
             if received > self.limit:
-                await self._refuse(send)
+                await self._refuse(send, scope["path"])
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -85,7 +86,8 @@ class RequestBodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, send, path: str) -> None:
+        record_http_response(route_of(path), 413)  # refused before Django sees it: counted here
         error = body_too_large(self.limit)
         logger.info("request refused with 413: body over %d bytes", self.limit)
         body = json.dumps(error.body()).encode()

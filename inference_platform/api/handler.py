@@ -22,6 +22,8 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest, HttpResponse
 from django.middleware.security import SecurityMiddleware
 
+from inference_platform.serving.clock import handler_of, record_http_response
+
 
 class ApiSecurityMiddleware(SecurityMiddleware):
     """Django's SecurityMiddleware (HTTPS redirect, HSTS, nosniff, referrer and opener policies)
@@ -32,6 +34,8 @@ class ApiSecurityMiddleware(SecurityMiddleware):
         response = self.process_request(request)
         if response is None:
             response = await self.get_response(request)
+        # Every answer of the API, refusals included (a wrong key is otherwise seen nowhere).
+        record_http_response(handler_of(request), response.status_code)
         return self.process_response(request, response)
 
     def process_response(self, request: HttpRequest, response: HttpResponse) -> HttpResponse:

@@ -9,6 +9,9 @@ settings, so the document always says what this server accepts.
 
 from __future__ import annotations
 
+import base64
+import functools
+import io
 import re
 from typing import Any
 
@@ -17,17 +20,28 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
+from PIL import Image
 
 from inference_platform.api.boundary import only_get
 from inference_platform.api.chat_request import (
+    DEFAULT_MAX_TOKENS,
     MAX_CACHE_SALT_LENGTH,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_SEED,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
+    MAX_USER_LENGTH,
+    MEDIA_URL_PATTERN,
+    ROLES,
 )
 from inference_platform.serving.prepare import served_model
 
 _JSON = "application/json"
+
+
+def default_max_tokens(max_tokens_limit: int) -> int:
+    """What a request that names no `max_tokens` gets (as `parse_chat_request` fills it in)."""
+    return min(DEFAULT_MAX_TOKENS, max_tokens_limit)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -41,23 +55,72 @@ def _error_response(description: str, headers: dict[str, Any] | None = None) -> 
     return response
 
 
+_RATE_LIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{kind}": {
+        "description": f"{meaning.format(unit=unit)} Sent only when the tenant has that limit.",
+        "schema": {"type": "string" if what == "reset" else "integer"},
+    }
+    for kind, unit in (("requests", "requests"), ("tokens", "prompt tokens"))
+    for what, meaning in (
+        ("limit", "The tenant's {unit} per minute."),
+        ("remaining", "The {unit} left of the tenant's per-minute budget."),
+        ("reset", "How long until the tenant's {unit} budget is full again (e.g. `1s`, `6m0s`)."),
+    )
+}
+
 _ERRORS = {
     "400": _error_response(
-        "The request is invalid; `error.param` names the field (also `unsupported_parameter`)."
+        "The request is invalid; `error.param` names the field. Codes: `invalid_value`, "
+        "`missing_required_parameter`, `unsupported_parameter`, `unsupported_content`, `invalid_json`, "
+        "`invalid_messages`, `invalid_session_scope`, `context_length_exceeded` (the prompt and "
+        "`max_tokens` together exceed the model's maximum context, both counts in the message), and "
+        "for an image or video `invalid_url`, `unknown_host`, `invalid_data_url`, `image_undecodable`, "
+        "`origin_error`, `origin_timeout` (its origin failed), `video_undecodable`, `video_truncated`."
     ),
-    "401": _error_response("Missing, wrong, revoked or expired API key."),
-    "403": _error_response("An image URL the platform refuses to fetch (an internal address, say)."),
-    "404": _error_response("Unknown model."),
-    "413": _error_response("The body is over the size limit."),
-    "415": _error_response("The body is not application/json."),
-    "422": _error_response("An image the model cannot take (size)."),
+    "401": _error_response(
+        "Missing, wrong, revoked or expired API key (`missing_api_key`, `invalid_api_key`); the header "
+        "must be `Authorization: Bearer <key>`."
+    ),
+    "403": _error_response(
+        "`address_refused`: an image or video URL at an internal address (loopback, private, link-local, "
+        "metadata); an operator allows such hosts with `MEDIA_ALLOWED_HOSTS`, on the API server and every "
+        "worker."
+    ),
+    "404": _error_response("`model_not_found`: the model is not served; `not_found`: no such endpoint."),
+    "409": _error_response(
+        "`image_changed`: a picture changed at its origin while the request was routed; send it again."
+    ),
+    "413": _error_response(
+        "`request_too_large` (the body is over `API_MAX_BODY_MB`), `image_too_large` (over "
+        "`DYN_MM_MAX_FILE_SIZE_MB`), `video_too_long`, `video_too_large`, `video_frame_too_large`."
+    ),
+    "415": _error_response("`unsupported_media_type`: the body is not application/json."),
+    "422": _error_response(
+        "`image_size_refused`, `image_refused`, `decompression_bomb`: an image the model cannot take "
+        "(its size); `video_decode_timeout`."
+    ),
     "429": _error_response(
-        "Over one of the tenant's limits (requests or prompt tokens per minute, concurrent requests).",
+        "`rate_limit_exceeded`: over one of the tenant's limits (requests or prompt tokens per minute, "
+        "concurrent requests); `request_too_large`: the prompt alone is over the tenant's tokens per "
+        "minute.",
+        {
+            "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}},
+            **{
+                name: spec
+                for name, spec in _RATE_LIMIT_HEADERS.items()
+                if name.startswith("x-ratelimit-remaining") or name.startswith("x-ratelimit-reset")
+            },
+        },
+    ),
+    "502": _error_response(
+        "`worker_error`, `worker_vanished`: the worker failed or stopped while answering."
+    ),
+    "503": _error_response(
+        "`no_live_worker`, `all_workers_busy` (with `Retry-After`), `model_unavailable`, "
+        "`state_unavailable`, `broker_unavailable`: the platform cannot take the request now.",
         {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}},
     ),
-    "502": _error_response("The worker failed or stopped while answering."),
-    "503": _error_response("No live worker, or the platform's shared state is unavailable."),
-    "504": _error_response("The worker did not answer in time."),
+    "504": _error_response("`worker_timeout`: the worker did not answer in time."),
 }
 
 _ROUTING_HEADERS = {
@@ -68,6 +131,12 @@ _ROUTING_HEADERS = {
         "own cache partition.",
         "schema": {"type": "string", "pattern": r"^\d+/\d+$"},
     },
+    "X-Encoder-Calls": {
+        "description": "Non-streamed answers: how often the worker ran its vision encoder for the request "
+        "(0: every image and video came from its cached prefix or its embedding cache).",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    **_RATE_LIMIT_HEADERS,
 }
 
 
@@ -78,25 +147,28 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
         "required": ["type", "text"],
         "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
     }
-    image_part = {
-        "type": "object",
-        "required": ["type", "image_url"],
-        "properties": {
-            "type": {"type": "string", "enum": ["image_url"]},
-            "image_url": {
-                "type": "object",
-                "required": ["url"],
-                "properties": {
-                    "url": {
-                        "type": "string",
-                        "minLength": 1,
-                        "description": "An http(s) URL or a data:image/...;base64 URL.",
-                    },
-                    "detail": {"type": "string", "enum": ["auto", "low", "high"]},
-                },
-            },
-        },
+    image_url = {
+        "type": "string",
+        "pattern": MEDIA_URL_PATTERN,
+        "description": "An http(s) URL or a data:image/...;base64 URL.",
     }
+    image_part = _media_part(
+        "image_url",
+        {
+            "url": image_url,
+            "detail": {"type": "string", "enum": ["auto", "low", "high", None], "nullable": True},
+        },
+    )
+    video_part = _media_part(
+        "video_url",
+        {"url": {**image_url, "description": "An http(s) URL or a data:video/...;base64 URL."}},
+    )
+    video_part["description"] = (
+        "A video (as vLLM and Dynamo take it; not part of OpenAI's API), decoded and sampled by the API "
+        "server as the model's video processor samples it; limits `VIDEO_MAX_DURATION_SECS`, "
+        "`VIDEO_MAX_FRAMES`, `VIDEO_MAX_PIXELS_PER_FRAME`, `VIDEO_MAX_TOTAL_PIXELS`, "
+        "`VIDEO_DECODE_DEADLINE_SECS`."
+    )
     token_logprob = {
         "type": "object",
         "required": ["token", "logprob", "bytes", "top_logprobs"],
@@ -132,7 +204,7 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
         "required": ["content"],
         "properties": {"content": {"type": "array", "items": _ref("TokenLogprob"), "nullable": True}},
     }
-    return {
+    schemas = {
         "Error": {
             "type": "object",
             "required": ["error"],
@@ -169,15 +241,19 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
         },
         "TextPart": text_part,
         "ImagePart": image_part,
+        "VideoPart": video_part,
         "Message": {
             "type": "object",
             "required": ["role", "content"],
             "properties": {
-                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                "role": {"type": "string", "enum": sorted(ROLES)},
                 "content": {
                     "oneOf": [
                         {"type": "string"},
-                        {"type": "array", "items": {"oneOf": [_ref("TextPart"), _ref("ImagePart")]}},
+                        {
+                            "type": "array",
+                            "items": {"oneOf": [_ref("TextPart"), _ref("ImagePart"), _ref("VideoPart")]},
+                        },
                     ]
                 },
                 "name": {"type": "string"},
@@ -189,11 +265,25 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
             "properties": {
                 "model": {"type": "string", "enum": [model_name], "description": "The served model's id."},
                 "messages": {"type": "array", "minItems": 1, "items": _ref("Message")},
-                "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit},
-                "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit},
+                "max_tokens": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": max_tokens_limit,
+                    "default": default_max_tokens(max_tokens_limit),
+                    "description": f"Tokens to generate at most; {default_max_tokens(max_tokens_limit)} when "
+                    f"omitted, at most `MAX_TOKENS_LIMIT` ({max_tokens_limit}). The prompt and this "
+                    "together must fit the model's context (`context_length_exceeded` otherwise).",
+                },
+                "max_completion_tokens": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": max_tokens_limit,
+                    "default": default_max_tokens(max_tokens_limit),
+                    "description": "The same as `max_tokens` (OpenAI's newer name); wins when both are sent.",
+                },
                 "temperature": {"type": "number", "minimum": 0, "maximum": 2},
                 "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
-                "seed": {"type": "integer", "minimum": 0},
+                "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED},
                 "stop": {
                     "oneOf": [
                         {"type": "string", "minLength": 1},
@@ -229,6 +319,16 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                     "type": "object",
                     "required": ["type"],
                     "properties": {"type": {"type": "string", "enum": ["text"]}},
+                },
+                "modalities": {
+                    "type": "array",
+                    "items": {"type": "string", "enum": ["text"]},
+                    "description": "Only text output.",
+                },
+                "user": {
+                    "type": "string",
+                    "maxLength": MAX_USER_LENGTH,
+                    "description": "The end user's id, as OpenAI takes it (accepted, not used).",
                 },
                 "cache_salt": {
                     "type": "string",
@@ -354,6 +454,50 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                 "id": {"type": "string"},
             },
         },
+        "RouteDescription": {
+            "type": "object",
+            "required": ["model", "prompt_tokens", "block_size", "block_hashes", "candidates"],
+            "properties": {
+                "model": {"type": "string"},
+                "family": nullable_string,
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "block_size": {"type": "integer", "minimum": 1},
+                "total_blocks": {"type": "integer", "minimum": 0},
+                "block_hashes": {"type": "array", "items": {"type": "integer"}},
+                "images": {"type": "array", "items": {"type": "object"}},
+                "videos": {"type": "array", "items": {"type": "object"}},
+                "choice": {
+                    "type": "object",
+                    "nullable": True,
+                    "description": "The worker the router would choose now (null: every worker is busy).",
+                    "properties": {
+                        "worker": {"type": "string"},
+                        "overlap": {"type": "integer"},
+                        "best_overlap": {"type": "integer"},
+                        "reason": {"type": "string"},
+                    },
+                },
+                "candidates": {
+                    "type": "array",
+                    "description": "Every worker of the model: eligible or why not, and for eligible "
+                    "ones its overlap (cached leading blocks), prefill and decode blocks and cost.",
+                    "items": {
+                        "type": "object",
+                        "required": ["worker", "eligible"],
+                        "properties": {
+                            "worker": {"type": "string"},
+                            "eligible": {"type": "boolean"},
+                            "ineligible_because": nullable_string,
+                            "busy": {"type": "boolean"},
+                            "overlap": {"type": "integer"},
+                            "prefill_blocks": {"type": "number"},
+                            "decode_blocks": {"type": "number"},
+                            "cost": {"type": "number"},
+                        },
+                    },
+                },
+            },
+        },
         "Health": {
             "type": "object",
             "required": ["status"],
@@ -366,10 +510,47 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                 "status": {"type": "string", "enum": ["ready", "unavailable"]},
                 "redis": {"type": "string"},
                 "live_workers": {"type": "integer", "minimum": 0},
+                "accepting_workers": {"type": "integer", "minimum": 0},
                 "reason": {"type": "string"},
             },
         },
     }
+    request = schemas["ChatCompletionRequest"]
+    for name, spec in request["properties"].items():
+        if name not in request["required"]:
+            _nullable(spec)
+    _nullable(schemas["Message"]["properties"]["name"])
+    _nullable(request["properties"]["stream_options"]["properties"]["include_usage"])
+    return schemas
+
+
+def _media_part(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """A content part holding a media URL: `{"type": kind, kind: {"url": ...}}`, or the URL
+    alone in place of the object (a shorthand some clients send, which the parser takes)."""
+    return {
+        "type": "object",
+        "required": ["type", kind],
+        "properties": {
+            "type": {"type": "string", "enum": [kind]},
+            kind: {
+                "oneOf": [
+                    {"type": "object", "required": ["url"], "properties": fields},
+                    fields["url"],
+                ]
+            },
+        },
+    }
+
+
+def _nullable(spec: dict[str, Any]) -> None:
+    """An optional field the parser also takes as null, meaning its default (as OpenAI's own
+    document has them); OpenAPI 3.0: a nullable enum lists null among its values."""
+    if "oneOf" in spec:  # null matches one branch only, as `oneOf` needs
+        _nullable(spec["oneOf"][0])
+        return
+    spec["nullable"] = True
+    if "enum" in spec:
+        spec["enum"] = [*spec["enum"], None]
 
 
 def openapi_document(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
@@ -436,6 +617,49 @@ def openapi_document(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/route": {
+                "post": {
+                    "operationId": "route",
+                    "summary": "Operators: what the router sees of a chat request (its token view, block "
+                    "hashes, images, and each worker's overlap, load and cost), without sending it",
+                    "description": "Needs a staff key. Computed in the caller's own cache partition. "
+                    "`manage.py inspect_request FILE.json` prints the same from a file.",
+                    "requestBody": {
+                        "required": True,
+                        "content": {_JSON: {"schema": _ref("ChatCompletionRequest")}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "The request in the router's eyes",
+                            "headers": {"X-Request-Id": _ROUTING_HEADERS["X-Request-Id"]},
+                            "content": {_JSON: {"schema": _ref("RouteDescription")}},
+                        },
+                        "403": _error_response("`operator_only`: the key is not a staff key."),
+                        **{code: _ERRORS[code] for code in ("400", "401", "404", "413", "415", "422")},
+                        **{code: _ERRORS[code] for code in ("502", "503", "504")},
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Operators: Prometheus metrics of every frontend and worker "
+                    "(OpenMetrics with `Accept: application/openmetrics-text`)",
+                    "description": "Needs a staff key, or `Authorization: Bearer <METRICS_TOKEN>`. The "
+                    "metrics are listed in README.md.",
+                    "responses": {
+                        "200": {
+                            "description": "The metrics",
+                            "content": {
+                                "text/plain": {"schema": {"type": "string"}},
+                                "application/openmetrics-text": {"schema": {"type": "string"}},
+                            },
+                        },
+                        **unauthorized,
+                        "403": _error_response("`operator_only`: neither a staff key nor the metrics token."),
+                    },
+                }
+            },
             "/health": {
                 "get": {
                     "operationId": "health",
@@ -478,6 +702,51 @@ def openapi_json(request: HttpRequest) -> HttpResponse:
     return JsonResponse(current_document(), json_dumps_params={"indent": 1})
 
 
+@functools.lru_cache(maxsize=1)
+def example_image_data_url() -> str:
+    """A small picture inside the docs' example, so the example runs as pasted: no origin to
+    reach, and none the SSRF guard would refuse (a loopback one, say) or that could go away."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 40)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _limits() -> list[tuple[str, str]]:
+    """What bounds a request, with the setting that sets each (the docs page's "Limits")."""
+    max_tokens = settings.MAX_TOKENS_LIMIT
+    return [
+        (
+            "`max_tokens`",
+            f"{default_max_tokens(max_tokens)} when omitted; at most {max_tokens} (`MAX_TOKENS_LIMIT`).",
+        ),
+        (
+            "context",
+            "the prompt's tokens plus `max_tokens` must fit a worker's KV cache; a 400 "
+            "`context_length_exceeded` names the maximum and both counts.",
+        ),
+        ("request body", f"{settings.API_MAX_BODY_BYTES / 2**20:.1f} MiB (`API_MAX_BODY_MB`); a 413 beyond."),
+        (
+            "image",
+            f"{settings.DYN_MM_MAX_FILE_SIZE_MB:g} MiB (`DYN_MM_MAX_FILE_SIZE_MB`); internal addresses "
+            "refused unless in `MEDIA_ALLOWED_HOSTS`.",
+        ),
+        (
+            "video",
+            f"{settings.VIDEO_MAX_DURATION_SECS:g} s (`VIDEO_MAX_DURATION_SECS`), "
+            f"{settings.VIDEO_MAX_FRAMES} frames (`VIDEO_MAX_FRAMES`), "
+            f"{settings.VIDEO_MAX_PIXELS_PER_FRAME} pixels a frame "
+            "(`VIDEO_MAX_PIXELS_PER_FRAME`), decoded within "
+            f"{settings.VIDEO_DECODE_DEADLINE_SECS:g} s (`VIDEO_DECODE_DEADLINE_SECS`).",
+        ),
+        (
+            "tenant",
+            "requests and prompt tokens per minute and concurrent requests, as an operator sets them: a "
+            "429 with `Retry-After`; answers carry `x-ratelimit-*` headers where a tenant has per-minute "
+            "limits.",
+        ),
+    ]
+
+
 @only_get
 def docs(request: HttpRequest) -> HttpResponse:
     """A readable page of the same document, rendered here (no script or style from elsewhere)."""
@@ -513,6 +782,19 @@ def docs(request: HttpRequest) -> HttpResponse:
             "operations": operations,
             "fields": fields,
             "model": served_model().name,
+            # The example's base URL is this server as the reader reached it (Host is checked
+            # against ALLOWED_HOSTS before any view runs).
+            "base_url": request.build_absolute_uri("/").rstrip("/"),
+            "image_url": example_image_data_url(),
+            "headers": [
+                {"name": name, "description": inline_code(spec["description"])}
+                for name, spec in _ROUTING_HEADERS.items()
+            ],
+            "errors": [
+                {"status": status, "description": inline_code(response["description"])}
+                for status, response in _ERRORS.items()
+            ],
+            "limits": [(inline_code(what), inline_code(bound)) for what, bound in _limits()],
         },
     )
 

@@ -19,6 +19,7 @@ from inference_platform.api.auth import api_key_required
 from inference_platform.api.boundary import is_api_path, json_endpoint, new_request_id, only_get
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
+from inference_platform.serving.clock import counts_refused_chat_requests
 from inference_platform.serving.prepare import describe_route, served_model
 from inference_platform.serving.served import ServedRequest, as_api_error
 from routing.contract.tasks import DoneEvent, TokenEvent
@@ -66,6 +67,8 @@ def _headers(response: HttpResponse, served: ServedRequest) -> HttpResponse:
         response["X-Routed-Worker"] = served.worker
     if served.total_blocks:
         response["X-Routing-Overlap"] = f"{served.overlap_blocks}/{served.total_blocks}"
+    for name, value in served.rate_limit_headers.items():
+        response[name] = value
     return response
 
 
@@ -79,10 +82,13 @@ def _usage(done: DoneEvent) -> dict[str, Any]:
     }
 
 
+@counts_refused_chat_requests
 @api_key_required
 @json_endpoint
 async def chat_completions(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
     served = ServedRequest(request_id, request.caller)
+    # The request's own clock counts it from here; the decorator counts only the refusals before.
+    request.request_clock = served.clock
     try:
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         await served.open(chat, dict(request.headers))
@@ -241,12 +247,27 @@ async def _stream(
     yield b"data: [DONE]\n\n"
 
 
+# OpenAI endpoints a client may try first (a completions-era SDK, a RAG pipeline's embedder).
+_OPENAI_NOT_SERVED = {
+    "/v1/completions": "legacy text completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "the Responses API",
+}
+_SERVED = "POST /v1/chat/completions, GET /v1/models and GET /v1/models/{id} (see /v1/docs)"
+
+
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """API clients get OpenAI-style JSON for unknown paths; everyone else Django's page."""
     if is_api_path(request.path):
-        return error_response(
-            ApiError(404, f"No route for {request.method} {request.path}.", code="not_found")
-        )
+        what = _OPENAI_NOT_SERVED.get(request.path.rstrip("/"))
+        if what is not None:
+            message = (
+                f"{request.path} ({what}) is not served here: this server serves /v1/chat/completions "
+                f"(send the prompt as messages there). Its endpoints: {_SERVED}."
+            )
+        else:
+            message = f"No route for {request.method} {request.path}. This server's endpoints: {_SERVED}."
+        return error_response(ApiError(404, message, code="not_found"))
     from django.views.defaults import page_not_found
 
     return page_not_found(request, exception)

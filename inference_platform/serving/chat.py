@@ -14,12 +14,14 @@ class ImagePart:
     index: int  # position among the request's images, in prompt order
     url: str
     detail: str | None = None
+    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].image_url
 
 
 @dataclass
 class VideoPart:
     index: int  # position among the request's videos, in prompt order
     url: str
+    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].video_url
 
 
 @dataclass

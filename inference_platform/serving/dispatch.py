@@ -38,8 +38,8 @@ from routing.contract.tasks import (
 )
 from routing.fleet.registry import Heartbeat, heartbeat_key
 from routing.fleet.worker_rows import GENERATION_KEY, WorkerRow, current_generation, kept_rows
+from routing.kv.decision import RoutingDecision, WorkerReport
 from routing.kv.lease import RequestLease
-from routing.kv.router import RoutingDecision, WorkerReport
 from routing.models import Worker, worker_queue
 from routing.observe import telemetry
 from routing.state.redis_keys import async_client, redact_text, sync_client

@@ -94,7 +94,7 @@ async def plan_encoding(
     encoders = await eligible_encoders(model, view.block_size)
     if not encoders:
         return task, None
-    pool = frontend().encoder_pool()
+    pool = await asyncio.to_thread(frontend().encoder_pool)
     tags = _tags(task, indices, any(beat.session_scoped for beat in encoders.values()))
     choice = await asyncio.to_thread(pool.choose, encoders, tags)
     if choice is None:
@@ -169,7 +169,7 @@ async def describe_encoding(
     eligible = [state.name for state in encoders if state.ineligible_because is None]
     indices = _candidate_images(task, view, overlap_blocks) if llm_worker else []
     tags = _tags(task, indices, any(state.heartbeat.session_scoped for state in encoders))
-    pool = frontend().encoder_pool()
+    pool = await asyncio.to_thread(frontend().encoder_pool)
     scores = {s.worker: s for s in await asyncio.to_thread(pool.scores, [s.name for s in encoders], tags)}
     choice = None
     split: dict[str, Any] | None = None

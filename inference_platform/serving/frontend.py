@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 
+from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
 from routing.fleet.registry import WorkerRegistry
 from routing.fleet.worker_rows import kept_rows
@@ -118,13 +119,18 @@ class Frontend:
         )
 
     def usage(self) -> TenantUsage:
-        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX)
-        return self._get(
-            "usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
-        )
+        """The tenants' usage, kept under this deployment's statistics namespace. Synchronous
+        (the deployment id may need a database read the first time): call it in a thread."""
+        namespace = statistics_namespace()
+        key = (settings.REDIS_URL, namespace)
+        return self._get("usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), namespace))
 
     def encoder_pool(self) -> EncoderPool:
-        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX, settings.EPD_ENCODE_WAIT_SECS)
+        """The encode workers' pool; its counters under this deployment's statistics namespace.
+        Synchronous (the deployment id may need a database read the first time): call it in a
+        thread."""
+        namespace = statistics_namespace()
+        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX, settings.EPD_ENCODE_WAIT_SECS, namespace)
         return self._get(
             "encoder_pool",
             key,
@@ -132,6 +138,7 @@ class Frontend:
                 sync_client(settings.REDIS_URL),
                 settings.REDIS_KEY_PREFIX,
                 pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS,
+                statistics_namespace=namespace,
             ),
         )
 

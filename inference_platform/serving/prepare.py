@@ -12,13 +12,13 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
 
-from inference_platform.serving.chat import ChatRequest
+from inference_platform.serving.chat import ChatRequest, ImagePart, VideoPart
 from inference_platform.serving.dispatch import (
     lease_ttl_s,
     worker_report,
@@ -27,10 +27,16 @@ from inference_platform.serving.dispatch import (
 from inference_platform.serving.encoding import describe_encoding
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
-from routing.contract.tasks import GenerateTask, ImageRef, VideoRef
+from routing.contract.tasks import (
+    CONTEXT_LENGTH_EXCEEDED,
+    GenerateTask,
+    ImageRef,
+    VideoRef,
+    context_length_message,
+)
 from routing.fleet.registry import Heartbeat
+from routing.kv.decision import AllWorkersBusy, RoutingDecision
 from routing.kv.lease import RequestLease
-from routing.kv.router import AllWorkersBusy, RoutingDecision
 from routing.kv.selection import Score
 from routing.media.images import (
     ImageSizes,
@@ -318,12 +324,7 @@ def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> 
     except MediaError as exc:
         # An origin that fails or times out is still a problem with the request's image: a 4xx
         # naming it, never a 5xx that would blame the platform.
-        raise ApiError(
-            400 if exc.status >= 500 else exc.status,
-            exc.message,
-            code=exc.code,
-            param="messages",
-        ) from exc
+        raise media_refused(exc, chat.images) from exc
     if use_processor:
         if not frontend_decoding:  # the identity stays the URL's, as on the default path
             images = [
@@ -374,9 +375,15 @@ def _resolve_videos(model: ModelView, chat: ChatRequest) -> list[SampledVideo]:
             [part.url for part in chat.videos], media_policy(), model.video_layout, video_limits()
         )
     except MediaError as exc:
-        raise ApiError(
-            400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param="messages"
-        ) from exc
+        raise media_refused(exc, chat.videos) from exc
+
+
+def media_refused(exc: MediaError, parts: Sequence[ImagePart | VideoPart]) -> ApiError:
+    """A refused image or video as the API answers it: a 4xx (an origin that fails is still the
+    request's problem), its `param` the message part that names it when the error says which."""
+    index = exc.image_index
+    param = parts[index].param if index is not None and 0 <= index < len(parts) else "messages"
+    return ApiError(400 if exc.status >= 500 else exc.status, exc.message, code=exc.code, param=param)
 
 
 def _video_facts(model: ModelView, video: SampledVideo) -> VideoFacts:
@@ -447,6 +454,30 @@ def reserve_worker(
         .router()
         .decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
     )
+
+
+def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int) -> ApiError:
+    """OpenAI's answer to a prompt too long, in the worker's own words (routing.contract.tasks)."""
+    return ApiError(
+        400,
+        context_length_message(limit, prompt_tokens, max_tokens),
+        code=CONTEXT_LENGTH_EXCEEDED,
+        param="messages",
+    )
+
+
+def check_context_length(
+    prompt_tokens: int, max_tokens: int, workers: Mapping[str, Heartbeat], block_size: int
+) -> None:
+    """Refuse here a request no eligible worker could ever run: its prompt and completion must fit
+    one worker's KV pool (what each worker announces), as the worker itself would check after a
+    trip through the queue. Workers that announce no capacity are left to refuse it themselves."""
+    capacities = [beat.kv_capacity_blocks for beat in workers.values() if beat.kv_capacity_blocks > 0]
+    if not capacities or len(capacities) < len(workers):
+        return
+    limit = max(capacities) * block_size
+    if prompt_tokens + max_tokens > limit:
+        raise context_length_exceeded(limit, prompt_tokens, max_tokens)
 
 
 def all_busy(model: str, request_id: str, busy: AllWorkersBusy) -> ApiError:
@@ -526,7 +557,14 @@ async def describe_route(
     prepared = await asyncio.to_thread(
         prepare, chat, caller.cache_salt(chat.cache_salt), sizes=frontend().image_sizes(), scope_key=scope_key
     )
-    description = prepared.describe()
+    return prepared.describe() | await describe_workers(prepared, scope_key)
+
+
+async def describe_workers(prepared: PreparedRequest, scope_key: str | None) -> dict[str, Any]:
+    """The workers' side of `/v1/route` (and `inspect_request`): the choice the router would make
+    now, the E/PD plan, and every worker of the model with its overlap, load terms and cost, as
+    the router computes them (nothing reserved)."""
+    description: dict[str, Any] = {}
     states = await worker_states(prepared.model.name, prepared.view.block_size)
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
     scores: dict[str, Score] = {}

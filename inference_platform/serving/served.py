@@ -32,6 +32,7 @@ from typing import Any
 import redis
 from django.conf import settings
 
+from inference_platform.fleet_status import no_worker_error
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.dispatch import (
@@ -50,6 +51,7 @@ from inference_platform.serving.frontend import frontend
 from inference_platform.serving.prepare import (
     PreparedRequest,
     all_busy,
+    check_context_length,
     image_size_scope,
     prepare,
     reserve_worker,
@@ -57,14 +59,15 @@ from inference_platform.serving.prepare import (
 )
 from routing.contract.responses import cancel_key, live_key
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, GenerateTask, TokenEvent
+from routing.fleet.registry import Heartbeat
+from routing.kv.decision import AllWorkersBusy
 from routing.kv.lease import RESERVED, RequestLease
-from routing.kv.router import AllWorkersBusy
 from routing.media.store import MediaRef, MediaStoreError
 from routing.observe import telemetry
 from routing.prompt.processor_view import tensors_by_reference
 from routing.state.redis_keys import sync_client
 from tenants.keys import ANONYMOUS, Caller
-from tenants.limits import LimitExceeded
+from tenants.limits import LimitExceeded, exceeded_headers
 
 logger = logging.getLogger("inference_platform.serving")
 
@@ -98,6 +101,9 @@ class ServedRequest:
         self.tried: list[str] = []  # workers that had the request, in order
         self.media: list[MediaRef] = []  # every blob stored for it, freed with the lease
         self._admitted = False
+        # OpenAI's `x-ratelimit-*` headers of the caller's tenant (none without per-minute
+        # limits): on the answer, and on any refusal after admission.
+        self.rate_limit_headers: dict[str, str] = {}
         self._replanned = False
         self._worker_ended = False  # the worker answered DONE or ERROR: nothing to cancel there
         # What reached the client already, for a migration after the first token to continue from.
@@ -138,20 +144,25 @@ class ServedRequest:
                 prepare, chat, salt, sizes=frontend().image_sizes(), scope_key=self.scope_key
             )
             self.prepared = prepared
-            await self._charge(prepared.view.prompt_tokens)
-            # A router queue would wait here: the request is prepared and charged, not decided.
+            model, view = prepared.model, prepared.view
             try:
-                await self._decide_and_send(prepared, self.request_id)
+                workers = await eligible_workers(model.name, view.block_size)
+                if not workers:
+                    raise NoWorker
+                # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
+                check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
+                await self._charge(view.prompt_tokens)
+                # A router queue would wait here: the request is prepared and charged, not decided.
+                await self._decide_and_send(prepared, self.request_id, workers=workers)
             except NoWorker:
-                raise ApiError(
-                    503,
-                    f"No live worker serves '{prepared.model.name}' right now (request {self.request_id}).",
-                    code="no_live_worker",
-                ) from None
+                # Why none, naming the workers, with Retry-After (drained, disabled, down).
+                raise await no_worker_error(model.name, view.block_size, self.request_id) from None
         except asyncio.CancelledError:
             await self.close(CLIENT_CLOSED)
             raise
         except Exception as exc:
+            if isinstance(exc, ApiError):  # the request was counted: its refusal says what is left
+                exc.headers = self.rate_limit_headers | exc.headers
             error = await self.fail(exc)
             if error is exc:
                 raise
@@ -160,12 +171,13 @@ class ServedRequest:
         return self
 
     async def _admit(self) -> None:
-        """Count the request against its tenant's limits (requests per minute, concurrency), or 429."""
+        """Count the request against its tenant's limits (requests per minute, concurrency), or 429;
+        keeps the `x-ratelimit-*-requests` headers (none without a requests-per-minute limit)."""
         caller = self.caller
         if caller.tenant_id is None:
             return
         try:
-            await asyncio.to_thread(
+            budget = await asyncio.to_thread(
                 frontend().limiter().admit,
                 caller.tenant_id,
                 self.request_id,
@@ -175,13 +187,17 @@ class ServedRequest:
         except LimitExceeded as exceeded:
             raise await self._over_limit(exceeded) from None
         self._admitted = True
+        if budget is not None:
+            self.rate_limit_headers.update(budget.headers())
 
     async def _charge(self, prompt_tokens: int) -> None:
+        """Take the prompt's tokens from its tenant's per-minute budget, or 429; keeps the
+        `x-ratelimit-*-tokens` headers (none without a prompt-tokens-per-minute limit)."""
         caller = self.caller
         if caller.tenant_id is None:
             return
         try:
-            await asyncio.to_thread(
+            budget = await asyncio.to_thread(
                 frontend().limiter().charge_prompt_tokens,
                 caller.tenant_id,
                 prompt_tokens,
@@ -189,24 +205,34 @@ class ServedRequest:
             )
         except LimitExceeded as exceeded:
             raise await self._over_limit(exceeded) from None
+        if budget is not None:
+            self.rate_limit_headers.update(budget.headers())
 
     async def _over_limit(self, exceeded: LimitExceeded) -> ApiError:
         caller = self.caller
         logger.info("request %s of %s refused: over %s", self.request_id, caller.label, exceeded.limit)
-        await asyncio.to_thread(frontend().usage().refused, caller.tenant_id)  # type: ignore[arg-type]
+        await asyncio.to_thread(_count_refusal, caller.usage_id)  # type: ignore[arg-type]
         retry_after = exceeded.retry_after_s
+        headers = exceeded_headers(exceeded)
+        if retry_after is not None:
+            headers["Retry-After"] = str(retry_after)
         return ApiError(
             429,
             exceeded.describe(),
             code="rate_limit_exceeded" if retry_after is not None else "request_too_large",
             param=exceeded.limit,
-            headers={"Retry-After": str(retry_after)} if retry_after is not None else {},
+            headers=headers,
         )
 
     # -- decide and send: the one routine of the first send, a migration and a replan ---------
 
     async def _decide_and_send(
-        self, prepared: PreparedRequest, task_id: str, *, resend: GenerateTask | None = None
+        self,
+        prepared: PreparedRequest,
+        task_id: str,
+        *,
+        resend: GenerateTask | None = None,
+        workers: Mapping[str, Heartbeat] | None = None,
     ) -> None:
         """Choose among the eligible workers not tried yet, reserve there, and send `task_id`.
 
@@ -214,10 +240,12 @@ class ServedRequest:
         (`RequestLease.reassign`: the old worker's reservation goes, the lease lives on), so a
         send that fails leaves one lease to release, by `close`. `resend` is a task already
         built (a migration: its media are stored, its encoder chosen); else the task is built
-        from `prepared`, its media stored.
+        from `prepared`, its media stored. `workers`: the eligible workers, when just looked up.
         """
         view = prepared.view
-        workers = await eligible_workers(prepared.model.name, view.block_size)
+        if workers is None:
+            workers = await eligible_workers(prepared.model.name, view.block_size)
+        workers = dict(workers)
         for tried in self.tried:
             workers.pop(tried, None)
         if not workers:
@@ -334,7 +362,12 @@ class ServedRequest:
         message = error.message or "The worker failed."
         if status >= 500:
             message = f"{message} (request {self.request_id}, worker {self.worker})"
-        return ApiError(status, message, code=error.code or "worker_error", param=error.param)
+        param = error.param
+        # A worker knows only which image it refused; the message part is the client's own words.
+        images = self.chat.images if self.chat is not None else []
+        if param is None and error.image_index is not None and 0 <= error.image_index < len(images):
+            param = images[error.image_index].param
+        return ApiError(status, message, code=error.code or "worker_error", param=param)
 
     # -- migration and replan ---------------------------------------------------------------
 
@@ -519,17 +552,26 @@ async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -
     try:
         await asyncio.to_thread(frontend().limiter().release, caller.tenant_id, request_id)
         if done is not None:
-            await asyncio.to_thread(
-                frontend().usage().record,
-                caller.tenant_id,
-                prompt=int(done.prompt_tokens),
-                cached=int(done.cached_tokens),
-                completion=int(done.completion_tokens),
-            )
+            await asyncio.to_thread(_count_usage, caller.usage_id, done)  # type: ignore[arg-type]
     except redis.RedisError:
         note_redis_failure()
         # The slot expires on its own; a lost usage increment must not fail an answered request.
         logger.warning("could not record the end of request %s for %s", request_id, caller.label)
+
+
+def _count_refusal(usage_id: str) -> None:
+    """In a thread: the usage's namespace may need a database read the first time."""
+    frontend().usage().refused(usage_id)
+
+
+def _count_usage(usage_id: str, done: DoneEvent) -> None:
+    """What an answered request used, under its tenant's usage id (in a thread, as above)."""
+    frontend().usage().record(
+        usage_id,
+        prompt=int(done.prompt_tokens),
+        cached=int(done.cached_tokens),
+        completion=int(done.completion_tokens),
+    )
 
 
 def _cancel_task(task_id: str) -> None:

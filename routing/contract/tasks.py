@@ -58,6 +58,20 @@ ERROR = "error"  # the request failed on the worker: status, code, message
 # may send the request again.
 IMAGE_CHANGED = "image_changed"
 
+# ErrorEvent.code of a prompt and completion a worker's KV pool can never hold, as OpenAI names it;
+# the frontend answers the same when the workers' announced pools already say so.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def context_length_message(limit: int, prompt_tokens: int, max_tokens: int) -> str:
+    """OpenAI's words for a prompt too long, in tokens (never the worker's KV settings): clients
+    match on the code, people read the numbers. One text for the frontend and the worker."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+
 
 class ContractError(ValueError):
     """A payload or event that does not follow the contract (missing or mistyped field)."""
@@ -366,6 +380,8 @@ class ErrorEvent:
     code: str = "worker_error"
     message: str = "The worker failed."
     param: str | None = None
+    # A refused image's place among the request's images: the frontend names its message part.
+    image_index: int | None = None
 
 
 StreamEvent = StartedEvent | TokenEvent | DoneEvent | ErrorEvent

@@ -9,7 +9,8 @@ Keys (this module owns them):
 - `<ns>enc:busy:<worker>`: images it has taken and not finished (loading, waiting for its tower,
   encoding);
 - `<ns>enc:done:<request>`: list of per-image results the LLM worker waits on (short TTL);
-- `<ns>enc:stats:<worker>`: hash of counters (see STAT_FIELDS);
+- `<ns>enc:stats:<worker>`: hash of counters (see STAT_FIELDS), under the deployment's statistics
+  namespace (routing.deployment) when the pool is given one, so another deployment's never add up;
 - `<ns>enc:local:<llm worker>`: sorted set of images the frontend left an LLM worker to encode
   itself (the split below), scored by when it is expected to have encoded them: its own encoding
   backlog, gone on its own once the time has passed.
@@ -211,10 +212,19 @@ def select_encoder(scores: Sequence[EncoderScore], rng: random.Random | None = N
 class EncoderPool:
     """The frontend's and the workers' view of the encode workers' shared state."""
 
-    def __init__(self, client: redis.Redis, namespace: str, *, pending_ttl_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str,
+        *,
+        pending_ttl_s: float = 120.0,
+        statistics_namespace: str | None = None,
+    ) -> None:
         self._client = client
         self._namespace = namespace
         self._pending_ttl_s = pending_ttl_s
+        # Counters (enc:stats) are statistics: kept apart per deployment; the rest is live state.
+        self._statistics = namespace if statistics_namespace is None else statistics_namespace
 
     # --- frontend -------------------------------------------------------------------------------
     def scores(self, workers: Iterable[str], tags: Sequence[str]) -> list[EncoderScore]:
@@ -227,7 +237,7 @@ class EncoderPool:
             if tags:
                 pipe.smismember(cached_key(self._namespace, worker), list(tags))
             pipe.zcount(pending_key(self._namespace, worker), now, "+inf")
-            pipe.hmget(stats_key(self._namespace, worker), ["encode_us", "cache_misses"])
+            pipe.hmget(stats_key(self._statistics, worker), ["encode_us", "cache_misses"])
         answers = iter(pipe.execute())
         cached: dict[str, int] = {}
         pending: dict[str, int] = {}
@@ -343,7 +353,7 @@ class EncoderPool:
         pipe = self._client.pipeline(transaction=False)
         for field, n in counts.items():
             if n:
-                pipe.hincrby(stats_key(self._namespace, worker), field, int(n))
+                pipe.hincrby(stats_key(self._statistics, worker), field, int(n))
         pipe.execute()
 
     def snapshot(self, workers: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -352,7 +362,7 @@ class EncoderPool:
         now = time.time()
         pipe = self._client.pipeline(transaction=False)
         for worker in workers:
-            pipe.hgetall(stats_key(self._namespace, worker))
+            pipe.hgetall(stats_key(self._statistics, worker))
             pipe.zcount(pending_key(self._namespace, worker), now, "+inf")
             pipe.get(busy_key(self._namespace, worker))
             pipe.scard(cached_key(self._namespace, worker))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from routing.contract.tasks import CONTRACT_VERSION
+from routing.state.lua import lua_text
 
 HEARTBEAT_FAMILY = "hb:"
 ROUND_ROBIN_KEY = "rr"
@@ -85,15 +86,8 @@ class NameInUse(RuntimeError):
         )
 
 
-# Deletes the heartbeat only if it is the given instance's: a process that shuts down after a
-# successor took its name must not deregister the successor.
-_REMOVE_OWN_LUA = """
-local raw = redis.call('GET', KEYS[1])
-if not raw then return 0 end
-local ok, beat = pcall(cjson.decode, raw)
-if ARGV[1] ~= '' and ok and type(beat) == 'table' and beat['instance'] ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
-"""
+# Deletes the heartbeat only if it is the given instance's (routing/fleet/lua/).
+_REMOVE_OWN_LUA = lua_text(__package__, "remove_own_heartbeat.lua")
 
 
 class WorkerRegistry:

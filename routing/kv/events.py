@@ -14,32 +14,18 @@ from typing import Any
 import redis
 
 from routing.contract.kv_events import KvEvent
-from routing.kv.index import INDEX_LUA_FUNCTIONS, KvIndex, LuaScript, pack_hashes
+from routing.kv.index import INDEX_LUA_FUNCTIONS, KvIndex, pack_hashes
+from routing.state.lua import LuaScript, lua_constants, lua_script
 
 EVENTS_STREAM = "kv:events"
 EVENT_IDS_KEY = "kv:event-ids"  # hash: worker -> last event id given to it
 STREAM_MAXLEN = 10_000
 
-_PUBLISH_LUA = (
-    INDEX_LUA_FUNCTIONS
-    + """
--- ARGV: ns, maxlen, then (kind, worker, packed hashes, event json) per event
-local ns = ARGV[1]
-local stream = ns .. 'kv:events'
-local ids_key = ns .. 'kv:event-ids'
-local maxlen = ARGV[2]
-local ids = {}
-for i = 3, #ARGV, 4 do
-  local kind, worker = ARGV[i], ARGV[i + 1]
-  local err = kv_apply(ns, kind, worker, ARGV[i + 2])
-  if err then return err end
-  local event_id = redis.call('HINCRBY', ids_key, worker, 1)
-  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*',
-    'worker', worker, 'event_id', event_id, 'event', ARGV[i + 3])
-  ids[#ids + 1] = event_id
-end
-return ids
-"""
+_PUBLISH_LUA = lua_script(
+    __package__,
+    "publish_events.lua",
+    INDEX_LUA_FUNCTIONS,
+    lua_constants(EVENTS_STREAM=EVENTS_STREAM, EVENT_IDS_KEY=EVENT_IDS_KEY),
 )
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from routing.kv.decision import RoutingDecision
     from routing.kv.load import LoadTracker
-    from routing.kv.router import RoutingDecision
 
 logger = logging.getLogger("routing.kv.lease")
 

@@ -30,15 +30,14 @@ from typing import Any, NamedTuple
 import redis
 
 from routing.contract.kv_events import check_worker_name
-from routing.kv.index import LuaScript, execute_pipeline
+from routing.state.lua import LuaScript, execute_pipeline, lua_constants, lua_script, lua_text
 
 REQUESTS_FAMILY = "load:req:"
 TOTALS_KEY = "load:totals"
 EXPIRY_KEY = "load:expiry"
-_TOTALS = struct.Struct(">qqqq")  # TOTALS_FORMAT in the Lua below
+_TOTALS = struct.Struct(">qqqq")  # TOTALS_FORMAT in lua/load_functions.lua
 
 DEFAULT_ENTRY_TTL_S = 300.0  # Dynamo sweeps stale load after five minutes
-_SWEEP_BATCH = 256  # expired entries released per snapshot; the rest go at the next one
 
 
 class WorkerLoad(NamedTuple):
@@ -63,131 +62,19 @@ def parse_totals(raw: bytes) -> Totals:
     return Totals(*_TOTALS.unpack(raw))
 
 
-_LOAD_LUA_FUNCTIONS = """
-local function server_time_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
--- A worker's field of load:totals: prefill tokens, blocks, requests, drained at (ms), as
--- Python's `_TOTALS`. Whatever reads or writes the field (the router's decision script too)
--- uses this format.
-local TOTALS_FORMAT = '>i8i8i8i8'
-
-local function totals_of(ns, worker)
-  local raw = redis.call('HGET', ns .. 'load:totals', worker)
-  if not raw then return 0, 0, 0, 0 end
-  local prefill, blocks, requests, drained_at = struct.unpack(TOTALS_FORMAT, raw)
-  return prefill, blocks, requests, drained_at
-end
-
--- Adds to a worker's sums; `drained_at` (nil: kept) replaces its drain estimate, which goes
--- when nothing reserved is left to drain. The field goes with the worker's last request.
-local function adjust(ns, worker, prefill, blocks, requests, drained_at)
-  local p, b, r, d = totals_of(ns, worker)
-  p, b, r = p + prefill, b + blocks, r + requests
-  if r <= 0 then
-    redis.call('HDEL', ns .. 'load:totals', worker)
-    return
-  end
-  if drained_at then d = drained_at end
-  if p <= 0 then d = 0 end
-  redis.call('HSET', ns .. 'load:totals', worker, struct.pack(TOTALS_FORMAT, p, b, r, d))
-end
-
-local function entry_of(ns, worker, request_id)
-  local raw = redis.call('HGET', ns .. 'load:req:' .. worker, request_id)
-  if not raw then return nil end
-  local space = string.find(raw, ' ', 1, true)
-  return tonumber(string.sub(raw, 1, space - 1)), tonumber(string.sub(raw, space + 1))
-end
-
-local function release(ns, worker, request_id)
-  redis.call('ZREM', ns .. 'load:expiry', worker .. '\\n' .. request_id)
-  local prefill, blocks = entry_of(ns, worker, request_id)
-  if not prefill then return 0 end
-  redis.call('HDEL', ns .. 'load:req:' .. worker, request_id)
-  if redis.call('EXISTS', ns .. 'load:req:' .. worker) == 0 then
-    -- The worker's last request: nothing is in flight there, whatever its sums say. A sum that
-    -- drifted (a process of an older layout freed an entry without it) heals here.
-    redis.call('HDEL', ns .. 'load:totals', worker)
-  else
-    adjust(ns, worker, -prefill, -blocks, -1)
-  end
-  return 1
-end
-"""
-
-_ADD_LUA = (
-    _LOAD_LUA_FUNCTIONS
-    + """
--- ARGV: ns, worker, request id, prefill tokens, blocks, ttl ms
-local ns, worker, request_id = ARGV[1], ARGV[2], ARGV[3]
-local prefill, blocks = tonumber(ARGV[4]), tonumber(ARGV[5])
-release(ns, worker, request_id)  -- a re-add replaces, never double counts
-redis.call('HSET', ns .. 'load:req:' .. worker, request_id, prefill .. ' ' .. blocks)
-adjust(ns, worker, prefill, blocks, 1)
-redis.call('ZADD', ns .. 'load:expiry', server_time_ms() + tonumber(ARGV[6]), worker .. '\\n' .. request_id)
-return 1
-"""
-)
-
-_PREFILL_DONE_LUA = (
-    _LOAD_LUA_FUNCTIONS
-    + """
--- ARGV: ns, worker, request id, ttl ms
-local ns, worker, request_id = ARGV[1], ARGV[2], ARGV[3]
-local prefill, blocks = entry_of(ns, worker, request_id)
-if not prefill then return 0 end
-if prefill > 0 then
-  redis.call('HSET', ns .. 'load:req:' .. worker, request_id, '0 ' .. blocks)
-  adjust(ns, worker, -prefill, 0, 0)
-end
--- Decoding has begun: the request is alive, so its expiry starts again.
-local member = worker .. '\\n' .. request_id
-redis.call('ZADD', ns .. 'load:expiry', 'XX', server_time_ms() + tonumber(ARGV[4]), member)
-return 1
-"""
-)
-
-_FREE_LUA = _LOAD_LUA_FUNCTIONS + "return release(ARGV[1], ARGV[2], ARGV[3])\n"
-
-_RENEW_LUA = (
-    _LOAD_LUA_FUNCTIONS
-    + """
--- ARGV: ns, worker, request id, ttl ms -> 1 if the entry is still tracked
-return redis.call('ZADD', ARGV[1] .. 'load:expiry', 'XX', 'CH', server_time_ms() + tonumber(ARGV[4]),
-  ARGV[2] .. '\\n' .. ARGV[3])
-"""
-)
-
-_FREE_WORKER_LUA = (
-    _LOAD_LUA_FUNCTIONS
-    + """
--- ARGV: ns, worker -> how many requests were freed
-local ids = redis.call('HKEYS', ARGV[1] .. 'load:req:' .. ARGV[2])
-for _, request_id in ipairs(ids) do release(ARGV[1], ARGV[2], request_id) end
-return #ids
-"""
-)
-
+# The tracker's Lua, in routing/kv/lua/: its functions, composed in front of each script.
+_LOAD_LUA_FUNCTIONS = lua_constants(
+    REQUESTS_FAMILY=REQUESTS_FAMILY, TOTALS_KEY=TOTALS_KEY, EXPIRY_KEY=EXPIRY_KEY
+) + lua_text(__package__, "load_functions.lua")
 # The sweep of expired entries, as a Lua function the router's decision script embeds too.
-SWEEP_LUA_FUNCTIONS = (
-    _LOAD_LUA_FUNCTIONS
-    + """
-local function load_sweep(ns)
-  local expired = redis.call('ZRANGEBYSCORE', ns .. 'load:expiry', '-inf', server_time_ms(),
-    'LIMIT', 0, {sweep_batch})
-  for _, member in ipairs(expired) do
-    local cut = string.find(member, '\\n', 1, true)
-    release(ns, string.sub(member, 1, cut - 1), string.sub(member, cut + 1))
-  end
-  return #expired
-end
-""".replace("{sweep_batch}", str(_SWEEP_BATCH))
-)
+SWEEP_LUA_FUNCTIONS = _LOAD_LUA_FUNCTIONS + lua_text(__package__, "sweep_functions.lua")
 
-_SWEEP_LUA = SWEEP_LUA_FUNCTIONS + "return load_sweep(ARGV[1])\n"
+_ADD_LUA = lua_script(__package__, "load_add.lua", _LOAD_LUA_FUNCTIONS)
+_PREFILL_DONE_LUA = lua_script(__package__, "load_prefill_done.lua", _LOAD_LUA_FUNCTIONS)
+_FREE_LUA = lua_script(__package__, "load_free.lua", _LOAD_LUA_FUNCTIONS)
+_RENEW_LUA = lua_script(__package__, "load_renew.lua", _LOAD_LUA_FUNCTIONS)
+_FREE_WORKER_LUA = lua_script(__package__, "load_free_worker.lua", _LOAD_LUA_FUNCTIONS)
+_SWEEP_LUA = lua_script(__package__, "load_sweep.lua", SWEEP_LUA_FUNCTIONS)
 
 
 class LoadTracker:

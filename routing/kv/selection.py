@@ -24,7 +24,7 @@ class RoutingPolicy:
     # 4: a decode block weighed a quarter of a prefill block. 8 since reserved prefill drains
     # (prefill_drain): what is left of a prompt is now measured, and a decode block weighed at a
     # quarter still sent requests behind a prompt rather than beside decodes (bench/workload.py,
-    # docs/ARCHITECTURE.md "Choosing a worker"). 32 since the shared system prompt of shape (d):
+    # docs/decisions/2026-12-01-prefill-load-scale-32.md). 32 since the shared system prompt of shape (d):
     # at 8 each request decoding beside it weighed its whole prompt, shared prefix included, as
     # 152 prompt tokens (76 blocks / 8), and kv queued prompts behind a prefill rather than
     # beside decodes that end within a few steps; at 32 such a decode weighs 38 prompt tokens,

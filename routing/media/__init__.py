@@ -2,5 +2,5 @@
 video decoding and sampling (`video`), and the side store that carries bytes to the worker
 (`store`).
 
-Imported by the frontend and the workers; imports `state`, `prompt` and `observe` only.
+Imported by the frontend and the workers; imports `state` and `prompt` only.
 """

@@ -63,6 +63,14 @@ _DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFE
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
+# What an operator does about a refused internal origin. Both sides fetch: the frontend reads
+# each image's header (or the whole image, with frontend decoding) and a worker fetches what the
+# frontend did not hand it, so a host allowed on one side only is refused by the other.
+ALLOW_HOST_HINT = (
+    "To serve images from it, an operator adds the host or its network to MEDIA_ALLOWED_HOSTS "
+    "(e.g. MEDIA_ALLOWED_HOSTS=127.0.0.1) in the environment of the API server and of every worker."
+)
+
 
 class MediaError(Exception):
     """An image the platform refuses or cannot get, with the HTTP status the API should answer."""
@@ -231,7 +239,9 @@ def _vetted_addresses(target: _Target, policy: MediaPolicy) -> list[tuple[int, t
         # let a host name be used to probe which internal addresses exist.
         if reason is not None and not allowlist.allows(target.host, address):
             raise MediaError(
-                403, "address_refused", f"image host {target.host} resolves to {address}, {reason}; refused"
+                403,
+                "address_refused",
+                f"image host {target.host} resolves to {address}, {reason}; refused. {ALLOW_HOST_HINT}",
             )
         vetted.append((family, sockaddr))
     if not vetted:

@@ -30,6 +30,8 @@ from typing import Any
 
 import redis
 
+from routing.state.lua import lua_text
+
 BLOB_FAMILY = "media:blob:"
 OWNER_FAMILY = "media:owner:"
 SIZES_KEY = "media:sizes"
@@ -39,51 +41,9 @@ DEFAULT_TTL_S = 600.0
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_TOTAL_BYTES = 2 * 1024 * 1024 * 1024
 
-# KEYS: blob, owner, sizes, total. ARGV: blob bytes, size, ttl ms, now ms, per-owner cap, total cap.
-# Returns [0, total] when stored, [1, owner bytes] over the per-owner cap, [2, total] over the total.
-_PUT = """
-local now = tonumber(ARGV[4])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
-if #expired > 0 then
-  local freed = 0
-  for _, member in ipairs(expired) do
-    freed = freed + tonumber(string.match(member, '|(%d+)$'))
-  end
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local left = redis.call('DECRBY', KEYS[4], freed)
-  if left < 0 then redis.call('SET', KEYS[4], 0) end
-end
-local size = tonumber(ARGV[2])
-local owner = tonumber(redis.call('GET', KEYS[2]) or '0')
-if owner + size > tonumber(ARGV[5]) then return {1, owner} end
-local total = tonumber(redis.call('GET', KEYS[4]) or '0')
-if total + size > tonumber(ARGV[6]) then return {2, total} end
-local ttl = tonumber(ARGV[3])
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
-redis.call('INCRBY', KEYS[2], size)
-redis.call('PEXPIRE', KEYS[2], ttl)
-redis.call('ZADD', KEYS[3], now + ttl, KEYS[1] .. '|' .. size)
-redis.call('INCRBY', KEYS[4], size)
-return {0, total + size}
-"""
-
-# KEYS: sizes, total, owner, then the blob keys. ARGV: each blob's `<key>|<bytes>` member, in order.
-# Frees what is still counted (a second release, or one after the sweep, frees nothing twice).
-_RELEASE = """
-local freed = 0
-for i, member in ipairs(ARGV) do
-  if redis.call('ZREM', KEYS[1], member) == 1 then
-    freed = freed + tonumber(string.match(member, '|(%d+)$'))
-  end
-  redis.call('DEL', KEYS[i + 3])
-end
-if freed > 0 then
-  local left = redis.call('DECRBY', KEYS[2], freed)
-  if left < 0 then redis.call('SET', KEYS[2], 0) end
-end
-redis.call('DEL', KEYS[3])
-return freed
-"""
+# Both scripts in routing/media/lua/.
+_PUT = lua_text(__package__, "store_put.lua")
+_RELEASE = lua_text(__package__, "store_release.lua")
 
 
 class MediaStoreError(Exception):

@@ -13,10 +13,11 @@ import redis
 
 from routing.fleet.encoders import EncoderPool, dashboard_section
 from routing.fleet.registry import Heartbeat, WorkerRegistry
-from routing.kv.index import KvIndex, execute_pipeline
+from routing.kv.index import KvIndex
 from routing.kv.load import IDLE, LoadTracker, WorkerLoad
 from routing.observe import telemetry
 from routing.observe.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
+from routing.state.lua import execute_pipeline
 
 DEFAULT_MINUTES = 30
 # The windows the dashboard offers (minutes); any 1..MAX_MINUTES is accepted.
@@ -72,16 +73,19 @@ class DashboardReader:
     counters.
 
     Build it once per Redis client and namespace (see `shared_reader`): the index and load
-    tracker load their Lua scripts when constructed.
+    tracker load their Lua scripts when constructed. Live state (heartbeats, index, load,
+    encoders) is read under `namespace`; counters (cache hits, telemetry) under
+    `statistics_namespace`, the deployment's own (routing.deployment; the same by default).
     """
 
-    def __init__(self, client: redis.Redis, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, statistics_namespace: str | None = None) -> None:
         self._client = client
         self._namespace = namespace
+        self._statistics = namespace if statistics_namespace is None else statistics_namespace
         self._registry = WorkerRegistry(client, namespace)
         self._index = KvIndex(client, namespace)
         self._load = LoadTracker(client, namespace)
-        self._encoders = EncoderPool(client, namespace)
+        self._encoders = EncoderPool(client, namespace, statistics_namespace=self._statistics)
 
     def snapshot(
         self, rows: Iterable[WorkerRow], *, minutes: int = DEFAULT_MINUTES, now: float | None = None
@@ -94,7 +98,7 @@ class DashboardReader:
             raise ValueError(f"minutes must be between 0 and {MAX_MINUTES}")
         now = time.time() if now is None else now
         rows_by_name = {row.name: row for row in rows}
-        reported = {_text(name) for name in self._client.smembers(workers_key(self._namespace))}
+        reported = {_text(name) for name in self._client.smembers(workers_key(self._statistics))}
         names = sorted(rows_by_name.keys() | reported)
         # Heartbeats of known names, not WorkerRegistry.all_alive: its SCAN walks the whole
         # keyspace (every KV block is a key) on each 2 s poll. A worker process registers its
@@ -143,24 +147,41 @@ class DashboardReader:
             # ... and the chosen window's figures, read from the per-minute buckets only.
             "window": self._window(minute_starts, window_caches) if minutes else None,
             # E/PD: encoder load and queue, embedding-cache hit rate, transfer bytes and time per image.
-            "encoders": dashboard_section(self._encoders, {w["name"]: w["role"] for w in workers}),
+            "encoders": self._encoder_section(workers, now),
         }
+
+    def _encoder_section(self, workers: Sequence[dict[str, Any]], now: float) -> dict[str, Any]:
+        """E/PD's section. An encode worker lists its embeddings for the router; a `both` or `llm`
+        worker's own embedding cache is known only from its gauge, so its row reads that (it
+        read 0, the empty router list, while the worker held some)."""
+        section = dashboard_section(self._encoders, {w["name"]: w["role"] for w in workers})
+        held = telemetry.read_gauges(self._client, self._statistics, now=now).get("embedding_cache_entries")
+        for entry in section["workers"]:
+            if entry["role"] != "encode":
+                own = held.values.get((entry["name"],)) if held is not None else None
+                entry["cached_entries"] = None if own is None else int(own)
+        return section
 
     def _window(self, minute_starts: Sequence[int], caches: dict[str, Counts]) -> dict[str, Any]:
         """The window's requests, tokens, errors, latencies and routing quality, per minute and summed."""
-        per_minute = telemetry.read_minutes(self._client, self._namespace, [m // 60 for m in minute_starts])
+        per_minute = telemetry.read_minutes(self._client, self._statistics, [m // 60 for m in minute_starts])
         summed = telemetry.merge(per_minute)
+        # Workers that answered requests, or whose engine reported its queue, in the window.
+        workers = sorted(
+            (
+                telemetry.label_values(summed, "requests", "worker")
+                | telemetry.label_values(summed, "engine_waiting_requests", "worker")
+            )
+            - {"none"}
+        )
         return {
             "minute_starts": list(minute_starts),
             "totals": _window_figures(summed, len(minute_starts)),
             "caches": {cache: _with_rate(cache, caches[cache]) for cache in CACHES},
             "per_minute": [_window_figures(parsed, 1) for parsed in per_minute],
             "statuses": sorted(_statuses(summed)),
-            "workers": sorted(_label_values(summed, "requests", "worker") - {"none"}),
-            "per_worker": {
-                worker: _worker_window(summed, per_minute, worker)
-                for worker in sorted(_label_values(summed, "requests", "worker") - {"none"})
-            },
+            "workers": workers,
+            "per_worker": {worker: _worker_window(summed, per_minute, worker) for worker in workers},
         }
 
     def _read_load_and_counters(
@@ -178,12 +199,12 @@ class DashboardReader:
         self._load.queue_totals(pipe)
         for name in names:
             for cache in CACHES:
-                pipe.hgetall(totals_key(self._namespace, name, cache))
+                pipe.hgetall(totals_key(self._statistics, name, cache))
         for name in names:
             for cache in CACHES:
                 for start in minute_starts:
-                    pipe.hgetall(series_key(self._namespace, name, cache, start // 60))
-        pipe.hgetall(telemetry.total_key(self._namespace))
+                    pipe.hgetall(series_key(self._statistics, name, cache, start // 60))
+        pipe.hgetall(telemetry.total_key(self._statistics))
         replies = iter(execute_pipeline(pipe, [self._load.sweep_script])[1:])
         loads = LoadTracker.loads(next(replies), names)
         totals = {name: {cache: _counts(next(replies)) for cache in CACHES} for name in names}
@@ -216,16 +237,19 @@ def routing_quality(metric_totals: telemetry.Parsed) -> dict[str, Any]:
     }
 
 
-_readers: dict[tuple[redis.Redis, str], DashboardReader] = {}
+_readers: dict[tuple[redis.Redis, str, str | None], DashboardReader] = {}
 _readers_lock = threading.Lock()
 
 
-def shared_reader(client: redis.Redis, namespace: str) -> DashboardReader:
-    """One reader per client and namespace for the process (web requests poll every 2 s)."""
+def shared_reader(
+    client: redis.Redis, namespace: str, statistics_namespace: str | None = None
+) -> DashboardReader:
+    """One reader per client and namespaces for the process (web requests poll every 5 s)."""
+    key = (client, namespace, statistics_namespace)
     with _readers_lock:
-        reader = _readers.get((client, namespace))
+        reader = _readers.get(key)
         if reader is None:
-            reader = _readers[(client, namespace)] = DashboardReader(client, namespace)
+            reader = _readers[key] = DashboardReader(client, namespace, statistics_namespace)
         return reader
 
 
@@ -275,10 +299,19 @@ def _worker_entry(
         "engine_max_running": beat.max_running if beat else 0,
         "kv_blocks_used": beat.kv_blocks_used if beat else 0,
         "kv_blocks_free": beat.kv_blocks_free if beat else 0,
+        # KV cache usage as vLLM and Dynamo users read "KV %": the pool's blocks held by running
+        # requests (cached but unreferenced blocks are free to take). Not the prefix hit rate.
+        "kv_usage": _pool_use(beat),
         "caches": {cache: _with_rate(cache, totals[cache]) for cache in CACHES},
         "window_caches": {cache: _with_rate(cache, _summed(series[cache])) for cache in CACHES},
         "series": {cache: [hit_rate(cache, counts) for counts in series[cache]] for cache in CACHES},
     }
+
+
+def _pool_use(beat: Heartbeat | None) -> float | None:
+    if beat is None or beat.kv_blocks_used + beat.kv_blocks_free <= 0:
+        return None
+    return beat.kv_blocks_used / (beat.kv_blocks_used + beat.kv_blocks_free)
 
 
 def configuration_check(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -309,26 +342,55 @@ def configuration_check(workers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+RATE_LIMITED = "429"
+
+
+def status_class(status: str) -> str:
+    """Whose doing a status is: "server" (5xx: ours to fix), "rate_limited" (429: a limit doing
+    its job), "client" (any other 4xx, 499 included: the caller's mistake or departure), "ok"."""
+    if status == RATE_LIMITED:
+        return "rate_limited"
+    if status.startswith("5"):
+        return "server"
+    if status.startswith("4"):
+        return "client"
+    return "ok"
+
+
 def _window_figures(parsed: telemetry.Parsed, minutes: int) -> dict[str, Any]:
     requests = telemetry.counter_sum(parsed, "requests")
     ok = telemetry.counter_sum(parsed, "requests", status="200")
+    by_status = {
+        status: int(telemetry.counter_sum(parsed, "requests", status=status))
+        for status in sorted(_statuses(parsed))
+    }
+    by_class = dict.fromkeys(("server", "client", "rate_limited"), 0)
+    for status, n in by_status.items():
+        if status_class(status) in by_class:
+            by_class[status_class(status)] += n
     prompt = telemetry.counter_sum(parsed, "prompt_tokens")
     cached = telemetry.counter_sum(parsed, "cached_prompt_tokens")
     completion = telemetry.counter_sum(parsed, "completion_tokens")
     seconds = 60 * minutes
     ttft = telemetry.histogram_merged(parsed, "ttft_seconds")
     duration = telemetry.histogram_merged(parsed, "request_duration_seconds")
+    inter_token = telemetry.histogram_merged(parsed, "inter_token_seconds")
     ttft_metric = telemetry.CATALOG["ttft_seconds"]
     duration_metric = telemetry.CATALOG["request_duration_seconds"]
+    inter_token_metric = telemetry.CATALOG["inter_token_seconds"]
     given_up = telemetry.counter_sum(parsed, "routing_overlap_given_up_blocks")
     best = telemetry.counter_sum(parsed, "routing_best_overlap_blocks")
     return {
         "requests": int(requests),
         "errors": int(requests - ok),
-        "by_status": {
-            status: int(telemetry.counter_sum(parsed, "requests", status=status))
-            for status in _statuses(parsed)
-        },
+        # Split by whose doing they are, each with its share of the requests (None: no request).
+        "server_errors": by_class["server"],
+        "client_errors": by_class["client"],
+        "rate_limited": by_class["rate_limited"],
+        "server_error_share": by_class["server"] / requests if requests else None,
+        "client_error_share": by_class["client"] / requests if requests else None,
+        "rate_limited_share": by_class["rate_limited"] / requests if requests else None,
+        "by_status": by_status,
         "prompt_tokens": int(prompt),
         "cached_prompt_tokens": int(cached),
         "completion_tokens": int(completion),
@@ -341,6 +403,13 @@ def _window_figures(parsed: telemetry.Parsed, minutes: int) -> dict[str, Any]:
             f"p{round(q * 100)}": telemetry.histogram_quantile(duration_metric, duration, q)
             for q in QUANTILES
         },
+        "inter_token": {
+            f"p{round(q * 100)}": telemetry.histogram_quantile(inter_token_metric, inter_token, q)
+            for q in QUANTILES
+        },
+        # Levels (mean of the per-second samples, summed over workers; None: none reported).
+        "engine_waiting": telemetry.gauge_mean(parsed, "engine_waiting_requests"),
+        "engine_running": telemetry.gauge_mean(parsed, "engine_running_requests"),
         # Recorded by the router once it computes it (None: nothing recorded in the window).
         "overlap_given_up_blocks": int(given_up) if best or given_up else None,
         "best_overlap_blocks": int(best) if best or given_up else None,
@@ -360,19 +429,28 @@ def _worker_window(
             )
             for p in per_minute
         ],
+        # Per minute, the mean of its engine's samples: requests waiting, and KV cache use as
+        # vLLM reports it (blocks held by requests over the pool; cached but evictable is free).
+        "engine_waiting": [
+            telemetry.gauge_mean(p, "engine_waiting_requests", worker=worker) for p in per_minute
+        ],
+        "engine_running": [
+            telemetry.gauge_mean(p, "engine_running_requests", worker=worker) for p in per_minute
+        ],
+        "kv_usage": [_kv_usage(p, worker) for p in per_minute],
     }
 
 
-def _label_values(parsed: telemetry.Parsed, name: str, label: str) -> set[str]:
-    series = parsed.get(name)
-    if series is None:
-        return set()
-    position = series.metric.labels.index(label)
-    return {labels[position] for labels in series.values}
+def _kv_usage(parsed: telemetry.Parsed, worker: str) -> float | None:
+    used = telemetry.gauge_mean(parsed, "engine_kv_blocks_used", worker=worker)
+    free = telemetry.gauge_mean(parsed, "engine_kv_blocks_free", worker=worker)
+    if used is None or free is None or used + free <= 0:
+        return None
+    return used / (used + free)
 
 
 def _statuses(parsed: telemetry.Parsed) -> set[str]:
-    return _label_values(parsed, "requests", "status")
+    return telemetry.label_values(parsed, "requests", "status")
 
 
 def _with_rate(cache: str, counts: Counts) -> dict[str, Any]:

@@ -66,6 +66,18 @@ REQUESTS = declare(
         ("status", "worker"),
     )
 )
+# Every answer of the API's edge, whatever refused it (a missing or wrong key, a wrong content
+# type, a body too large), which `requests` alone would not show for other endpoints: vLLM's
+# server exposes the same as `http_requests_total{handler,status}`. `handler` is the route's
+# pattern ("unmatched" for a path no route serves), so it stays a short list.
+HTTP_REQUESTS = declare(
+    Metric(
+        "http_requests",
+        "counter",
+        "HTTP responses of /v1/* and /metrics, by route pattern and HTTP status (401, 415 and 413 included).",
+        ("handler", "status"),
+    )
+)
 PROMPT_TOKENS = declare(
     Metric(
         "prompt_tokens", "counter", "Prompt tokens of answered requests, image tokens included.", ("worker",)
@@ -205,6 +217,15 @@ ENGINE_WAITING = declare(
 )
 ENGINE_KV_BLOCKS_USED = declare(
     Metric("engine_kv_blocks_used", "gauge", "KV blocks the worker's prefix cache holds now.", ("worker",))
+)
+EMBEDDING_CACHE_ENTRIES = declare(
+    Metric(
+        "embedding_cache_entries",
+        "gauge",
+        "Image embeddings the worker's own embedding cache holds (a `both` or `llm` worker's; an "
+        "encode worker's are mmr_encoder_cached_embeddings).",
+        ("worker",),
+    )
 )
 ENGINE_KV_BLOCKS_FREE = declare(
     Metric(

@@ -15,7 +15,14 @@ Keys (this module owns them):
 
 A field is `name \\x1f part \\x1f labels-json`: part is "" for a counter, and for a histogram
 "sum", "count" or "b<i>" (observations in bucket i, not cumulative; i = len(buckets) is +Inf).
+A gauge is also sampled into the minute's bucket at each flush, as parts "gsum" (its values
+added) and "gn" (samples taken), so the dashboard can chart a level over time (the mean per
+minute: queue depth, KV pool use) from the same pre-aggregated buckets.
 JSON escapes control characters, so the separator never appears inside a label value.
+
+The same buffer and flush carry other modules' counters to the tables they own (`CountTable`:
+routing.observe.cache_stats' per-worker cache counters), so a process has one buffer, one
+flusher thread and one pipeline a second, whatever it counts.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def total_key(namespace: str) -> str:
     return f"{namespace}m:total"
 
 
-def minute_key(namespace: str, minute: int) -> str:
+def minute_key(namespace: str, minute: int | str) -> str:
     return f"{namespace}m:min:{minute}"
 
 
@@ -59,6 +66,23 @@ def gauge_key(namespace: str, source: str) -> str:
 
 def sources_key(namespace: str) -> str:
     return f"{namespace}m:sources"
+
+
+@dataclass(frozen=True)
+class CountTable:
+    """Where a flush adds counts: a hash of running totals and a hash per minute since the epoch
+    (`<minute_prefix><minute>`, expiring `minute_ttl_s` after its last write). `member_of`, a set
+    key and a member, is added to the set at each flush, so readers can find the tables."""
+
+    totals: str
+    minute_prefix: str
+    minute_ttl_s: int
+    member_of: tuple[str, str] | None = None
+
+
+def metrics_table(namespace: str) -> CountTable:
+    """The counters' and histograms' own table: `m:total` and `m:min:<minute>`."""
+    return CountTable(total_key(namespace), minute_key(namespace, ""), MINUTE_TTL_SECS)
 
 
 def _metric(name: str, kind: str) -> Metric:
@@ -108,8 +132,11 @@ class MetricsRecorder:
         self._flush_interval = flush_interval
         self._clock = clock
         self._lock = threading.Lock()
-        # minute -> field -> amount; the minute is when it was recorded, not when flushed.
-        self._pending: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        # (table, minute) -> field -> amount; the minute is when it was recorded, not when
+        # flushed. Table None is the metrics' own, whose keys are known once attached.
+        self._pending: dict[tuple[CountTable | None, int], dict[str, float]] = defaultdict(
+            lambda: defaultdict(float)
+        )
         self._gauges: dict[str, float] = {}
         self._checked: dict[tuple[str, str, tuple], tuple[Metric, LabelKey]] = {}
         self._stop = threading.Event()
@@ -151,10 +178,14 @@ class MetricsRecorder:
             self._gauges[field_name(name, "", key)] = float(value)
             self._start_flusher()
 
-    def _add(self, amounts: Mapping[str, float]) -> None:
+    def add_counts(self, table: CountTable, amounts: Mapping[str, float]) -> None:
+        """Add to fields of another module's table at the next flush (its names, its checks)."""
+        self._add(amounts, table)
+
+    def _add(self, amounts: Mapping[str, float], table: CountTable | None = None) -> None:
         minute = int(self._clock() // 60)
         with self._lock:
-            pending = self._pending[minute]
+            pending = self._pending[(table, minute)]
             for name, amount in amounts.items():
                 pending[name] += amount
             self._start_flusher()
@@ -177,13 +208,27 @@ class MetricsRecorder:
         if not pending and not gauges:
             return
         pipe = client.pipeline(transaction=False)
-        for minute, amounts in pending.items():
-            bucket = minute_key(namespace, minute)
+        own = metrics_table(namespace)
+        members: set[tuple[str, str]] = set()
+        for (table, minute), amounts in pending.items():
+            table = table or own
+            bucket = f"{table.minute_prefix}{minute}"
             for name, amount in amounts.items():
-                _incr(pipe, total_key(namespace), name, amount)
+                _incr(pipe, table.totals, name, amount)
                 _incr(pipe, bucket, name, amount)
-            pipe.expire(bucket, MINUTE_TTL_SECS)
+            pipe.expire(bucket, table.minute_ttl_s)
+            if table.member_of is not None:
+                members.add(table.member_of)
+        for set_key, member in members:
+            pipe.sadd(set_key, member)
         if gauges:
+            # One sample of each gauge in this minute's bucket: the dashboard's level over time.
+            bucket = minute_key(namespace, int(self._clock() // 60))
+            for name, value in gauges.items():
+                gauge, _, labels = name.split(SEP, 2)
+                _incr(pipe, bucket, f"{gauge}{SEP}gsum{SEP}{labels}", value)
+                pipe.hincrby(bucket, f"{gauge}{SEP}gn{SEP}{labels}", 1)
+            pipe.expire(bucket, MINUTE_TTL_SECS)
             # Rewritten whole, so a gauge the process no longer sets goes with the next flush.
             key = gauge_key(namespace, source)
             pipe.delete(key)
@@ -195,9 +240,9 @@ class MetricsRecorder:
         except redis.RedisError as exc:
             logger.warning("metrics flush from %s failed: %s", source, type(exc).__name__)
             with self._lock:
-                for minute, amounts in pending.items():
+                for slot, amounts in pending.items():
                     for name, amount in amounts.items():
-                        self._pending[minute][name] += amount
+                        self._pending[slot][name] += amount
             raise
 
     def close(self) -> None:
@@ -261,6 +306,8 @@ class Series:
     values: dict[tuple[str, ...], float] = field(default_factory=dict)
     # histogram: labels -> (per-bucket counts, not cumulative; sum; count)
     histograms: dict[tuple[str, ...], tuple[list[float], float, float]] = field(default_factory=dict)
+    # gauge, in a minute's bucket: labels -> (values sampled, added; samples taken)
+    samples: dict[tuple[str, ...], tuple[float, float]] = field(default_factory=dict)
 
 
 Parsed = dict[str, Series]
@@ -283,6 +330,10 @@ def parse_fields(reply: Mapping[bytes | str, bytes | str]) -> Parsed:
             continue  # the metric's labels changed between versions
         value = float(raw_value)
         series = parsed.setdefault(name, Series(metric))
+        if metric.kind == "gauge" and part in ("gsum", "gn"):
+            total, taken = series.samples.get(labels, (0.0, 0.0))
+            series.samples[labels] = (total + value, taken) if part == "gsum" else (total, taken + value)
+            continue
         if metric.kind != "histogram":
             series.values[labels] = series.values.get(labels, 0.0) + value
             continue
@@ -304,6 +355,9 @@ def merge(many: Iterable[Parsed]) -> Parsed:
             into = merged.setdefault(name, Series(series.metric))
             for labels, value in series.values.items():
                 into.values[labels] = into.values.get(labels, 0.0) + value
+            for labels, (total, taken) in series.samples.items():
+                have_total, have_taken = into.samples.get(labels, (0.0, 0.0))
+                into.samples[labels] = (have_total + total, have_taken + taken)
             for labels, (buckets, total, count) in series.histograms.items():
                 have = into.histograms.get(labels)
                 if have is None:
@@ -356,6 +410,31 @@ def counter_sum(parsed: Parsed, name: str, **where: str) -> float:
         for labels, value in series.values.items()
         if all(labels[i] == wanted for i, wanted in positions.items())
     )
+
+
+def gauge_mean(parsed: Parsed, name: str, **where: str) -> float | None:
+    """A gauge's mean over a minute's samples, summed over the series whose labels match `where`
+    (e.g. the queue depth of every worker); None if no process sampled it then."""
+    series = parsed.get(name)
+    if series is None:
+        return None
+    positions = {series.metric.labels.index(label): value for label, value in where.items()}
+    means = [
+        total / taken
+        for labels, (total, taken) in series.samples.items()
+        if taken and all(labels[i] == wanted for i, wanted in positions.items())
+    ]
+    return sum(means) if means else None
+
+
+def label_values(parsed: Parsed, name: str, label: str) -> set[str]:
+    """The values a label takes in a metric's counters, histograms and gauge samples."""
+    series = parsed.get(name)
+    if series is None:
+        return set()
+    position = series.metric.labels.index(label)
+    labelled = [*series.values, *series.histograms, *series.samples]
+    return {labels[position] for labels in labelled}
 
 
 def histogram_quantile(metric: Metric, buckets: list[float], q: float) -> float | None:

@@ -4,6 +4,10 @@ request in a file.
 Block hashes fold in the cache partition, as the API's own do: the tenant's salt (`--tenant`, the
 tenant whose key would send the request) and the body's `cache_salt`. Without `--tenant` they are
 the shared pool's: what an unauthenticated demo or a tenant sharing its prefix cache routes on.
+
+Then every worker of the model, as `/v1/route` shows them: the choice the router would make now,
+and each worker's overlap, load terms (prefill and decode blocks) and cost, computed by the router
+itself with nothing reserved. Without Redis the workers are left out, and the command says so.
 """
 
 from __future__ import annotations
@@ -11,12 +15,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+import redis
+from asgiref.sync import async_to_sync
 from django.core.management.base import BaseCommand, CommandError
 
 from inference_platform.api.chat_request import parse_chat_request, parse_json_body
 from inference_platform.serving.errors import ApiError
-from inference_platform.serving.prepare import prepare, served_model
+from inference_platform.serving.prepare import describe_workers, prepare, served_model
+from routing.deployment import statistics_namespace
 
 
 class Command(BaseCommand):
@@ -61,6 +69,14 @@ class Command(BaseCommand):
         except ApiError as exc:
             raise CommandError(f"{exc.status} {exc.code}: {exc.message}") from exc
         description = prepared.describe()
+        # The deployment id is read (made, on a new database) here, on this thread's connection:
+        # describe_workers reads it from worker threads, which must not be the first to write.
+        statistics_namespace()
+        try:
+            description |= async_to_sync(describe_workers)(prepared, None)
+            workers_unavailable = None
+        except redis.RedisError as exc:  # the token view needs no Redis; the workers do
+            workers_unavailable = f"Redis did not answer ({exc})"
         if options["json"]:
             self.stdout.write(json.dumps(description))
             return
@@ -94,4 +110,39 @@ class Command(BaseCommand):
                 f"@ {video['fps']:g} fps: {video['frames_kept']} of {video['total_frames']} frames kept, "
                 f"{video['tokens']} tokens at {video['start']}, {video['blocks']} blocks "
                 f"({video['full_blocks']} wholly inside)"
+            )
+        self._write_workers(description, workers_unavailable)
+
+    def _write_workers(self, description: dict[str, Any], unavailable: str | None) -> None:
+        """The router's view of the workers: its choice, then one row per worker of the model."""
+        if unavailable is not None:
+            self.stdout.write(f"workers        unknown: {unavailable}")
+            return
+        candidates = description.get("candidates", [])
+        choice = description.get("choice")
+        total = description["total_blocks"]
+        if not candidates:
+            self.stdout.write("workers        none registered for this model")
+            return
+        if choice:
+            self.stdout.write(
+                f"choice         {choice['worker']}: {choice['overlap']}/{total} blocks cached "
+                f"(best of any worker {choice['best_overlap']}; {choice['reason']})"
+            )
+        elif "choice" in description:
+            self.stdout.write("choice         none: every eligible worker is busy")
+        else:
+            self.stdout.write("choice         none: no worker is eligible")
+        header = f"  {'worker':<14} {'overlap':>9} {'prefill blk':>12} {'decode blk':>11} {'cost':>10}"
+        self.stdout.write(header)
+        for worker in candidates:
+            name = worker["worker"]
+            if "cost" not in worker:
+                why = worker["ineligible_because"] or ("busy" if worker["busy"] else "not scored")
+                self.stdout.write(f"  {name:<14} not eligible: {why}")
+                continue
+            self.stdout.write(
+                f"  {name:<14} {worker['overlap']:>4}/{total:<4} {worker['prefill_blocks']:>12.2f} "
+                f"{worker['decode_blocks']:>11.2f} {worker['cost']:>10.2f}"
+                + ("  busy" if worker["busy"] else "")
             )

@@ -7,7 +7,9 @@
   const plots = {};
 
   const percent = (r) => (r === null || r === undefined ? "—" : (r * 100).toFixed(1) + "%");
-  const ms = (s) => (s === null || s === undefined ? "—" : Math.round(s * 1000) + " ms");
+  // As admin_dashboard.milliseconds: whole ms, one decimal under 10 ms.
+  const ms = (s) => (s === null || s === undefined ? "—" : s < 0.01 ? (s * 1000).toFixed(1) + " ms" : Math.round(s * 1000) + " ms");
+  const countAndShare = (n, share) => (!n || share === null || share === undefined ? String(n) : n + " (" + percent(share) + ")");
   const perSecond = (v) => (v === 0 ? "0" : v < 0.01 ? v.toPrecision(2) : v < 10 ? v.toFixed(2) : v.toFixed(0));
   const pct = (r) => (r === null || r === undefined ? null : r * 100);
   const msOrNull = (s) => (s === null || s === undefined ? null : s * 1000);
@@ -24,11 +26,15 @@
     const w = snapshot.window, t = w.totals;
     const values = {
       requests: String(t.requests),
-      errors: String(t.errors),
+      server_errors: countAndShare(t.server_errors, t.server_error_share),
+      client_errors: countAndShare(t.client_errors, t.client_error_share),
+      rate_limited: countAndShare(t.rate_limited, t.rate_limited_share),
       requests_per_s: perSecond(t.requests_per_s),
       tokens_per_s: perSecond(t.tokens_per_s),
       ttft_p50: ms(t.ttft.p50),
       ttft_p99: ms(t.ttft.p99),
+      latency_p50: ms(t.latency.p50),
+      inter_token_p50: ms(t.inter_token.p50),
       overlap_given_up: t.overlap_given_up_blocks === null ? "—"
         : t.overlap_given_up_blocks + " blocks" + (t.overlap_given_up_share === null ? "" : " (" + percent(t.overlap_given_up_share) + ")"),
     };
@@ -50,16 +56,28 @@
         return snapshot.workers.map((wk) => [wk.name, wk.series[cache].map(pct)]);
       }
       case "ttft":
-        return ["p50", "p90", "p99"].map((q) => [q, minutes.map((m) => msOrNull(m.ttft[q]))]);
+      case "latency":
+      case "inter_token":
+        return ["p50", "p90", "p99"].map((q) => [q, minutes.map((m) => msOrNull(m[key][q]))]);
       case "throughput":
         return [
-          ["requests/s", minutes.map((m) => m.requests_per_s)],
           ["tokens/s", minutes.map((m) => m.tokens_per_s)],
+          ["requests/s", minutes.map((m) => m.requests_per_s)],
           ["requests", minutes.map((m) => m.requests)],
         ];
+      case "queue":
+        return w.workers.map((name) => [name, w.per_worker[name].engine_waiting]);
+      case "kv_usage":
+        return w.workers.map((name) => [name, w.per_worker[name].kv_usage.map(pct)]);
       case "errors": {
+        // By whose doing (the chart), and each status (the data table).
         const statuses = w.statuses.filter((s) => s !== "200");
-        return statuses.map((s) => ["HTTP " + s, minutes.map((m) => m.by_status[s] || 0)]);
+        return [
+          ["5xx server", minutes.map((m) => m.server_errors)],
+          ["4xx client", minutes.map((m) => m.client_errors)],
+          ["429 rate limited", minutes.map((m) => m.rate_limited)],
+          ...statuses.map((s) => ["HTTP " + s, minutes.map((m) => m.by_status[s] || 0)]),
+        ];
       }
       case "overlap":
         return [
@@ -70,8 +88,15 @@
     return [];
   }
 
-  // Series shown in the data table only (counts behind a rate chart).
-  const TABLE_ONLY = {throughput: ["requests"]};
+  // Series shown in the data table only (counts behind a rate chart, each status behind its class).
+  const TABLE_ONLY = {throughput: ["requests"], errors: (label) => label.startsWith("HTTP ")};
+  // Series drawn against an axis of their own on the right (requests/s beside thousands of tokens/s).
+  const RIGHT_AXIS = {throughput: ["requests/s"]};
+  const ERROR_COLOURS = {"5xx server": "#d62728", "4xx client": "#7f7f7f", "429 rate limited": "#e8a10a"};
+  const hiddenIn = (key, label) => {
+    const hidden = TABLE_ONLY[key];
+    return typeof hidden === "function" ? hidden(label) : (hidden || []).includes(label);
+  };
 
   function timeLabel(unix, withDate) {
     const d = new Date(unix * 1000);
@@ -114,8 +139,9 @@
     const xs = snapshot.window.minute_starts;
     const all = chartSeries(key, snapshot);
     fillTable(figure.querySelector(".chart-data table"), key, xs, all);
-    const hidden = TABLE_ONLY[key] || [];
-    const shown = all.filter((s) => !hidden.includes(s[0]));
+    const shown = all.filter((s) => !hiddenIn(key, s[0]));
+    const right = RIGHT_AXIS[key] || [];
+    const hasRight = shown.some((s) => right.includes(s[0]));
     const holder = figure.querySelector(".plot");
     const width = Math.max(200, holder.clientWidth);
     const colours = themeColours();
@@ -130,20 +156,24 @@
     if (existing) existing.plot.destroy();
     const unit = figure.querySelector(".unit").textContent.replace(/[()]/g, "");
     const axis = {stroke: colours.fg, grid: {stroke: colours.grid, width: 1}, ticks: {stroke: colours.grid, width: 1}};
+    const tickValues = (u, ticks) => ticks.map((v) => (Math.abs(v) >= 1000 ? (v / 1000).toFixed(1) + "k" : String(+v.toFixed(2))));
+    const fromZero = {range: (u, lo, hi) => [0, Math.max(unit === "%" ? 0 : 1, hi * 1.1)]};
     const options = {
       width,
       height: 200,
       cursor: {drag: {x: false, y: false}},
-      scales: {x: {time: true}, y: unit === "%" ? {range: [0, 100]} : {range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)]}},
+      scales: {x: {time: true}, y: unit === "%" ? {range: [0, 100]} : fromZero, ...(hasRight ? {right: {range: (u, lo, hi) => [0, Math.max(0.1, hi * 1.1)]}} : {})},
       axes: [
         {...axis, space: 80},
-        {...axis, size: 56, label: unit, labelSize: 18, values: (u, ticks) => ticks.map((v) => (Math.abs(v) >= 1000 ? (v / 1000).toFixed(1) + "k" : String(+v.toFixed(2))))},
+        {...axis, size: 56, label: hasRight ? shown.filter((s) => !right.includes(s[0])).map((s) => s[0]).join(", ") : unit, labelSize: 18, values: tickValues},
+        ...(hasRight ? [{...axis, scale: "right", side: 1, size: 56, grid: {show: false}, label: right.join(", "), labelSize: 18, values: tickValues}] : []),
       ],
       series: [
         {value: (u, v) => (v === null ? "—" : timeLabel(v, config.minutes >= 24 * 60))},
         ...shown.map((s, i) => ({
           label: s[0],
-          stroke: PALETTE[i % PALETTE.length],
+          scale: right.includes(s[0]) ? "right" : "y",
+          stroke: ERROR_COLOURS[s[0]] || PALETTE[i % PALETTE.length],
           width: 2,
           spanGaps: false,
           points: {show: xs.length <= 90},
@@ -168,8 +198,19 @@
     const engine = document.createElement("div");
     engine.className = "quiet engine";
     engine.textContent = "batch " + w.engine_running + "/" + w.engine_max_running +
-      (w.engine_waiting ? " +" + w.engine_waiting : "") + ", KV " + w.kv_blocks_used + "/" + w.kv_blocks_free;
+      (w.engine_waiting ? " +" + w.engine_waiting : "");
     td.appendChild(engine);
+    return td;
+  }
+
+  function kvUseCell(w) {
+    // KV cache usage as vLLM reports it (pool held by running requests), not the prefix hit rate.
+    const td = cell(percent(w.kv_usage), "num kv-use");
+    if (w.kv_usage === null || w.kv_usage === undefined) return td;
+    const blocks = document.createElement("div");
+    blocks.className = "quiet";
+    blocks.textContent = w.kv_blocks_used + "/" + (w.kv_blocks_used + w.kv_blocks_free);
+    td.append(" ", blocks);
     return td;
   }
 
@@ -190,6 +231,7 @@
         name,
         cell(w.state, "state state-" + w.state),
         activeCell(w),
+        kvUseCell(w),
         cell(w.cached_blocks + (w.capacity_blocks ? " / " + w.capacity_blocks : ""), "num"),
       );
       for (const cache of CACHES) tr.append(cell(percent(w.window_caches[cache].hit_rate), "num"));
@@ -201,7 +243,7 @@
     });
     if (!rows.length) {
       const td = cell("No worker has registered, beaten or reported yet.");
-      td.colSpan = 10;
+      td.colSpan = 11;
       const tr = document.createElement("tr");
       tr.appendChild(td);
       rows.push(tr);
@@ -217,7 +259,7 @@
       tr.dataset.worker = e.name;
       const encodes = e.role === "encode";
       tr.append(cell(e.name), cell(e.role), cell(String(e.pending), "num"), cell(String(e.busy), "num"),
-        cell(String(e.cached_entries), "num"), cell(percent(e.embedding_cache_hit_rate), "num"),
+        cell(e.cached_entries === null || e.cached_entries === undefined ? "—" : String(e.cached_entries), "num"), cell(percent(e.embedding_cache_hit_rate), "num"),
         cell(fixed(e.encode_ms_per_image, 1), "num"),
         cell(fixed(encodes ? e.put_bytes_per_image : e.received_bytes_per_image, 0), "num"),
         cell(fixed(encodes ? e.put_ms_per_image : e.get_ms_per_image, 2), "num"),
@@ -248,7 +290,8 @@
     const values = numberValues(snapshot);
     for (const box of document.querySelectorAll("#numbers .number")) {
       box.querySelector(".value").textContent = values[box.dataset.figure];
-      if (box.dataset.figure === "errors") box.classList.toggle("bad", snapshot.window.totals.errors > 0);
+      if (box.dataset.figure === "server_errors") box.classList.toggle("bad", snapshot.window.totals.server_errors > 0);
+      if (box.dataset.figure === "rate_limited") box.classList.toggle("warn", snapshot.window.totals.rate_limited > 0);
     }
     for (const figure of document.querySelectorAll("#charts .chart")) drawChart(figure, snapshot);
     renderWorkers(snapshot);

@@ -10,6 +10,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from routing.deployment import statistics_namespace
 from routing.models import Worker
 from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import DEFAULT_MINUTES, MAX_MINUTES, DashboardReader, Snapshot
@@ -77,7 +78,9 @@ class Command(BaseCommand):
         if not 0 <= minutes <= MAX_MINUTES:
             raise CommandError(f"--minutes must be between 0 and {MAX_MINUTES}")
         try:
-            reader = DashboardReader(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+            reader = DashboardReader(
+                sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, statistics_namespace()
+            )
             snapshot = reader.snapshot(Worker.objects.all(), minutes=minutes)
         except redis.RedisError as exc:
             raise CommandError(
@@ -98,6 +101,7 @@ class Command(BaseCommand):
         else:
             self.stdout.write("No worker has registered, beaten or reported yet.")
         self.stdout.write("")
+        self.stdout.write("All time (since this deployment's statistics began, or were last reset):")
         rows = [["cache", "hit rate", "hits", "misses", "bypasses", "errors", "bytes"]]
         for cache in CACHES:
             totals = snapshot["caches"][cache]
@@ -128,14 +132,31 @@ class Command(BaseCommand):
         figures = window["totals"]
         self.stdout.write("")
         self.stdout.write(f"Last {snapshot['minutes']} minutes:")
+        # Sorted by status code (the snapshot's order), so two runs read alike.
         statuses = ", ".join(f"{status}: {n}" for status, n in figures["by_status"].items()) or "none"
         ttft = figures["ttft"]
+        failures = ", ".join(
+            f"{label} {figures[count]}" + ("" if figures[share] is None else f" ({percent(figures[share])})")
+            for label, count, share in (
+                ("5xx", "server_errors", "server_error_share"),
+                ("4xx", "client_errors", "client_error_share"),
+                ("429", "rate_limited", "rate_limited_share"),
+            )
+        )
         rows = [
             ["requests", f"{figures['requests']} ({statuses})"],
+            ["not 200", failures],
             ["prompt tokens", str(figures["prompt_tokens"])],
             ["cached tokens", f"{figures['cached_prompt_tokens']} ({percent(figures['kv_hit_rate'])})"],
             ["completion tokens", str(figures["completion_tokens"])],
             ["ttft p50/p90/p99", " / ".join(seconds(ttft[q]) for q in ("p50", "p90", "p99"))],
+            *(
+                [label, " / ".join(seconds(figures[key][q]) for q in ("p50", "p90", "p99"))]
+                for label, key in (
+                    ("e2e p50/p90/p99", "latency"),
+                    ("itl p50/p90/p99", "inter_token"),
+                )
+            ),
             *([f"{CACHE_HEADINGS[cache]} hits", f"{window['caches'][cache]['hits']}"] for cache in CACHES),
         ]
         given_up = figures["overlap_given_up_blocks"]

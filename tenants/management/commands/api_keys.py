@@ -1,7 +1,8 @@
 """`manage.py api_keys create|list|revoke`: API keys from the command line, as in the admin.
 
-`create` prints the new key once (the only time it exists in the clear) and creates the tenant
-if it is new; `list` shows prefixes only; `revoke` takes a key's prefix (or its masked form).
+`create` prints the new key once (the only time it exists in the clear); it creates a tenant
+only when asked (`--create-tenant`), so a misspelt name is refused instead of becoming a new
+tenant with no limits; `list` shows prefixes only; `revoke` takes a key's prefix (or its masked form).
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         actions = parser.add_subparsers(dest="action", required=True)
         create = actions.add_parser("create", help="Create a key and print it once.")
-        create.add_argument("--tenant", required=True, help="Tenant name (created if new).")
+        create.add_argument("--tenant", required=True, help="Tenant name (an existing tenant).")
+        create.add_argument(
+            "--create-tenant", action="store_true", help="Create the tenant if no tenant has that name."
+        )
         create.add_argument("--name", required=True, help="What the key is for.")
         create.add_argument("--staff", action="store_true", help="Operator key (/v1/route, /metrics).")
         create.add_argument(
-            "--share-cache", action="store_true", help="A new tenant opts into the shared pool."
+            "--share-cache", action="store_true", help="With --create-tenant: it opts into the shared pool."
         )
         expiry = create.add_mutually_exclusive_group()
         expiry.add_argument("--expires-in-days", type=float)
@@ -39,11 +43,7 @@ class Command(BaseCommand):
         getattr(self, f"_{options['action']}")(options)
 
     def _create(self, options) -> None:
-        tenant, created = Tenant.objects.get_or_create(
-            name=options["tenant"], defaults={"share_prefix_cache": options["share_cache"]}
-        )
-        if created:
-            self.stdout.write(f"Created tenant {tenant.name!r}.")
+        tenant = self._tenant(options)
         expires_at = None
         if options["expires_in_days"] is not None:
             expires_at = timezone.now() + timedelta(days=options["expires_in_days"])
@@ -63,6 +63,21 @@ class Command(BaseCommand):
             )
         )
         self.stdout.write(plaintext)
+
+    def _tenant(self, options) -> Tenant:
+        name = options["tenant"]
+        tenant = Tenant.objects.filter(name=name).first()
+        if tenant is not None:
+            return tenant
+        if not options["create_tenant"]:
+            known = list(Tenant.objects.values_list("name", flat=True))
+            raise CommandError(
+                f"No tenant is named {name!r}. Tenants: {', '.join(known) if known else 'none yet'}. "
+                "Add --create-tenant to create it (with no limits: set them in the admin)."
+            )
+        tenant = Tenant.objects.create(name=name, share_prefix_cache=options["share_cache"])
+        self.stdout.write(f"Created tenant {tenant.name!r} (no limits: set them in the admin).")
+        return tenant
 
     def _list(self, options) -> None:
         keys = ApiKey.objects.select_related("tenant")

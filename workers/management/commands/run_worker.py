@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from routing.contract.kv_events import KvEvent
 from routing.contract.tasks import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
+from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
 from routing.fleet.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
 from routing.kv.events import KvEventPublisher
@@ -120,8 +121,10 @@ class Command(BaseCommand):
 
             torch.set_num_threads(options["threads"])
 
-        stats = CacheStats(client, namespace, name)
-        metrics = telemetry.attach(client, namespace, name)
+        # Counters go under the deployment's statistics prefix (its database's id), live state not.
+        statistics = statistics_namespace()
+        metrics = telemetry.attach(client, statistics, name)
+        stats = CacheStats(client, statistics, name, recorder=metrics)  # flushed with the metrics
         image_loader = build_image_loader(name, stats, model_path)
         role: str = options["role"]
         index = KvIndex(client, namespace)
@@ -132,7 +135,9 @@ class Command(BaseCommand):
         )
         if publisher is None:
             index.purge_worker(name)  # no `cleared` will come: forget what a previous life held
-        encoders = EncoderPool(client, namespace, pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS)
+        encoders = EncoderPool(
+            client, namespace, pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS, statistics_namespace=statistics
+        )
         features = media_store_from_settings(client, namespace, settings)  # the media side store
         towers = TowerCounter(encoders, name)
         started = time.monotonic()

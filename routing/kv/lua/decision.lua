@@ -1,0 +1,293 @@
+-- KvRouter's decision (routing.kv.router), one round trip: after index_functions.lua,
+-- overlaps_functions.lua, the line that makes `kv_overlaps` the index's variant, load_functions.lua
+-- and sweep_functions.lua, so each key family is still read and written by the functions of the
+-- module that owns it (kv_predict, adjust, release, load_sweep ...).
+-- ARGV:  1 ns, 2 packed block hashes, 3 affinity key or '', 4 request id ('' = decide only),
+--  5 isl, 6 block size, 7 overlap credit, 8 prefill load scale, 9 temperature,
+-- 10 affinity cost slack, 11 affinity max overlap lead (blocks), 12 busy max requests (0 off),
+-- 13 busy kv fraction (0 off), 14 mode, 15 uniform random in [0, 1), 16 load entry ttl ms,
+-- 17 predicted ttl ms (0 off), 18 approximate ttl ms, 19 affinity ttl ms, 20 rr key,
+-- 21 what the busy check reads of the workers that report it ('' while both thresholds are
+-- off), four big-endian i32s each: index, kv capacity blocks, reported running + waiting (-1:
+-- none), reported kv blocks in use (-1: none). 22 the worker names, distinct, joined by
+-- newlines (which no name holds): one argument instead of one per worker saves the client more
+-- time than splitting it here costs the script. 23 load bound gap (requests; 0 off), 24 load
+-- bound ratio, 25 each worker's measured prefill rate in tokens/s, one big-endian double per
+-- worker in order, as the heartbeat said it (0: none; '' when nothing drains), 26 the
+-- approximate workers' indexes, one i32 each. 27 one byte per worker in order, '1' where its
+-- engine schedules prompts shortest first (the load bound's queue condition then charges a
+-- prompt only what it would wait for there), '0' where it computes them in arrival order.
+-- Binary strings: far cheaper to send than arguments per worker, and to build and read than
+-- text; and only what the policy reads is sent.
+local ns, packed = ARGV[1], ARGV[2]
+local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
+local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local slack, lead = tonumber(ARGV[10]), tonumber(ARGV[11])
+local max_requests, max_kv = tonumber(ARGV[12]), tonumber(ARGV[13])
+local mode, u = ARGV[14], tonumber(ARGV[15])
+local gap = mode == 'kv' and tonumber(ARGV[23]) or 0
+local ratio = tonumber(ARGV[24])
+-- Globals cost a table lookup each in Redis's Lua, and the per-worker passes below call these
+-- hundreds of times per decision: locals make the load reads about a third cheaper.
+local tonumber, max = tonumber, math.max
+-- Per-worker facts stay nil for the workers that have none (the common case): defaults at use.
+local n, names, position, prefill, decode, requests = 0, {}, {}, {}, {}, {}
+for name in string.gmatch(ARGV[22], '[^\n]+') do
+  n = n + 1
+  names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
+end
+local approximate, capacity, rep_requests, rep_kv, rate = {}, {}, {}, {}, {}
+local draining = false
+local reported = ARGV[21]
+for at = 1, #reported, 16 do
+  local j, cap, req, kv = struct.unpack('>i4i4i4i4', reported, at)
+  capacity[j], rep_requests[j], rep_kv[j] = cap, req, kv
+end
+-- The rates, a thousand per unpack (its results are bounded by Lua's C stack), in whole
+-- tokens/s up to an i32's worth; what is not a rate of one token/s or more (0 for none, NaN)
+-- drains nothing. Python sends them as they are: converting them there cost more per decision
+-- than the whole pass here.
+local rates = ARGV[25]
+local i32 = 2147483647
+for at = 1, #rates, 8000 do
+  local chunk = string.sub(rates, at, at + 7999)
+  local values = {struct.unpack('>' .. string.rep('d', #chunk / 8), chunk)}
+  local offset = (at - 1) / 8
+  for k = 1, #chunk / 8 do
+    local r = values[k]
+    if r >= 1 then rate[offset + k], draining = r < i32 and math.floor(r) or i32, true end
+  end
+end
+local approximate_at = ARGV[26]
+for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_at, at)] = true end
+
+load_sweep(ns)
+local overlaps = kv_overlaps(ns, packed, names, position)
+-- Each worker's running sums (routing.kv.load, `load:totals`), read whole: HMGET would scan the
+-- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
+local done_at = {}
+do
+  local flat = redis.call('HGETALL', ns .. TOTALS_KEY)
+  local unpack_totals = struct.unpack
+  for i = 1, #flat, 2 do
+    local j = position[flat[i]]
+    if j then
+      local p, b, r, d = unpack_totals(TOTALS_FORMAT, flat[i + 1])
+      prefill[j], decode[j], requests[j] = p, b, r
+      if d > 0 then done_at[j] = d end
+    end
+  end
+end
+-- Prefill drain: a worker works through the prompts reserved on it from the moment they arrive,
+-- at the rate its engine measures, so a prompt reserved 200 ms ago weighs less than one reserved
+-- just now. Each worker's totals hold when its reserved prefill should be done if it drains at
+-- that rate (Redis time, ms); what it estimates is left is never more than what is still
+-- reserved, and the estimate goes when the worker's reserved prefill reaches 0 (the load
+-- tracker's `adjust`). A worker with no rate or no estimate counts its reservations in full.
+-- Only the workers with an estimate drain: usually few, so the pass goes over them alone.
+local now = nil
+if draining and next(done_at) ~= nil then
+  now = server_time_ms()
+  for j, d in pairs(done_at) do
+    local p = prefill[j]
+    if rate[j] and p > 0 then
+      local left = math.ceil(max(d - now, 0) * rate[j] / 1000)
+      if left < p then prefill[j] = left end
+    end
+  end
+end
+local n_blocks = math.ceil(isl / bs)
+-- The prompt tokens worker j would compute for this request: what its overlap leaves.
+local function uncached(j) return max(isl - overlaps[j] * bs, 0) end
+
+-- Busy: the router's reservations and the engine's last report count the same requests, so
+-- they merge by max, never by sum (a report lags reservations in flight; reservations miss
+-- what Redis forgot or what expired). The candidates' costs in the same pass.
+local check_busy = max_requests > 0 or max_kv > 0
+local busy, candidates, cost = {}, {}, {}
+local best_overlap, lowest, highest = 0, nil, nil
+local cheapest, second = nil, nil  -- the cheapest candidate, and the next lowest cost
+for j = 1, n do
+  if check_busy and (
+    (max_requests > 0 and max(requests[j], rep_requests[j] or -1) >= max_requests)
+    or (max_kv > 0 and (capacity[j] or 0) > 0
+      and max(decode[j], rep_kv[j] or -1) >= max_kv * capacity[j])) then
+    busy[#busy + 1] = j
+  else
+    candidates[#candidates + 1] = j
+    local o = overlaps[j]
+    if o > best_overlap then best_overlap = o end
+    local blocks = (prefill[j] + isl) / bs - credit * o  -- prefill blocks, never below 0
+    if blocks < 0 then blocks = 0 end
+    local c = scale * blocks + decode[j] + n_blocks - o
+    cost[j] = c
+    if lowest == nil or c < lowest then
+      lowest, second, cheapest = c, lowest, j
+    elseif second == nil or c < second then
+      second = c
+    end
+    if highest == nil or c > highest then highest = c end
+  end
+end
+-- Bounded loads (SGLang's balance thresholds, per worker): a candidate `gap` or more requests
+-- in flight ahead of the least loaded one and `ratio` times its load or more is passed over when
+-- the best of the others costs no more than it does plus the queued (drained) prefill this
+-- request would wait for there: giving up its cache then costs this request at most the wait its
+-- queue would have cost it. So a prefix, however hot, cannot draw every request onto one worker
+-- while another idles, and a long cached prefix is never given up for a short queue. The least
+-- loaded is never passed over, so the pool is never empty. The reason says when the bound turned
+-- the cheapest worker away.
+-- It can only turn the cheapest worker away if the next lowest cost is within that worker's
+-- queue of it: only then does it look at the candidates' request counts.
+--
+-- The queued prefill this request would wait for on worker j. An engine that schedules prompts
+-- shortest first (workers.scheduler) computes a prompt before every queued one longer than it,
+-- so of each request in flight there it waits for at most its own uncached tokens: a question
+-- about a cached picture does not wait for the cold prompts queued beside it, while prompts of
+-- one size (shape (d)'s) wait for each other in full. In arrival order it waits for all of it.
+local schedules = ARGV[27]
+local function queued_wait(j)
+  local q = prefill[j]
+  if string.byte(schedules, j) == 49 then  -- '1': this worker computes the shortest first
+    local ahead = requests[j] * uncached(j)
+    if ahead < q then q = ahead end
+  end
+  return q
+end
+local pool, bounded = candidates, false
+local least, most = nil, nil  -- the candidates' fewest and most requests in flight
+if gap > 0 and second ~= nil and second <= lowest + scale * queued_wait(cheapest) / bs then
+  for k = 1, #candidates do
+    local r = requests[candidates[k]]
+    if least == nil or r < least then least = r end
+    if most == nil or r > most then most = r end
+  end
+end
+if least ~= nil and most - least >= gap then
+  local floor = max(least + gap, ratio * least)  -- as many requests as make a candidate far ahead
+  local others, cheapest_ahead = nil, nil  -- the lowest cost of the rest, and of those ahead
+  for k = 1, #candidates do
+    local j = candidates[k]
+    local c = cost[j]
+    if requests[j] >= floor then
+      if cheapest_ahead == nil or c < cheapest_ahead then cheapest_ahead = c end
+    elseif others == nil or c < others then
+      others = c
+    end
+  end
+  if cheapest_ahead ~= nil and cheapest_ahead < others then
+    local within, low, high = {}, nil, nil
+    for k = 1, #candidates do
+      local j = candidates[k]
+      local c = cost[j]
+      if requests[j] < floor or others > c + scale * queued_wait(j) / bs then
+        within[#within + 1] = j
+        if low == nil or c < low then low = c end
+        if high == nil or c > high then high = c end
+      end
+    end
+    if #within < #candidates then
+      pool, bounded, lowest, highest = within, low > lowest, low, high
+    end
+  end
+end
+local sticky = false
+if ARGV[3] ~= '' then sticky = redis.call('GET', ARGV[3]) end
+-- A column of integers as one string of big-endian i64s: one bulk reply instead of an array
+-- of numbers saves Redis's per-element conversion and the client's parsing (~30 us for three
+-- columns of 64). unpack() is bounded by Lua's C stack, hence the chunks.
+local formats = {}  -- by chunk length: the columns share one
+local function packed_integers(values)
+  local parts = {}
+  for i = 1, #values, 1000 do
+    local last = math.min(i + 999, #values)
+    local size = last - i + 1
+    formats[size] = formats[size] or '>' .. string.rep('i8', size)
+    parts[#parts + 1] = struct.pack(formats[size], unpack(values, i, last))
+  end
+  return table.concat(parts)
+end
+-- The chosen worker's position in the list (false: all busy), and what Python needs to build
+-- the scores if it is asked for them; busy workers by position (usually none).
+local function reply(chosen, reason)
+  return {chosen, reason, best_overlap, packed_integers(overlaps), packed_integers(prefill),
+    packed_integers(decode), busy}
+end
+if #candidates == 0 then return reply(false, 'busy') end
+
+local chosen, reason = nil, 'cost'
+if mode == 'round_robin' then
+  -- A preview (no request id) reads the counter; only a real decision moves it.
+  local n
+  if ARGV[4] == '' then
+    n = (tonumber(redis.call('GET', ns .. ARGV[20])) or 0) + 1
+  else
+    n = redis.call('INCR', ns .. ARGV[20])
+  end
+  chosen, reason = candidates[(n % #candidates) + 1], 'round_robin'
+elseif mode == 'random' then
+  chosen, reason = candidates[math.floor(u * #candidates) + 1], 'random'
+elseif #candidates == 1 then
+  chosen, reason = candidates[1], 'only-candidate'
+else
+  if sticky then
+    for k = 1, #pool do
+      local j = pool[k]
+      if names[j] == sticky and cost[j] <= lowest * (1 + slack) + 1e-9
+        and best_overlap - overlaps[j] <= lead then
+        chosen, reason = j, 'affinity'
+      end
+    end
+  end
+  if chosen == nil then
+    if temperature <= 0 or highest - lowest <= 0 then
+      local tied = {}
+      local below = lowest + 1e-9 * math.max(1, math.abs(lowest))
+      for k = 1, #pool do
+        local j = pool[k]
+        if cost[j] <= below then tied[#tied + 1] = j end
+      end
+      chosen = tied[math.min(math.floor(u * #tied) + 1, #tied)]
+    else
+      local weights, sum = {}, 0
+      for k, j in ipairs(pool) do
+        weights[k] = math.exp(-(cost[j] - lowest) / ((highest - lowest) * temperature))
+        sum = sum + weights[k]
+      end
+      local target, acc = u * sum, 0
+      chosen = pool[#pool]
+      for k, j in ipairs(pool) do
+        acc = acc + weights[k]
+        if target < acc then chosen = j break end
+      end
+    end
+  end
+  if bounded and reason == 'cost' then reason = 'load-bound' end
+end
+
+local request_id = ARGV[4]
+if request_id ~= '' then
+  local worker = names[chosen]
+  local prefill_tokens = uncached(chosen)
+  -- The reservation, as LoadTracker.add makes it (a re-add replaces, never double counts),
+  -- with when the worker's reserved prefill should now be done: queued behind what is left of
+  -- it (all of it without an estimate).
+  release(ns, worker, request_id)
+  redis.call('HSET', ns .. REQUESTS_FAMILY .. worker, request_id, prefill_tokens .. ' ' .. n_blocks)
+  local r = rate[chosen]
+  now = now or server_time_ms()
+  local drained_at = nil
+  if r and prefill_tokens > 0 then
+    -- (Without an estimate nothing of the worker's drained: its prefill column is all it holds.)
+    local start = max(done_at[chosen] or (now + prefill[chosen] * 1000 / r), now)
+    drained_at = math.ceil(start + prefill_tokens * 1000 / r)
+  end
+  adjust(ns, worker, prefill_tokens, n_blocks, 1, drained_at)
+  redis.call('ZADD', ns .. EXPIRY_KEY, now + tonumber(ARGV[16]), worker .. '\n' .. request_id)
+  -- Predicted blocks: siblings arriving before the worker's own events credit it with this
+  -- prompt for a short while (approximate workers: for the approximate TTL, their only credit).
+  local ttl = approximate[chosen] and tonumber(ARGV[18]) or tonumber(ARGV[17])
+  if ttl > 0 and #packed > 0 then kv_predict(ns, worker, packed, now, ttl) end
+  if ARGV[3] ~= '' then redis.call('SET', ARGV[3], worker, 'PX', tonumber(ARGV[19])) end
+end
+return reply(chosen, reason)

@@ -1,0 +1,7 @@
+-- KvIndex.worker_blocks, after index_functions.lua.
+-- ARGV: ns, worker -> {event-backed blocks, unexpired approximate blocks}
+local now = server_time_ms()
+return {
+  redis.call('SMEMBERS', ARGV[1] .. WORKER_FAMILY .. ARGV[2]),
+  redis.call('ZRANGEBYSCORE', ARGV[1] .. APPROXIMATE_FAMILY .. ARGV[2], '(' .. now, '+inf'),
+}

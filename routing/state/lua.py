@@ -1,0 +1,100 @@
+"""Lua run inside Redis: the `.lua` files, read and composed, and the scripts run by SHA.
+
+Each script lives in a `lua/` folder beside the module that owns the keys it touches (the index's
+in `routing/kv/lua/`, the media store's in `routing/media/lua/` ...). A script that calls shared
+functions is composed here as Redis needs it: Redis runs one chunk per script and keeps no
+functions between scripts, so the libraries' text goes in front of the script's, and their
+`local function`s are in scope for it; the key names a module owns go in front the same way, as
+Lua locals (`lua_constants`). Nothing else is done to the text.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from importlib import resources
+from typing import Any
+
+import redis
+
+from routing.state.redis_direct import direct_commands
+
+
+@functools.cache
+def lua_text(package: str, name: str) -> str:
+    """The text of `lua/<name>` beside the modules of `package` (a dotted name: "routing.kv").
+
+    Read through importlib.resources, so the file is found the same way from a source checkout
+    (the project is run from one, not installed) and from an installed copy.
+    """
+    return resources.files(package).joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def lua_constants(**names: str) -> str:
+    """`local NAME = 'value'` for each, to compose in front of the Lua that uses them: the key
+    families a module owns are named once, in its Python, and given to its scripts this way."""
+    lines = []
+    for name, value in names.items():
+        if not value.isprintable() or "'" in value or "\\" in value:
+            raise ValueError(f"{name} = {value!r} is not a plain Lua string literal")
+        lines.append(f"local {name} = '{value}'\n")
+    return "".join(lines)
+
+
+def lua_script(package: str, name: str, *libraries: str) -> str:
+    """The script `lua/<name>` of `package`, after the libraries it calls, in the order given."""
+    return "".join(libraries) + lua_text(package, name)
+
+
+class LuaScript:
+    """A script run by SHA, loaded on first use and again if Redis forgot it (restart, flush).
+
+    redis-py's own Script checks SCRIPT EXISTS before every pipeline, an extra round trip the
+    router's one-round-trip decision cannot afford; here a pipeline just sends EVALSHA. A call
+    goes on the client's direct line (routing.state.redis_direct): the scripts are the router's hot
+    path, and redis-py's per-command overhead is as long as the round trip.
+    """
+
+    def __init__(self, client: redis.Redis, source: str) -> None:
+        self._direct = direct_commands(client)
+        self.source = source
+        self.sha = self._load()  # on the direct line: its connection is open before the first call
+
+    def _load(self) -> str:
+        sha = self._direct.execute("SCRIPT", "LOAD", self.source)
+        return sha.decode() if isinstance(sha, bytes) else sha
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self._direct.execute("EVALSHA", self.sha, 0, *args)
+        except redis.exceptions.NoScriptError:
+            self.sha = self._load()
+            return self._direct.execute("EVALSHA", self.sha, 0, *args)
+
+    def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
+        pipe.evalsha(self.sha, 0, *args)
+
+    def reload(self) -> None:
+        self.sha = self._load()
+
+
+def execute_pipeline(pipe: redis.client.Pipeline, scripts: Iterable[LuaScript]) -> list[Any]:
+    """Run a pipeline of EVALSHAs; if Redis lost the scripts, load them and run it once more.
+
+    Only for pipelines whose commands can safely run twice (reads, idempotent sweeps).
+    """
+    commands = list(pipe.command_stack)
+    try:
+        return pipe.execute()
+    except redis.exceptions.NoScriptError:
+        reloaded = {}
+        for script in scripts:
+            old = script.sha
+            script.reload()
+            reloaded[old] = script.sha
+        pipe.reset()
+        for args, options in commands:
+            if args[0] == "EVALSHA" and args[1] in reloaded:
+                args = (args[0], reloaded[args[1]], *args[2:])
+            pipe.execute_command(*args, **options)
+        return pipe.execute()
