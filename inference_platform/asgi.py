@@ -21,7 +21,7 @@ from inference_platform.api.handler import ApiHandler  # noqa: E402 - needs the 
 
 api_asgi_app = ApiHandler()
 
-from inference_platform.serving import check_served_model  # noqa: E402 - needs the apps loaded
+from inference_platform.serving.prepare import check_served_model  # noqa: E402 - needs the apps loaded
 
 # Image settings the model's processor refuses stop the start-up here, with the reason.
 check_served_model()

@@ -14,8 +14,8 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.http import HttpRequest
 
-from inference_platform.api.errors import ApiError
-from inference_platform.dispatch import worker_states
+from inference_platform.serving.dispatch import worker_states
+from inference_platform.serving.errors import ApiError
 
 # Held back on purpose, by an operator or by a worker's own shutdown: waiting (a drain ended, a
 # restarted worker) helps, and an operator can end it at once.
@@ -102,7 +102,7 @@ def fleet_banner(request: HttpRequest) -> dict[str, str]:
     """Context processor: on the staff's admin pages, a banner while no worker takes requests."""
     if not request.path.startswith("/admin/") or not getattr(request.user, "is_staff", False):
         return {}
-    from inference_platform.serving import served_model
+    from inference_platform.serving.prepare import served_model
     from routing.prompt.model_view import ModelDirectoryError
 
     try:

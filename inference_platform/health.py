@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from inference_platform.fleet_status import RETRY_AFTER_S, fleet_availability
-from inference_platform.serving import served_model
+from inference_platform.serving.prepare import served_model
 from routing.prompt.model_view import ModelDirectoryError
 
 

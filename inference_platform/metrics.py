@@ -27,7 +27,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
 from inference_platform.api.auth import api_key_required
-from inference_platform.request_metrics import counts_http_responses
+from inference_platform.serving.clock import counts_http_responses
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import FALLBACK_CAUSES
 from routing.models import Worker

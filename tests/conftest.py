@@ -355,11 +355,12 @@ def _no_worker_rows_kept_from_another_test():
 
 @pytest.fixture(autouse=True)
 def _no_image_sizes_kept_from_another_test():
-    """A size one test read by URL is not another's to use (an origin may reuse a path)."""
-    from inference_platform.serving import _image_sizes
+    """A size one test read by URL is not another's to use (an origin may reuse a path): the
+    frontend's collaborators, and what they keep, are built afresh for each test."""
+    from inference_platform.serving.frontend import frontend
 
     yield
-    _image_sizes.cache_clear()
+    frontend().reset()
 
 
 @pytest.fixture(scope="session")

@@ -258,7 +258,7 @@ async def test_a_replan_that_fails_unforeseen_fault_injected_answers_the_workers
 ):
     """The request's second preparation (the replan's) raises what nothing foresaw: the client
     gets the worker's own `image_changed`, and the reservation is still freed."""
-    from inference_platform import serving
+    from inference_platform.serving import served as serving
 
     prepare, calls = serving.prepare, []
 
@@ -296,16 +296,15 @@ async def test_a_failure_while_following_fault_injected_still_answers_in_the_api
     """Following the request raises what it should have turned into an ApiError: the client
     gets the API's error with the request id (a lost Redis as a 503), not Django's bare 500. A
     stream says it in its status line until its first token, in its last event after it."""
-    from inference_platform.api import views
+    from inference_platform.serving import served
 
-    async def failing_follow(dispatch):
+    async def failing_follow(lease, task_id):
         if after_a_token:
             yield ResponseEvent("1-0", TOKEN, {"text": "Hel"})
-        await asyncio.to_thread(dispatch.lease.release, "fault")  # as follow() frees it on its way out
         raise fault
-        yield  # an async generator, as follow() is
+        yield  # an async generator, as follow_task() is
 
-    monkeypatch.setattr(views, "follow", failing_follow)
+    monkeypatch.setattr(served, "follow_task", failing_follow)
     raw = json.dumps(chat_body(served_demo_model, stream=stream)).encode()
     response = await client.post("/v1/chat/completions", data=raw, content_type="application/json")
     request_id = response["X-Request-Id"]

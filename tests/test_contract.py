@@ -112,7 +112,7 @@ _ABSENT = object()
     ],
 )
 def test_a_heartbeat_says_its_engines_schedule_and_the_router_reads_it_or_assumes_its_own(said, read):
-    from inference_platform.dispatch import worker_report
+    from inference_platform.serving.dispatch import worker_report
     from routing.fleet.registry import Heartbeat
 
     # given: a worker's heartbeat as JSON; an older worker's has no schedule at all, and a

@@ -519,7 +519,7 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
 
 def test_snapshot_shows_the_overlap_the_router_gave_up(redis_client: redis.Redis, key_namespace: str) -> None:
     # given: two decisions recorded by a frontend process: one took the best overlap, one gave up 6
-    from inference_platform.dispatch import record_decision
+    from inference_platform.serving.dispatch import record_decision
     from routing.kv.decision import RoutingDecision
     from routing.observe import telemetry
 

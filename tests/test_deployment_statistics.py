@@ -30,8 +30,9 @@ django.setup()
 from django.core.management import call_command
 call_command("migrate", interactive=False, verbosity=0)
 from inference_platform.admin_dashboard import deployment_snapshot
-from inference_platform.request_metrics import RequestClock
-from inference_platform.serving import _count_usage, tenant_usage
+from inference_platform.serving.clock import RequestClock
+from inference_platform.serving.frontend import frontend
+from inference_platform.serving.served import _count_usage
 from routing.contract.tasks import DoneEvent
 from routing.deployment import deployment_id, statistics_namespace
 from routing.observe import telemetry
@@ -54,7 +55,7 @@ window = deployment_snapshot(5)["window"]["totals"]
 print(json.dumps({
     "deployment": deployment_id(),
     "tenant_pk": tenant.pk,
-    "usage": tenant_usage().totals([caller.usage_id])[caller.usage_id],
+    "usage": frontend().usage().totals([caller.usage_id])[caller.usage_id],
     "requests": window["requests"],
     "by_status": window["by_status"],
 }))

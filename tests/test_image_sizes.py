@@ -149,11 +149,11 @@ def test_flush_caches_of_images_makes_every_frontend_ask_the_origin_again(origin
     from django.conf import settings
     from django.core.management import call_command
 
-    from inference_platform.serving import image_sizes
+    from inference_platform.serving.frontend import frontend
     from routing.media.images import SIZES_FLUSHED_KEY
 
     url = origin.add("/p.png", noise_png("p", 64))
-    sizes = image_sizes()
+    sizes = frontend().image_sizes()
     sizes.follow_flushes()
     resolve_images([url], LOCAL, frontend_decoding=False, sizes=sizes, scope="s")
     try:

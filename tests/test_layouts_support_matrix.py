@@ -742,7 +742,7 @@ def test_token_view_equals_the_processors_input_ids_for_text_and_two_images(
     model_type: str, checkpoints: dict[str, Path], sizing: dict[str, types.ModuleType], settings: Any
 ) -> None:
     from inference_platform.api.chat_request import parse_chat_request
-    from inference_platform.serving import prepare
+    from inference_platform.serving.prepare import prepare
 
     # given: the family's checkpoint served, and a request with text and two images
     directory = checkpoints[model_type]
@@ -788,7 +788,7 @@ def test_the_processor_path_serves_each_family_exactly(
     model_type: str, checkpoints: dict[str, Path], settings: Any
 ) -> None:
     from inference_platform.api.chat_request import parse_chat_request
-    from inference_platform.serving import prepare
+    from inference_platform.serving.prepare import prepare
 
     # given
     settings.MODEL_PATH = checkpoints[model_type]
@@ -892,7 +892,7 @@ def test_a_tokenizer_without_the_layouts_marker_tokens_stops_the_start_up(
 
     from django.core.exceptions import ImproperlyConfigured
 
-    from inference_platform.serving import check_served_model
+    from inference_platform.serving.prepare import check_served_model
 
     # given: Llama 4's settings beside a tokenizer that knows none of its image tokens
     directory = tmp_path / "llama4-without-its-tokens"

@@ -5,7 +5,6 @@ media side store by reference, never inside the Celery message (issue 11, media 
 from __future__ import annotations
 
 import json
-import types
 import uuid
 
 import httpx
@@ -14,8 +13,9 @@ import torch
 from asgiref.sync import async_to_sync
 
 from inference_platform.api.chat_request import parse_chat_request
-from inference_platform.dispatch import media_store, release_media
-from inference_platform.serving import prepare, store_media
+from inference_platform.serving.frontend import frontend
+from inference_platform.serving.prepare import prepare
+from inference_platform.serving.served import release_media, store_media
 from routing.media.store import MediaRef
 from routing.prompt.processor_view import decode_processed
 from tests.test_token_view import png_data_url, two_image_request
@@ -40,30 +40,30 @@ def test_the_processed_tensors_go_to_the_side_store_and_come_back_exactly(settin
     prepared = prepare(parse_chat_request(body, max_tokens_limit=64))
     assert prepared.processed is not None
     inline = json.dumps(prepared.processed)
-    dispatch = types.SimpleNamespace(request_id=f"by-ref-{uuid.uuid4().hex[:8]}", media=[])
+    owner, stored = f"by-ref-{uuid.uuid4().hex[:8]}", []
 
     # when the frontend stores the request's media
-    _, _, processed = async_to_sync(store_media)(prepared, dispatch)
+    _, _, processed = async_to_sync(store_media)(prepared, owner, stored)
     try:
         # then the task carries references: no raw tensor bytes, a message a fraction of the size
         carried = json.dumps(processed)
         assert not _carries_raw_bytes(processed), "raw tensor bytes left in the task"
         assert processed["pixel_values"]["media_ref"]
         assert len(carried) * 20 < len(inline), (len(carried), len(inline))
-        assert len(dispatch.media) >= 1
+        assert len(stored) >= 1
         # and the worker reads back exactly the tensors the processor made
-        store = media_store()
+        store = frontend().media_store()
         again = decode_processed(processed, lambda payload: store.get(MediaRef.from_payload(payload)))
         expected = decode_processed(prepared.processed)
         assert set(again) == set(expected)
         for key, tensor in expected.items():
             assert torch.equal(again[key], tensor), key
     finally:
-        async_to_sync(release_media)(dispatch)
+        release_media(owner, stored)
 
     # and once the request is done its tensors are gone: a reference never outlives it
     with pytest.raises(Exception, match="no longer stored"):
-        media_store().get(MediaRef.from_payload(processed["pixel_values"]))
+        frontend().media_store().get(MediaRef.from_payload(processed["pixel_values"]))
 
 
 def test_a_tensor_whose_bytes_do_not_match_its_shape_is_refused() -> None:

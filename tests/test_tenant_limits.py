@@ -152,7 +152,7 @@ def test_callers_partitions_isolated_tenants_apart_and_sharing_tenants_together(
 
 
 def test_a_session_scope_is_bound_to_its_tenant(settings):
-    from inference_platform.serving import session_scope_hash
+    from inference_platform.serving.prepare import session_scope_hash
 
     headers = {"x-session-id": "leaked-session-id"}
     alice = session_scope_hash(headers, tenant(1, "a"))

@@ -14,7 +14,7 @@ from PIL import Image
 
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.api.errors import ApiError
-from inference_platform.serving import prepare
+from inference_platform.serving.prepare import prepare
 from routing.media.images import routing_hash, url_identity
 from routing.media.store import MediaRef
 from routing.prompt.hashing import MediaPlacement, block_hashes

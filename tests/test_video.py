@@ -12,7 +12,7 @@ import time
 import pytest
 
 from inference_platform.api.chat_request import parse_chat_request
-from inference_platform.serving import prepare
+from inference_platform.serving.prepare import prepare
 from routing.media.images import MediaError, MediaPolicy
 from routing.media.video import VideoLimits, resolve_videos, sample_video
 from routing.prompt.video_layouts import video_layout_for_config

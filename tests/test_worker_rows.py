@@ -9,7 +9,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings as django_settings
 from django.db import connection
 
-from inference_platform import dispatch
+from inference_platform.serving import dispatch
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.fleet.worker_rows import GENERATION_KEY, KeptRows, WorkerRow, announce_change
 from routing.models import Worker

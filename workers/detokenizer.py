@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+# Tokens decoded before the first new one when an answer is continued: enough for any character
+# split across byte-level pieces (as vLLM's incremental detokenizer starts).
+_PRIOR_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
@@ -13,12 +17,16 @@ class IncrementalDetokenizer:
     decodes to U+FFFD until its last piece arrives, and is only emitted then.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, prior: Sequence[int] = ()) -> None:
+        """`prior`: tokens whose text was already sent (an answer continued after a migration);
+        their text is context for the next token's, never sent again."""
         self._tokenizer = tokenizer
-        self.ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self._prefix_text = ""  # ids[prefix_offset:read_offset] decoded: one decode per token, not two
+        self.ids: list[int] = list(prior)
+        # A few tokens of context before the read point, as at any point of a running answer.
+        self._prefix_offset = max(0, len(self.ids) - _PRIOR_CONTEXT_TOKENS)
+        self._read_offset = len(self.ids)
+        # ids[prefix_offset:read_offset] decoded: one decode per token, not two
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset) if self.ids else ""
 
     def push(self, token: int) -> str:
         """Adds a token; returns the text it completes (often empty for a partial character)."""
@@ -53,8 +61,11 @@ class TextStream:
     character goes with the token that completes it). Tokens whose text is never sent (a stop
     string's) are counted by no piece."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], send: Callable[[str, int], None]) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(
+        self, tokenizer: Any, stops: list[str], send: Callable[[str, int], None], prior: Sequence[int] = ()
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prior)
+        self._prior = len(prior)  # tokens of a continued answer, already sent by another worker
         self._stops = [stop for stop in stops if stop]
         self._send_piece = send
         self._text = ""  # decoded so far
@@ -66,7 +77,12 @@ class TextStream:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self._detokenizer.ids)
+        return len(self._detokenizer.ids) - self._prior
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """The tokens generated here, in order (a continued answer's prior tokens excluded)."""
+        return self._detokenizer.ids[self._prior :]
 
     def accept(self, token: int) -> bool:
         """Adds a generated token; True when a stop string has ended the text."""

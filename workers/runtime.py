@@ -169,7 +169,10 @@ class WorkerRuntime:
         if task.dispatched_at is not None:
             telemetry.observe("queue_seconds", max(0.0, time.time() - task.dispatched_at), labels=labels)
         on_piece = _timing_tokens(
-            lambda text, logprobs: writer.emit(TokenEvent(text=text, logprobs=logprobs)), labels
+            lambda text, logprobs, token_ids: writer.emit(
+                TokenEvent(text=text, logprobs=logprobs, token_ids=token_ids)
+            ),
+            labels,
         )
         self._engine_entered(+1)
         try:
@@ -196,6 +199,7 @@ class WorkerRuntime:
                 processed=_processed_inputs(task.processed, self.media),
                 videos=_video_inputs(VideoInput, task.videos, self.media),
                 expected_block_hashes=task.block_hashes,
+                continued_token_ids=list(task.continued_token_ids),
             )
             receipts: list[Any] = []
             await_features = None
@@ -491,14 +495,14 @@ def _timing_tokens(send, labels: dict[str, str]):
     """`send`, observing the time between consecutive tokens of one request."""
     last: list[float] = []
 
-    def on_piece(text: str, logprobs: list[dict[str, Any]] | None) -> None:
+    def on_piece(text: str, logprobs: list[dict[str, Any]] | None, token_ids: list[int]) -> None:
         now = time.monotonic()
         if last:
             telemetry.observe("inter_token_seconds", now - last[0], labels=labels)
             last[0] = now
         else:
             last.append(now)
-        send(text, logprobs)
+        send(text, logprobs, token_ids)
 
     return on_piece
 

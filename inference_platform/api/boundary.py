@@ -26,7 +26,7 @@ from django.http import HttpRequest, HttpResponse
 
 from inference_platform.api.chat_request import parse_json_body
 from inference_platform.api.errors import ApiError, error_response
-from inference_platform.request_metrics import record_http_response, route_of
+from inference_platform.serving.clock import record_http_response, route_of
 
 logger = logging.getLogger("inference_platform.api")
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from inference_platform.api.errors import ApiError
+from inference_platform.serving.chat import ChatRequest, ImagePart, VideoPart
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 MAX_STOP_SEQUENCES = 4
@@ -47,42 +47,6 @@ _MEDIA_URL = re.compile(MEDIA_URL_PATTERN)
 # ignored (a caller relying on them must know). Unknown fields stay ignored, as OpenAI does.
 DEFAULT_MAX_TOKENS = 256  # a request without max_tokens (capped by MAX_TOKENS_LIMIT)
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio")
-
-
-@dataclass
-class ImagePart:
-    index: int  # position among the request's images, in prompt order
-    url: str
-    detail: str | None = None
-    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].image_url
-
-
-@dataclass
-class VideoPart:
-    index: int  # position among the request's videos, in prompt order
-    url: str
-    param: str = "messages"  # where the client wrote it, for errors: messages[i].content[j].video_url
-
-
-@dataclass
-class ChatRequest:
-    model: str
-    messages: list[dict[str, Any]]  # normalised for the chat template
-    images: list[ImagePart]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    videos: list[VideoPart] = field(default_factory=list)
-    cache_salt: str | None = None  # vLLM's per-request cache partition, inside the tenant's
-    logprobs: bool = False
-    top_logprobs: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked in serving)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -3,39 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from django.http import JsonResponse
 
+from inference_platform.serving.errors import ApiError
+
+__all__ = ["ApiError", "error_response"]
+
 logger = logging.getLogger("inference_platform.api")
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-@dataclass
-class ApiError(Exception):
-    status: int
-    message: str
-    code: str | None = None
-    param: str | None = None
-    headers: dict[str, str] = field(default_factory=dict)  # e.g. Retry-After on a 429 or 503
-
-    @property
-    def type(self) -> str:
-        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_response(error: ApiError, request_id: str | None = None) -> JsonResponse:

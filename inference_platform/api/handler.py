@@ -22,7 +22,7 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.http import HttpRequest, HttpResponse
 from django.middleware.security import SecurityMiddleware
 
-from inference_platform.request_metrics import handler_of, record_http_response
+from inference_platform.serving.clock import handler_of, record_http_response
 
 
 class ApiSecurityMiddleware(SecurityMiddleware):

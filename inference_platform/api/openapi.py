@@ -34,7 +34,7 @@ from inference_platform.api.chat_request import (
     MEDIA_URL_PATTERN,
     ROLES,
 )
-from inference_platform.serving import served_model
+from inference_platform.serving.prepare import served_model
 
 _JSON = "application/json"
 

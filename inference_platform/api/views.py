@@ -5,14 +5,12 @@ bounds what its requests may use (limits) and see (its own cache partition)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -21,18 +19,13 @@ from inference_platform.api.auth import api_key_required
 from inference_platform.api.boundary import is_api_path, json_endpoint, new_request_id, only_get
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
-from inference_platform.dispatch import Dispatch, follow, request_cancel, state_unavailable
-from inference_platform.request_metrics import RequestClock, counts_refused_chat_requests
-from inference_platform.serving import describe_route, finish_request, plan_request, served_model
-from routing.contract.responses import ResponseEvent
-from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, TokenEvent
+from inference_platform.serving.clock import counts_refused_chat_requests
+from inference_platform.serving.prepare import describe_route, served_model
+from inference_platform.serving.served import ServedRequest, as_api_error
+from routing.contract.tasks import DoneEvent, TokenEvent
 from routing.prompt.model_view import ModelView
-from tenants.keys import Caller
 
 logger = logging.getLogger("inference_platform.api")
-
-# nginx's code for a client that closed the connection before the answer: counted, never sent.
-CLIENT_CLOSED = 499
 
 
 def _model_card(view: ModelView) -> dict[str, Any]:
@@ -68,12 +61,13 @@ def retrieve_model(request: HttpRequest, model_id: str) -> HttpResponse:
     return JsonResponse(_model_card(view))
 
 
-def _headers(response: HttpResponse, dispatch: Dispatch) -> HttpResponse:
-    response["X-Request-Id"] = dispatch.request_id
-    response["X-Routed-Worker"] = dispatch.worker
-    if dispatch.total_blocks:
-        response["X-Routing-Overlap"] = f"{dispatch.overlap_blocks}/{dispatch.total_blocks}"
-    for name, value in dispatch.rate_limit_headers.items():
+def _headers(response: HttpResponse, served: ServedRequest) -> HttpResponse:
+    response["X-Request-Id"] = served.request_id
+    if served.worker is not None:
+        response["X-Routed-Worker"] = served.worker
+    if served.total_blocks:
+        response["X-Routing-Overlap"] = f"{served.overlap_blocks}/{served.total_blocks}"
+    for name, value in served.rate_limit_headers.items():
         response[name] = value
     return response
 
@@ -88,65 +82,33 @@ def _usage(done: DoneEvent) -> dict[str, Any]:
     }
 
 
-def _worker_error(error: ErrorEvent, dispatch: Dispatch, chat: ChatRequest) -> ApiError:
-    if error.code == IMAGE_CHANGED and dispatch.forget_image_sizes is not None:
-        dispatch.forget_image_sizes()
-    status = int(error.status)
-    message = error.message or "The worker failed."
-    if status >= 500:
-        message = f"{message} (request {dispatch.request_id}, worker {dispatch.worker})"
-    param = error.param
-    # A worker knows only which image it refused; the message part is the client's own words.
-    if param is None and error.image_index is not None and 0 <= error.image_index < len(chat.images):
-        param = chat.images[error.image_index].param
-    return ApiError(status, message, code=error.code or "worker_error", param=param)
-
-
 @counts_refused_chat_requests
 @api_key_required
 @json_endpoint
 async def chat_completions(request: HttpRequest, body: dict[str, Any], request_id: str) -> HttpResponse:
-    clock = request.request_clock = RequestClock()
-    caller: Caller = request.caller
+    served = ServedRequest(request_id, request.caller)
+    # The request's own clock counts it from here; the decorator counts only the refusals before.
+    request.request_clock = served.clock
     try:
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
-        dispatch = await plan_request(chat, request_id, dict(request.headers), caller)
+        await served.open(chat, dict(request.headers))
     except Exception as exc:
-        error = _api_error(exc, request_id)
-        clock.finish(error.status, None)
-        return error_response(error, request_id)
+        return error_response(await served.fail(exc), request_id)
 
     if chat.stream:
-        return await _start_stream(chat, dispatch, clock, caller)
+        return await _start_stream(chat, served)
 
     text: list[str] = []
     done: DoneEvent | None = None
     try:
-        async for entry in follow(dispatch):
-            event = entry.event
+        async for event in served.events():
             if isinstance(event, TokenEvent):
-                clock.first_token()
                 text.append(event.text)
-            elif isinstance(event, ErrorEvent):
-                raise _worker_error(event, dispatch, chat)
-            elif isinstance(event, DoneEvent):
+            else:
                 done = event
-    except asyncio.CancelledError:
-        clock.finish(CLIENT_CLOSED, dispatch.worker)
-        await _cancel_quietly(request_id)
-        raise
-    except Exception as exc:
-        # Anything follow() did not turn into an ApiError still answers in the API's format with
-        # the request id (a lost Redis a 503), never Django's bare 500.
-        error = _api_error(exc, request_id)
-        clock.finish(error.status, dispatch.worker)
-        return _headers(error_response(error, request_id), dispatch)
-    finally:
-        await finish_request(caller, request_id, done)
-    if done is None:  # the stream ended without an answer: follow() should have raised
-        error = ApiError(502, f"Request {request_id} ended without an answer.", code="worker_error")
-        return _headers(error_response(error, request_id), dispatch)
-    clock.finish(200, dispatch.worker, done)
+    except ApiError as error:
+        return _headers(error_response(error, request_id), served)
+    assert done is not None  # events() ends with the answer or raises
     body = {
         "id": request_id,
         "object": "chat.completion",
@@ -162,7 +124,7 @@ async def chat_completions(request: HttpRequest, body: dict[str, Any], request_i
         ],
         "usage": _usage(done),
     }
-    response = _headers(JsonResponse(body), dispatch)
+    response = _headers(JsonResponse(body), served)
     # How often the worker ran its vision encoder for this request (0: every image and video came
     # from its cached prefix or its embedding cache).
     response["X-Encoder-Calls"] = str(int(done.encoder_calls))
@@ -179,30 +141,10 @@ async def route(request: HttpRequest, body: dict[str, Any], request_id: str) -> 
         chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
         description = await describe_route(chat, dict(request.headers), request.caller)
     except Exception as exc:
-        return error_response(_api_error(exc, request_id), request_id)
+        return error_response(as_api_error(exc, request_id), request_id)
     response = JsonResponse(description)
     response["X-Request-Id"] = request_id
     return response
-
-
-async def _cancel_quietly(request_id: str) -> None:
-    """Ask the worker to stop a request whose client went away; with Redis gone too, the worker
-    finishes it and its stream expires."""
-    try:
-        await request_cancel(request_id)
-    except redis.RedisError:
-        logger.warning("could not cancel request %s: Redis failed", request_id)
-
-
-def _api_error(exc: Exception, request_id: str) -> ApiError:
-    """What a failure answers: an ApiError as it is; anything unforeseen still in the API's
-    format, with the request id (a lost Redis a 503, the rest a logged 500)."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, redis.RedisError):
-        return state_unavailable(request_id, exc)
-    logger.exception("request %s failed", request_id)
-    return ApiError(500, f"Internal error in request {request_id}.", code="internal_error")
 
 
 def _logprobs(chat: ChatRequest, done: DoneEvent) -> dict[str, Any] | None:
@@ -253,92 +195,55 @@ def _event(request_id: str, model: str, choices: list[dict[str, Any]], **extra: 
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _start_stream(
-    chat: ChatRequest, dispatch: Dispatch, clock: RequestClock, caller: Caller
-) -> HttpResponse:
+async def _start_stream(chat: ChatRequest, served: ServedRequest) -> HttpResponse:
     """A streamed answer, whose status line waits for the worker's first answer (its first token,
-    its end, or its error): a failure before it is a real status a client can act on (a 4xx of
-    the request's, a 502/503/504 of a worker's, which clients retry), not a 200 with an error
-    inside, and X-Routed-Worker names the worker that answered after a migration or a replan.
-    A failure after it ends the stream with the error as its last event."""
-    rid = dispatch.request_id
-    events = follow(dispatch)
+    or its end): a failure before it is a real status a client can act on (a 4xx of the
+    request's, a 502/503/504 of a worker's, which clients retry), not a 200 with an error inside,
+    and X-Routed-Worker names the worker that answered after a migration or a replan. A failure
+    after it ends the stream with the error as its last event."""
+    events = served.events()
     try:
-        first = await anext(events, None)
-        while first is not None and not isinstance(first.event, (TokenEvent, ErrorEvent, DoneEvent)):
-            first = await anext(events, None)
-        if first is None:  # follow() should have raised
-            raise ApiError(502, f"Request {rid} ended without an answer.", code="worker_error")
-        if isinstance(first.event, ErrorEvent):
-            await events.aclose()  # frees the lease now, as the end of the stream would
-            raise _worker_error(first.event, dispatch, chat)
-        if isinstance(first.event, TokenEvent):
-            clock.first_token()  # now, not when the server starts sending the response
-    except asyncio.CancelledError:
-        clock.finish(CLIENT_CLOSED, dispatch.worker)
-        await _cancel_quietly(rid)
-        await finish_request(caller, rid, None)
-        raise
-    except Exception as exc:
-        error = _api_error(exc, rid)
-        clock.finish(error.status, dispatch.worker)
-        await finish_request(caller, rid, None)
-        return _headers(error_response(error, rid), dispatch)
-    response = StreamingHttpResponse(
-        _stream(chat, dispatch, clock, caller, first, events), content_type="text/event-stream"
-    )
+        first = await anext(events)
+    except ApiError as error:
+        return _headers(error_response(error, served.request_id), served)
+    response = StreamingHttpResponse(_stream(chat, served, first, events), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
-    return _headers(response, dispatch)
+    return _headers(response, served)
 
 
 async def _stream(
     chat: ChatRequest,
-    dispatch: Dispatch,
-    clock: RequestClock,
-    caller: Caller,
-    first: ResponseEvent,
-    events: AsyncIterator[ResponseEvent],
+    served: ServedRequest,
+    first: TokenEvent | DoneEvent,
+    events: AsyncGenerator[TokenEvent | DoneEvent, None],
 ) -> AsyncIterator[bytes]:
-    """The chunks of a stream whose first answer `first` came from `events` (`_start_stream`)."""
-    rid = dispatch.request_id
-    finished = False
-    done: DoneEvent | None = None
+    """The chunks of a stream whose first answer `first` came from `events` (`_start_stream`).
+    A client that goes away closes this generator, which closes `events`: that cancels the
+    request (`ServedRequest.events`)."""
+    rid = served.request_id
     logprobs_streamed = 0
     try:
         yield _chunk(rid, chat.model, {"role": "assistant", "content": ""})
-        entry: ResponseEvent | None = first
-        while entry is not None:
-            event = entry.event
+        event: TokenEvent | DoneEvent | None = first
+        while event is not None:
             if isinstance(event, TokenEvent):
-                clock.first_token()
                 logprobs_streamed += len(event.logprobs or ())
                 yield _chunk(
                     rid, chat.model, {"content": event.text}, None, _streamed_logprobs(chat, event.logprobs)
                 )
-            elif isinstance(event, ErrorEvent):
-                raise _worker_error(event, dispatch, chat)
-            elif isinstance(event, DoneEvent):
-                done = event
-                clock.finish(200, dispatch.worker, event)
+            else:
                 remaining = _remaining_logprobs(chat, event, logprobs_streamed)
                 yield _chunk(rid, chat.model, {}, event.finish_reason, remaining)
                 if chat.include_usage:
                     yield _event(rid, chat.model, [], usage=_usage(event))
-            entry = await anext(events, None)
-        finished = True
-    except Exception as exc:
-        # The status line already said 200; the metric records what the client really got.
-        error = _api_error(exc, rid)
-        clock.finish(error.status, dispatch.worker)
+            event = await anext(events, None)
+    except ApiError as error:
+        # The status line already said 200: the stream's last event says what went wrong.
         logger.warning("stream %s failed with %s: %s", rid, error.status, error.message)
         yield f"data: {json.dumps(error.body())}\n\n".encode()
-        finished = True
     finally:
-        if not finished:  # the client went away mid-stream
-            clock.finish(CLIENT_CLOSED, dispatch.worker)
-            await _cancel_quietly(rid)
-        await finish_request(caller, rid, done)
+        await events.aclose()  # a no-op once it ended; else the client went away: cancel
     yield b"data: [DONE]\n\n"
 
 

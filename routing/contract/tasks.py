@@ -28,8 +28,9 @@ from typing import Any, ClassVar
 # The version the frontend writes and the worker prefers; every heartbeat carries it.
 # 3: image bytes by reference to the media side store (ImageRef.media_ref);
 # 4: the caller's cache partition (GenerateTask.cache_salt);
-# 5: penalties, logit bias and log probabilities (GenerateTask, DoneEvent.logprobs).
-CONTRACT_VERSION = 5
+# 5: penalties, logit bias and log probabilities (GenerateTask, DoneEvent.logprobs);
+# 6: continuing a migrated answer (GenerateTask.continued_token_ids, TokenEvent.token_ids).
+CONTRACT_VERSION = 6
 # Versions this code can read (a worker refuses any other, naming both sides).
 SUPPORTED_VERSIONS = frozenset({CONTRACT_VERSION})
 VERSION_FIELD = "contract_version"
@@ -203,6 +204,11 @@ class GenerateTask:
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     logprobs: bool = False
     top_logprobs: int = 0
+    # A migration mid-answer: the tokens the client already has from a worker that vanished.
+    # The worker appends them to the prompt and continues after them (`max_tokens` is what is
+    # left of the budget); a worker that ignored them would repeat the answer from its start:
+    # hence contract version 6.
+    continued_token_ids: tuple[int, ...] = ()
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
@@ -224,6 +230,7 @@ class GenerateTask:
             data["stop"] = tuple(str(s) for s in data.get("stop") or ())
             data["block_hashes"] = tuple(int(h) for h in data.get("block_hashes") or ())
             data["encoded_images"] = tuple(int(i) for i in data.get("encoded_images") or ())
+            data["continued_token_ids"] = tuple(int(t) for t in data.get("continued_token_ids") or ())
             task = _from_mapping(cls, data)
             return dataclasses.replace(
                 task,
@@ -340,6 +347,9 @@ class TokenEvent:
     # completes, so a streamed chunk carries its own tokens' log probabilities as OpenAI's do. Any
     # token no piece carried (a stop string's) is only in DoneEvent.logprobs, which lists them all.
     logprobs: list[dict[str, Any]] | None = None
+    # The ids of the tokens this piece completes (contract 6), so that a frontend can continue
+    # the answer on another worker from exactly what the client has; None from an older worker.
+    token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

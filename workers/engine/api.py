@@ -14,10 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from workers.prompt_layout import ImageInput, VideoInput
 
-OnPiece = Callable[[str, list[dict[str, Any]] | None], None]
+# (text, its tokens' log probabilities or None, its token ids)
+OnPiece = Callable[[str, list[dict[str, Any]] | None, list[int]], None]
 
 # The events a RequestHandle's queue carries, in order: FIRST (its `perf_counter` instant) once,
-# TOKEN ((text, logprobs)) per piece of text, then DONE (a GenerationResult) or ERROR (the
+# TOKEN ((text, logprobs, token ids)) per piece of text, then DONE (a GenerationResult) or ERROR (the
 # exception), once.
 FIRST = "first"
 TOKEN = "token"
@@ -58,6 +59,9 @@ class GenerationRequest:
     # the prompt out itself (vLLM) checks its own against them; the native engine lays it out
     # with the router's code, and ignores them.
     expected_block_hashes: tuple[int, ...] = ()
+    # An answer continued after a migration: the tokens another worker already generated and the
+    # client has. They follow the prompt, and generation goes on after them.
+    continued_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -167,9 +171,9 @@ def follow(
                     handle.cancel()
                 continue
             if kind == TOKEN:
-                text, logprobs = value
+                text, logprobs, token_ids = value
                 if on_piece is not None:
-                    on_piece(text, logprobs)
+                    on_piece(text, logprobs, token_ids)
                 if on_token is not None:
                     on_token(text)
                 if should_stop is not None and should_stop():

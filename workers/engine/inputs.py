@@ -93,6 +93,7 @@ class RequestState:
     # is held out of the scheduler while the engine encodes its other images ahead.
     features_gate: threading.Event | None = None
     covered_at_submit: int = 0  # prompt tokens the cached prefix covered at submission
+    tokens_streamed: int = 0  # generated tokens the pieces sent so far carried
     encoded_ahead: bool = False  # its locally encoded images are done (or were tried)
 
 
@@ -141,6 +142,9 @@ class InputProcessor:
             top_logprobs=request.top_logprobs,
         )
         input_ids, placed = self.prompt(request)
+        if request.continued_token_ids:
+            # A continued answer: its earlier tokens are prompt here, computed in one prefill.
+            input_ids = [*input_ids, *request.continued_token_ids]
         if not fits(self.kv_pool, len(input_ids), request.max_tokens):
             # The client hears the limit in tokens; the operator's log names the setting.
             logger.info(
@@ -164,10 +168,14 @@ class InputProcessor:
         self._load_uncovered(
             placed, usable * self.block_size, request.scope_key, cached_embeddings=request.use_embedding_cache
         )
+        sampler = RequestSampler(params)
+        for token in request.continued_token_ids:
+            # A continued answer's penalties count the tokens the first worker generated, too.
+            sampler.counts[token] = sampler.counts.get(token, 0) + 1
         state = RequestState(
             request=request,
             placed=placed,
-            sampler=RequestSampler(params),
+            sampler=sampler,
             events=queue.SimpleQueue(),
             submitted_at=submitted_at,
             covered_at_submit=usable * self.block_size,

@@ -37,7 +37,10 @@ class OutputProcessor:
     def attach_stream(self, state: RequestState) -> None:
         """The request's incremental detokenizer, sending its pieces to the request's queue."""
         state.stream = TextStream(
-            self.tokenizer, list(state.request.stop), functools.partial(self._send_piece, state)
+            self.tokenizer,
+            list(state.request.stop),
+            functools.partial(self._send_piece, state),
+            prior=state.request.continued_token_ids,
         )
 
     def accept(self, sequence: SequenceState, token: int) -> None:
@@ -99,7 +102,9 @@ class OutputProcessor:
             start = len(state.logprob_entries)
             logprobs = self._logprob_entries(state, start, start + tokens)
             state.logprob_entries.extend(logprobs)
-        state.events.put((TOKEN, (piece, logprobs)))
+        token_ids = state.stream.generated_ids[state.tokens_streamed : state.tokens_streamed + tokens]
+        state.tokens_streamed += tokens
+        state.events.put((TOKEN, (piece, logprobs, token_ids)))
 
     def _logprobs(self, state: RequestState) -> list[dict[str, Any]]:
         """The sampler's log probabilities in OpenAI's shape, one per token of the answer: those

@@ -228,6 +228,9 @@ class VllmEngine:
             raise PromptError("this worker runs vLLM, which serves no video here yet")
         if request.processed is not None:
             raise PromptError("this worker runs vLLM, which preprocesses images itself")
+        if request.continued_token_ids:
+            # A migrated answer continues on a native worker; vLLM's path is not built yet.
+            raise PromptError("this worker runs vLLM, which does not continue a migrated answer yet")
         token_ids = self._tokenizer.encode(request.prompt, add_special_tokens=False)
         images = [self._load_image(image, request.scope_key) for image in request.images]
         prompt = engine_prompt(
@@ -401,7 +404,7 @@ class VllmEngine:
             flight.logprobs.extend(logprobs)
         if completion.text:
             flight.text.append(completion.text)
-            flight.events.put((TOKEN, (completion.text, logprobs)))
+            flight.events.put((TOKEN, (completion.text, logprobs, list(completion.token_ids))))
 
     def _result(self, flight: _Flight, output: Any) -> GenerationResult:
         finished = time.perf_counter()

@@ -22,8 +22,8 @@ from asgiref.sync import async_to_sync
 from django.core.management.base import BaseCommand, CommandError
 
 from inference_platform.api.chat_request import parse_chat_request, parse_json_body
-from inference_platform.api.errors import ApiError
-from inference_platform.serving import describe_workers, prepare, served_model
+from inference_platform.serving.errors import ApiError
+from inference_platform.serving.prepare import describe_workers, prepare, served_model
 from routing.deployment import statistics_namespace
 
 

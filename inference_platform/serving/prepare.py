@@ -1,58 +1,44 @@
-"""From a validated chat request to a dispatched task: prompt, images, token view, worker, payload.
+"""A validated chat request as the router sees it: prompt, images, token view, and the decision.
 
-This is the frontend's one place that decides how a request is served. `prepare` is
-synchronous and pure of I/O beyond fetching image headers (it runs in a thread); the API, the
-`/v1/route` endpoint and `manage.py inspect_request` all see a request through it.
+`prepare` is synchronous and pure of I/O beyond fetching image headers (it runs in a thread);
+a served request (`served.ServedRequest`), the `/v1/route` endpoint and `manage.py
+inspect_request` all see a request through it. `reserve_worker` decides and reserves;
+`preview_worker` decides without reserving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from django.conf import settings
 
-from inference_platform.api.chat_request import ChatRequest, ImagePart, VideoPart
-from inference_platform.api.errors import ApiError
-from inference_platform.dispatch import (
-    Dispatch,
-    eligible_workers,
+from inference_platform.serving.chat import ChatRequest, ImagePart, VideoPart
+from inference_platform.serving.dispatch import (
     lease_ttl_s,
-    media_store,
-    note_redis_failure,
-    record_decision,
-    redis_recently_failed,
-    release_media,
-    router,
-    send_to_worker,
     worker_report,
     worker_states,
 )
-from inference_platform.encoding import describe_encoding, plan_encoding
-from inference_platform.fleet_status import no_worker_error
+from inference_platform.serving.encoding import describe_encoding
+from inference_platform.serving.errors import ApiError
+from inference_platform.serving.frontend import frontend
 from routing.contract.tasks import (
     CONTEXT_LENGTH_EXCEEDED,
-    DoneEvent,
     GenerateTask,
     ImageRef,
     VideoRef,
     context_length_message,
 )
-from routing.deployment import statistics_namespace
 from routing.fleet.registry import Heartbeat
 from routing.kv.decision import AllWorkersBusy, RoutingDecision
 from routing.kv.lease import RequestLease
 from routing.kv.selection import Score
 from routing.media.images import (
-    SIZES_FLUSHED_KEY,
     ImageSizes,
     MediaError,
     MediaPolicy,
@@ -62,20 +48,14 @@ from routing.media.images import (
     routing_hash,
     url_identity,
 )
-from routing.media.store import MediaRef, MediaStoreError
+from routing.media.store import MediaRef
 from routing.media.video import SampledVideo, VideoLimits, resolve_videos
-from routing.observe import telemetry
-from routing.policy import current_policy
 from routing.prompt.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.prompt.model_view import ModelDirectoryError, ModelView, model_view
-from routing.prompt.processor_view import tensors_by_reference
 from routing.prompt.session_scope import SessionScopeError, resolve_session_scope, scope_hash
 from routing.prompt.token_view import PlaceholderMismatch, TokenView, VideoFacts, build_token_view
 from routing.prompt.video_layouts import video_expansion_ids
-from routing.state.redis_keys import sync_client
 from tenants.keys import ANONYMOUS, Caller
-from tenants.limits import LimitExceeded, TenantLimiter, exceeded_headers
-from tenants.usage import TenantUsage
 
 logger = logging.getLogger("inference_platform.serving")
 
@@ -125,108 +105,6 @@ def session_scope_hash(headers: Mapping[str, str], caller: Caller = ANONYMOUS) -
     if scope is None:
         return None
     return scope_hash(scope, settings.SECRET_KEY.encode(), bind_to=caller.scope_binding)
-
-
-def tenant_limiter() -> TenantLimiter:
-    return TenantLimiter(
-        sync_client(settings.REDIS_URL),
-        settings.REDIS_KEY_PREFIX,
-        slot_ttl_s=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS + settings.TENANT_SLOT_TTL_SECS,
-    )
-
-
-def tenant_usage() -> TenantUsage:
-    """Synchronous (the deployment id may need a database read): call it in a thread."""
-    return TenantUsage(sync_client(settings.REDIS_URL), statistics_namespace())
-
-
-def _count_refusal(usage_id: str) -> None:
-    tenant_usage().refused(usage_id)
-
-
-def _count_usage(usage_id: str, done: DoneEvent) -> None:
-    tenant_usage().record(
-        usage_id,
-        prompt=int(done.prompt_tokens),
-        cached=int(done.cached_tokens),
-        completion=int(done.completion_tokens),
-    )
-
-
-async def _over_limit(caller: Caller, exceeded: LimitExceeded, request_id: str) -> ApiError:
-    logger.info("request %s of %s refused: over %s", request_id, caller.label, exceeded.limit)
-    await asyncio.to_thread(_count_refusal, caller.usage_id)  # type: ignore[arg-type]
-    headers = exceeded_headers(exceeded)
-    if exceeded.retry_after_s is not None:
-        headers["Retry-After"] = str(exceeded.retry_after_s)
-    return ApiError(
-        429,
-        exceeded.describe(),
-        code="rate_limit_exceeded" if exceeded.retry_after_s is not None else "request_too_large",
-        param=exceeded.limit,
-        headers=headers,
-    )
-
-
-async def admit(caller: Caller, request_id: str) -> dict[str, str]:
-    """Count the request against its tenant's limits (requests per minute, concurrency), or 429.
-    Returns the `x-ratelimit-*-requests` headers (none without a requests-per-minute limit)."""
-    if caller.tenant_id is None:
-        return {}
-    try:
-        budget = await asyncio.to_thread(
-            tenant_limiter().admit,
-            caller.tenant_id,
-            request_id,
-            requests_per_minute=caller.requests_per_minute,
-            max_concurrent=caller.max_concurrent_requests,
-        )
-    except LimitExceeded as exceeded:
-        raise await _over_limit(caller, exceeded, request_id) from None
-    return {} if budget is None else budget.headers()
-
-
-async def charge_prompt_tokens(caller: Caller, request_id: str, prompt_tokens: int) -> dict[str, str]:
-    """Take the prompt's tokens from its tenant's per-minute budget, or 429. Returns the
-    `x-ratelimit-*-tokens` headers (none without a prompt-tokens-per-minute limit)."""
-    if caller.tenant_id is None:
-        return {}
-    try:
-        budget = await asyncio.to_thread(
-            tenant_limiter().charge_prompt_tokens,
-            caller.tenant_id,
-            prompt_tokens,
-            limit=caller.prompt_tokens_per_minute,
-        )
-    except LimitExceeded as exceeded:
-        raise await _over_limit(caller, exceeded, request_id) from None
-    return {} if budget is None else budget.headers()
-
-
-async def finish_request(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
-    """The request ended (answered or not): free its tenant's slot, count what it used."""
-    if caller.tenant_id is None:
-        return
-    if redis_recently_failed():
-        # Redis just failed this request: the client gets its answer now, not a timeout later.
-        task = asyncio.create_task(_record_end(caller, request_id, done))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
-        return
-    await _record_end(caller, request_id, done)
-
-
-_background: set[asyncio.Task] = set()  # held until done (the loop keeps only weak references)
-
-
-async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
-    try:
-        await asyncio.to_thread(tenant_limiter().release, caller.tenant_id, request_id)
-        if done is not None:
-            await asyncio.to_thread(_count_usage, caller.usage_id, done)  # type: ignore[arg-type]
-    except redis.RedisError:
-        # The slot expires on its own; a lost usage increment must not fail an answered request.
-        logger.warning("could not record the end of request %s for %s", request_id, caller.label)
 
 
 def media_policy() -> MediaPolicy:
@@ -378,31 +256,6 @@ class PreparedRequest:
         )
 
 
-@functools.lru_cache(maxsize=1)
-def _image_sizes(ttl_s: float, max_entries: int) -> ImageSizes:
-    return ImageSizes(ttl_s, max_entries, flush_token=_sizes_flush_token)
-
-
-def _sizes_flush_token() -> bytes | None:
-    """The token `flush_caches` sets when it flushes images (None: never, or Redis failed)."""
-    try:
-        client = sync_client(settings.REDIS_URL, timeout_s=_SIZES_FLUSH_TIMEOUT_S)
-        return client.get(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}")
-    except redis.RedisError:
-        return None
-
-
-# A look that only saves work: a frozen Redis costs a request this much more, once a second.
-_SIZES_FLUSH_TIMEOUT_S = 0.25
-
-
-def image_sizes() -> ImageSizes | None:
-    """This process's kept image sizes (MEDIA_SIZE_CACHE_SECS); None when that is 0."""
-    if settings.MEDIA_SIZE_CACHE_SECS <= 0:
-        return None
-    return _image_sizes(settings.MEDIA_SIZE_CACHE_SECS, settings.MEDIA_SIZE_CACHE_ENTRIES)
-
-
 def image_size_scope(cache_salt: int | None, scope_key: str | None) -> tuple[int | None, str | None]:
     """Whose kept image sizes a request may use: its caller's cache partition and, where image
     caches are session-scoped (the origin may answer each session with other content), its
@@ -454,7 +307,7 @@ def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> 
             400, f"The model's chat template refused these messages: {exc}", code="invalid_messages"
         ) from exc
 
-    frontend_decoding = current_policy().frontend_decoding
+    frontend_decoding = frontend().policy().frontend_decoding
     videos = _resolve_videos(model, chat)
     # The processor path takes no video here: a request with one uses the layout registry.
     use_processor = settings.DYN_CHAT_PROCESSOR == "transformers" and bool(chat.images) and not videos
@@ -570,7 +423,7 @@ def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None
 
 def _decision_inputs(prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None):
     view = prepared.view
-    policy = current_policy()
+    policy = frontend().policy()
     args = (view.block_hashes, view.prompt_tokens, view.block_size, sorted(workers), policy.routing)
     options = {
         "session_key": scope_key,
@@ -587,7 +440,7 @@ def preview_worker(
 ) -> RoutingDecision:
     """The decision the router would make now, reserving nothing (`/v1/route`, inspect_request)."""
     args, options = _decision_inputs(prepared, workers, scope_key)
-    return router().route(*args, **options)
+    return frontend().router().route(*args, **options)
 
 
 def reserve_worker(
@@ -596,7 +449,11 @@ def reserve_worker(
     """Decide and reserve in one atomic step (the baselines, round robin and random, too)."""
     args, options = _decision_inputs(prepared, workers, scope_key)
     instances = {name: beat.instance for name, beat in workers.items()}
-    return router().decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
+    return (
+        frontend()
+        .router()
+        .decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
+    )
 
 
 def context_length_exceeded(limit: int, prompt_tokens: int, max_tokens: int) -> ApiError:
@@ -687,219 +544,6 @@ def _processor_view(
     return result.view, result.processed
 
 
-async def plan_request(
-    chat: ChatRequest, request_id: str, headers: Mapping[str, str], caller: Caller = ANONYMOUS
-) -> Dispatch:
-    """Admit, prepare, route and send one request; on any refusal its tenant's slot is freed."""
-    scope_key = session_scope_hash(headers, caller)
-    request_budget = await admit(caller, request_id)
-    try:
-        dispatch = await _plan(chat, request_id, scope_key, caller)
-        dispatch.rate_limit_headers.update(request_budget)
-        return dispatch
-    except BaseException as exc:
-        if isinstance(exc, ApiError):  # the request was counted: its refusal says what is left
-            exc.headers = request_budget | exc.headers
-        if isinstance(exc, redis.RedisError):
-            note_redis_failure()
-        await finish_request(caller, request_id, None)
-        raise
-
-
-async def _plan(chat: ChatRequest, request_id: str, scope_key: str | None, caller: Caller) -> Dispatch:
-    salt = caller.cache_salt(chat.cache_salt)
-    sizes = image_sizes()
-    prepared = await asyncio.to_thread(prepare, chat, salt, sizes=sizes, scope_key=scope_key)
-    model, view = prepared.model, prepared.view
-    workers = await eligible_workers(model.name, view.block_size)
-    if not workers:  # why none, naming the workers, with Retry-After (drained, disabled, down)
-        raise await no_worker_error(model.name, view.block_size, request_id)
-    # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
-    check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
-    token_budget = await charge_prompt_tokens(caller, request_id, view.prompt_tokens)
-    started = time.perf_counter()
-    try:
-        lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, request_id)
-    except AllWorkersBusy as busy:
-        raise all_busy(model.name, request_id, busy) from busy
-    telemetry.observe("routing_decision_seconds", time.perf_counter() - started)
-    decision = lease.decision
-    record_decision(decision)
-    dispatch = Dispatch(lease)
-    dispatch.rate_limit_headers.update(token_budget)
-    dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
-    try:
-        task = await _send(prepared, dispatch, decision, scope_key, request_id)
-    except BaseException:
-        # Never sent: the media and the reservation go now rather than when they expire.
-        await asyncio.shield(release_media(dispatch))
-        await asyncio.shield(asyncio.to_thread(lease.release, "send_failed"))
-        raise
-    dispatch.migrate = _migration(prepared, scope_key, task)
-    dispatch.replan = _replanning(chat, salt, scope_key)
-    _log_sent(request_id, caller, prepared, decision)
-    return dispatch
-
-
-async def _send(
-    prepared: PreparedRequest,
-    dispatch: Dispatch,
-    decision: RoutingDecision,
-    scope_key: str | None,
-    task_id: str,
-) -> GenerateTask:
-    """Store the request's media and send its task, as `task_id`, to the decision's worker."""
-    media, video_media, processed = await store_media(prepared, dispatch)
-    task = dataclasses.replace(
-        prepared.generate_task(task_id, scope_key, media, video_media),
-        follow_id=dispatch.request_id,
-        processed=processed,
-    )
-    # E/PD: with live encode workers, images the chosen worker's cached prefix does not cover
-    # are encoded apart, and the task names them (the aggregated path when there is none).
-    task, _ = await plan_encoding(task, prepared.view, prepared.model.name, decision.worker, decision.overlap)
-    # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
-    await send_to_worker(decision.worker, dataclasses.replace(task, dispatched_at=time.time()))
-    return task
-
-
-def _size_forgetter(
-    prepared: PreparedRequest, sizes: ImageSizes | None, salt: str, scope_key: str | None
-) -> Callable[[], None] | None:
-    """Forgets the sizes read by URL for this request, for when a worker finds one changed."""
-    read_by_url = [image.identity for image in prepared.images if image.data is None]
-    if sizes is None or not read_by_url:
-        return None
-    return functools.partial(sizes.forget, image_size_scope(salt, scope_key), read_by_url)
-
-
-def _log_sent(request_id: str, caller: Caller, prepared: PreparedRequest, decision: RoutingDecision) -> None:
-    logger.info(
-        "request %s of %s sent to worker %s (%d prompt tokens, %d/%d blocks cached, best %d, %s)",
-        request_id,
-        caller.label,
-        decision.worker,
-        prepared.view.prompt_tokens,
-        decision.overlap,
-        decision.total_blocks,
-        decision.best_overlap,
-        decision.reason,
-    )
-
-
-def _replanning(chat: ChatRequest, salt: str, scope_key: str | None):
-    """How this request is planned again when a worker finds one of its pictures changed at the
-    origin since its size was read (a size the frontend kept): the sizes are read afresh, and
-    the token view, the routing and the task follow from them. Once: the replan clears itself.
-    The tenant was admitted and charged for the first plan; neither is done twice."""
-
-    async def replan(dispatch: Dispatch) -> bool:
-        dispatch.replan = None
-        if dispatch.forget_image_sizes is not None:
-            dispatch.forget_image_sizes()
-        sizes = image_sizes()
-        prepared = await asyncio.to_thread(prepare, chat, salt, sizes=sizes, scope_key=scope_key)
-        workers = await eligible_workers(prepared.model.name, prepared.view.block_size)
-        if not workers:
-            return False
-        try:
-            lease = await asyncio.to_thread(reserve_worker, prepared, workers, scope_key, dispatch.request_id)
-        except AllWorkersBusy:
-            return False
-        decision = lease.decision
-        await release_media(dispatch)  # the first plan's blobs: the new task brings its own
-        task_id = f"{dispatch.request_id}-r1"
-        try:
-            task = await _send(prepared, dispatch, decision, scope_key, task_id)
-        except BaseException:
-            await asyncio.shield(asyncio.to_thread(lease.release, "send_failed"))
-            raise
-        await _moved(dispatch, lease, task_id)
-        dispatch.migrate = _migration(prepared, scope_key, task)
-        dispatch.forget_image_sizes = _size_forgetter(prepared, sizes, salt, scope_key)
-        telemetry.inc("request_replans", labels={"worker": decision.worker})
-        return True
-
-    return replan
-
-
-def _migration(prepared: PreparedRequest, scope_key: str | None, task: GenerateTask):
-    """How this request moves to another worker when its worker dies before the first token."""
-
-    async def migrate(dispatch: Dispatch) -> bool:
-        view = prepared.view
-        workers = await eligible_workers(prepared.model.name, view.block_size)
-        for tried in dispatch.tried:
-            workers.pop(tried, None)
-        if not workers:
-            return False
-        try:
-            # Reserved on the new worker under the same request id; the lease then moves there.
-            moved_lease = await asyncio.to_thread(
-                reserve_worker, prepared, workers, scope_key, dispatch.request_id
-            )
-        except AllWorkersBusy:
-            return False
-        decision = moved_lease.decision
-        task_id = f"{dispatch.request_id}-m{dispatch.migrations + 1}"
-        moved = dataclasses.replace(task, request_id=task_id, dispatched_at=time.time())
-        try:
-            await send_to_worker(decision.worker, moved)
-        except BaseException:
-            await asyncio.shield(asyncio.to_thread(moved_lease.release, "send_failed"))
-            raise
-        await _moved(dispatch, moved_lease, task_id)
-        dispatch.migrations += 1
-        telemetry.inc("request_migrations", labels={"worker": decision.worker})
-        return True
-
-    return migrate
-
-
-async def _moved(dispatch: Dispatch, lease: RequestLease, task_id: str) -> None:
-    """The request now runs as `task_id` under `lease`'s decision (reserved by `decide` under the
-    same request id): the dispatch's lease takes it over, the old worker's reservation is freed."""
-    decision = lease.decision
-    await asyncio.to_thread(dispatch.lease.reassign, decision, lease.instance)
-    dispatch.task_id = task_id
-    dispatch.tried.append(decision.worker)
-    record_decision(decision)
-
-
-async def store_media(
-    prepared: PreparedRequest, dispatch: Dispatch
-) -> tuple[dict[int, MediaRef], dict[int, MediaRef], dict[str, Any] | None]:
-    """Put the bytes the frontend holds (fetched images, data URLs), each video's sampled frames
-    and the processor path's tensors in the side store; returns the references by image index
-    and by video index, and the processed inputs with their tensors by reference."""
-    held = [image for image in prepared.images if image.data is not None]
-    stored: list[MediaRef] = []
-    store = media_store()
-
-    def put_all(blobs: list[bytes]) -> list[MediaRef]:
-        refs = store.put_many(dispatch.request_id, blobs)
-        stored.extend(refs)  # before anything else can fail: released with the request
-        return refs
-
-    try:
-        processed = prepared.processed
-        if processed is not None:
-            processed = await asyncio.to_thread(
-                tensors_by_reference, processed, lambda blobs: [r.to_payload() for r in put_all(blobs)]
-            )
-        if not held and not prepared.videos:
-            return {}, {}, processed
-        blobs = [image.data for image in held] + [video.frames for video in prepared.videos]
-        refs = await asyncio.to_thread(put_all, blobs)
-    except MediaStoreError as exc:
-        raise ApiError(exc.status, exc.message, code=exc.code, param="messages") from exc
-    finally:
-        dispatch.media = stored
-    image_refs = {image.index: ref for image, ref in zip(held, refs, strict=False)}
-    video_refs = {video.index: ref for video, ref in zip(prepared.videos, refs[len(held) :], strict=True)}
-    return image_refs, video_refs, processed
-
-
 async def describe_route(
     chat: ChatRequest, headers: Mapping[str, str], caller: Caller = ANONYMOUS
 ) -> dict[str, Any]:
@@ -911,7 +555,7 @@ async def describe_route(
     # A malformed scope is refused here as in a real request; the scope partitions E/PD's affinity.
     scope_key = session_scope_hash(headers, caller)
     prepared = await asyncio.to_thread(
-        prepare, chat, caller.cache_salt(chat.cache_salt), sizes=image_sizes(), scope_key=scope_key
+        prepare, chat, caller.cache_salt(chat.cache_salt), sizes=frontend().image_sizes(), scope_key=scope_key
     )
     return prepared.describe() | await describe_workers(prepared, scope_key)
 

@@ -22,9 +22,9 @@ from typing import Any
 from django.conf import settings
 
 from inference_platform.celery import app as celery_app
-from inference_platform.dispatch import eligible_encoders, worker_states
+from inference_platform.serving.dispatch import eligible_encoders, worker_states
+from inference_platform.serving.frontend import frontend
 from routing.contract.tasks import EncodeTask, GenerateTask
-from routing.deployment import statistics_namespace
 from routing.fleet.encoders import (
     EncoderPool,
     EncoderScore,
@@ -35,7 +35,6 @@ from routing.fleet.encoders import (
 )
 from routing.models import worker_queue
 from routing.prompt.token_view import TokenView
-from routing.state.redis_keys import sync_client
 
 logger = logging.getLogger("inference_platform.encoding")
 
@@ -47,17 +46,6 @@ class EncodePlan:
     scores: list[EncoderScore]
     kept_local: tuple[int, ...] = ()  # the request's images its LLM worker encodes itself
     split: EncodeSplit | None = None
-
-
-def encoder_pool() -> EncoderPool:
-    """Synchronous (the deployment id may need a database read): call it in a thread."""
-    client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
-    return EncoderPool(
-        client,
-        namespace,
-        pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS,
-        statistics_namespace=statistics_namespace(),
-    )
 
 
 def uncovered_images(view: TokenView, image_count: int, overlap_blocks: int) -> list[int]:
@@ -106,7 +94,7 @@ async def plan_encoding(
     encoders = await eligible_encoders(model, view.block_size)
     if not encoders:
         return task, None
-    pool = await asyncio.to_thread(encoder_pool)
+    pool = await asyncio.to_thread(frontend().encoder_pool)
     tags = _tags(task, indices, any(beat.session_scoped for beat in encoders.values()))
     choice = await asyncio.to_thread(pool.choose, encoders, tags)
     if choice is None:
@@ -181,7 +169,7 @@ async def describe_encoding(
     eligible = [state.name for state in encoders if state.ineligible_because is None]
     indices = _candidate_images(task, view, overlap_blocks) if llm_worker else []
     tags = _tags(task, indices, any(state.heartbeat.session_scoped for state in encoders))
-    pool = await asyncio.to_thread(encoder_pool)
+    pool = await asyncio.to_thread(frontend().encoder_pool)
     scores = {s.worker: s for s in await asyncio.to_thread(pool.scores, [s.name for s in encoders], tags)}
     choice = None
     split: dict[str, Any] | None = None

@@ -1,0 +1,181 @@
+"""The frontend process's collaborators, built in one place: the KV router, the worker registry,
+the media side store, the tenant limiter and usage, the encoder pool, the kept image sizes and
+the live policy reader.
+
+Each is built once per configuration it reads (the settings it is made from are its key), so a
+deployment builds each once, while a test that changes a setting (a Redis key prefix, a cap) gets
+one made from it. `reset()` forgets them all, and what they keep between requests (image sizes,
+the live policy, the worker rows), for tests that must not see another test's state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from django.conf import settings
+
+from routing.deployment import statistics_namespace
+from routing.fleet.encoders import EncoderPool
+from routing.fleet.registry import WorkerRegistry
+from routing.fleet.worker_rows import kept_rows
+from routing.kv.affinity import SessionAffinity
+from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
+from routing.kv.router import KvRouter
+from routing.media.images import SIZES_FLUSHED_KEY, ImageSizes
+from routing.media.store import MediaStore, media_store_from_settings
+from routing.policy import LivePolicy, current_policy, forget_cached_policy
+from routing.state.redis_keys import sync_client
+from tenants.limits import TenantLimiter
+from tenants.usage import TenantUsage
+
+T = TypeVar("T")
+
+# A look that only saves work: a frozen Redis costs a request this much more, once a second.
+_SIZES_FLUSH_TIMEOUT_S = 0.25
+
+
+class Frontend:
+    """This process's collaborators, each built on first use from the settings it reads."""
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[str, Hashable], Any] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, name: str, key: Hashable, build: Callable[[], T]) -> T:
+        with self._lock:
+            found = self._built.get((name, key))
+            if found is None:
+                found = self._built[(name, key)] = build()
+            return found
+
+    def reset(self) -> None:
+        """Forget every collaborator and what they keep between requests (tests)."""
+        with self._lock:
+            self._built.clear()
+        forget_cached_policy()
+        kept_rows().clear()
+
+    def router(self) -> KvRouter:
+        """The KV router over the shared index, load and affinity in Redis."""
+        key = (
+            settings.REDIS_URL,
+            settings.REDIS_KEY_PREFIX,
+            settings.ROUTER_LOAD_ENTRY_TTL_SECS,
+            settings.ROUTER_AFFINITY_TTL_SECS,
+            settings.ROUTER_APPROXIMATE_TTL_SECS,
+            settings.ROUTER_PREDICTED_TTL_SECS,
+        )
+
+        def build() -> KvRouter:
+            client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+            return KvRouter(
+                client,
+                namespace,
+                index=KvIndex(client, namespace),
+                load=LoadTracker(client, namespace, entry_ttl_s=settings.ROUTER_LOAD_ENTRY_TTL_SECS),
+                affinity=SessionAffinity(client, namespace, ttl_s=settings.ROUTER_AFFINITY_TTL_SECS),
+                approximate_ttl_s=settings.ROUTER_APPROXIMATE_TTL_SECS,
+                predicted_ttl_s=settings.ROUTER_PREDICTED_TTL_SECS,
+            )
+
+        return self._get("router", key, build)
+
+    def registry(self) -> WorkerRegistry:
+        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX)
+        return self._get(
+            "registry",
+            key,
+            lambda: WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX),
+        )
+
+    def media_store(self) -> MediaStore:
+        key = (
+            settings.REDIS_URL,
+            settings.REDIS_KEY_PREFIX,
+            settings.MEDIA_STORE_MAX_REQUEST_BYTES,
+            settings.MEDIA_STORE_MAX_TOTAL_BYTES,
+            settings.MEDIA_STORE_TTL_SECS,
+        )
+        return self._get(
+            "media_store",
+            key,
+            lambda: media_store_from_settings(
+                sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, settings
+            ),
+        )
+
+    def limiter(self) -> TenantLimiter:
+        slot_ttl_s = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS + settings.TENANT_SLOT_TTL_SECS
+        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX, slot_ttl_s)
+        return self._get(
+            "limiter",
+            key,
+            lambda: TenantLimiter(
+                sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX, slot_ttl_s=slot_ttl_s
+            ),
+        )
+
+    def usage(self) -> TenantUsage:
+        """The tenants' usage, kept under this deployment's statistics namespace. Synchronous
+        (the deployment id may need a database read the first time): call it in a thread."""
+        namespace = statistics_namespace()
+        key = (settings.REDIS_URL, namespace)
+        return self._get("usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), namespace))
+
+    def encoder_pool(self) -> EncoderPool:
+        """The encode workers' pool; its counters under this deployment's statistics namespace.
+        Synchronous (the deployment id may need a database read the first time): call it in a
+        thread."""
+        namespace = statistics_namespace()
+        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX, settings.EPD_ENCODE_WAIT_SECS, namespace)
+        return self._get(
+            "encoder_pool",
+            key,
+            lambda: EncoderPool(
+                sync_client(settings.REDIS_URL),
+                settings.REDIS_KEY_PREFIX,
+                pending_ttl_s=settings.EPD_ENCODE_WAIT_SECS,
+                statistics_namespace=namespace,
+            ),
+        )
+
+    def image_sizes(self) -> ImageSizes | None:
+        """The image sizes kept by URL (MEDIA_SIZE_CACHE_SECS); None when that is 0."""
+        if settings.MEDIA_SIZE_CACHE_SECS <= 0:
+            return None
+        key = (settings.MEDIA_SIZE_CACHE_SECS, settings.MEDIA_SIZE_CACHE_ENTRIES)
+        return self._get(
+            "image_sizes",
+            key,
+            lambda: ImageSizes(
+                settings.MEDIA_SIZE_CACHE_SECS,
+                settings.MEDIA_SIZE_CACHE_ENTRIES,
+                flush_token=_sizes_flush_token,
+            ),
+        )
+
+    def policy(self) -> LivePolicy:
+        """The live routing policy (the admin's row, else the environment), reread each second."""
+        return current_policy()
+
+
+def _sizes_flush_token() -> bytes | None:
+    """The token `flush_caches` sets when it flushes images (None: never, or Redis failed)."""
+    import redis
+
+    try:
+        client = sync_client(settings.REDIS_URL, timeout_s=_SIZES_FLUSH_TIMEOUT_S)
+        return client.get(f"{settings.REDIS_KEY_PREFIX}{SIZES_FLUSHED_KEY}")
+    except redis.RedisError:
+        return None
+
+
+_frontend = Frontend()
+
+
+def frontend() -> Frontend:
+    """This process's collaborators (one per process)."""
+    return _frontend
