@@ -20,7 +20,6 @@ from typing import Any
 
 from PIL import Image
 
-from routing.contract.kv_events import KvEvent
 from workers.embedding_cache import EmbeddingCache
 from workers.engine.api import (
     EngineLoad,
@@ -49,8 +48,6 @@ from workers.scheduler import DEFAULT_JOIN_TOKENS, SHORTEST_FIRST, Scheduler, Se
 from workers.video_inputs import VideoPreprocessor
 
 logger = logging.getLogger("workers.engine")
-
-PublishEvents = Callable[[Sequence[KvEvent]], None]
 
 # `Engine.warm_up`'s prompt: plain text any tokenizer takes, long enough to be a prefill step
 # (at least counters.RATE_MIN_PROMPT_TOKENS tokens) rather than a decode-sized one.

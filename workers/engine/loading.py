@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import xxhash
 
@@ -16,8 +16,11 @@ from workers.scheduler import DEFAULT_JOIN_TOKENS, SHORTEST_FIRST
 from workers.video_inputs import VideoPreprocessor
 
 if TYPE_CHECKING:
-    from workers.engine.core import Engine, PublishEvents
     from workers.engine.inputs import ImageLoader
+    from workers.kv_cache import PublishEvents
+
+# The engine class load_engine builds (Engine; a subclass in tests): loading names no engine.
+EngineT = TypeVar("EngineT")
 
 # Sized for a small model on a CPU: a step of this many tokens takes tens of milliseconds, so a
 # prompt chunk delays the running decodes by about that much.
@@ -26,7 +29,7 @@ DEFAULT_MAX_RUNNING = 16
 
 
 def load_engine(
-    engine_class: type[Engine],
+    engine_class: type[EngineT],
     model_dir: Path,
     *,
     device: str = "cpu",
@@ -41,7 +44,7 @@ def load_engine(
     max_running: int = DEFAULT_MAX_RUNNING,
     schedule_policy: str = SHORTEST_FIRST,
     prefill_join_tokens: int = DEFAULT_JOIN_TOKENS,
-) -> Engine:
+) -> EngineT:
     """Loads a local checkpoint (no hub access) into an engine, which announces an empty cache."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

@@ -36,6 +36,7 @@ from workers.engine.api import (
     RequestHandle,
     follow,
 )
+from workers.kv_cache import PublishEvents
 from workers.prompt_layout import ImageInput, PromptError
 from workers.vllm_engine.kv_events import KvEventTranslator
 from workers.vllm_engine.prompt import (
@@ -48,7 +49,6 @@ from workers.vllm_engine.prompt import (
 
 logger = logging.getLogger("workers.vllm_engine")
 
-PublishEvents = Callable[[Sequence[KvEvent]], None]
 
 # The families whose prompt layout this adapter has been checked against vLLM's (the demo
 # checkpoints of `build_demo_model`); another family is refused at start rather than served with
