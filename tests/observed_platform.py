@@ -44,6 +44,7 @@ class Ledger:
     kv_hits: int = 0  # requests whose prompt found a cached prefix (the worker counts these)
     statuses: dict[int, int] = field(default_factory=dict)
     history_requests: int = 0  # requests a test recorded as answered long ago (never sent now)
+    refused_at_edge: int = 0  # requests refused before routing (a wrong key): never reach a worker
     answered_at: list[float] = field(default_factory=list)  # when each request was answered
 
     def requests_since(self, unix: float) -> int:
@@ -104,6 +105,7 @@ class ObservedPlatform:
         )
         self.ledger.answered_at.append(time.time())
         self.ledger.requests += 1
+        self.ledger.refused_at_edge += 1
         self.ledger.statuses[response.status_code] = self.ledger.statuses.get(response.status_code, 0) + 1
         return response
 
