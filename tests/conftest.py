@@ -66,6 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything
 def pytest_runtest_setup(item: pytest.Item) -> None:
     marked = item.get_closest_marker("integration") is not None
+    harness.guard_starts = True
     harness.starts_allowed_for = item.nodeid if marked else None
 
 
