@@ -192,6 +192,34 @@ def follow(
             handle.cancel()  # the caller went away (an exception in a callback, say)
 
 
+class FollowsSubmitted:
+    """`generate` for an engine whose `submit` hands back a RequestHandle: both engines wait on a
+    request the same way (`follow`), so the waiting is written once."""
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        raise NotImplementedError
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        on_token: Callable[[str], None] | None = None,
+        on_first_token: Callable[[], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        on_piece: OnPiece | None = None,
+        await_features: Callable[[], None] | None = None,
+    ) -> GenerationResult:
+        """Serves one request and waits for it; thread-safe. Callbacks run in the calling thread."""
+        return follow(
+            self.submit(request),
+            on_token=on_token,
+            on_first_token=on_first_token,
+            should_stop=should_stop,
+            on_piece=on_piece,
+            await_features=await_features,
+        )
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """The engine a generating worker serves its tasks with.

@@ -23,11 +23,9 @@ from PIL import Image
 from workers.embedding_cache import EmbeddingCache
 from workers.engine.api import (
     EngineLoad,
+    FollowsSubmitted,
     GenerationRequest,
-    GenerationResult,
-    OnPiece,
     RequestHandle,
-    follow,
 )
 from workers.engine.counters import EngineCounters
 from workers.engine.inputs import ImageLoader, InputProcessor, RequestState
@@ -68,7 +66,7 @@ def _let_engine_steps_finish() -> None:
         thread.join(timeout=5)
 
 
-class Engine:
+class Engine(FollowsSubmitted):
     """A loaded model with its processor, paged KV pool (the prefix cache) and embedding cache.
     Implements `workers.engine.api.InferenceEngine`."""
 
@@ -184,26 +182,6 @@ class Engine:
     @property
     def max_running(self) -> int:
         return self.scheduler.max_running
-
-    def generate(
-        self,
-        request: GenerationRequest,
-        *,
-        on_token: Callable[[str], None] | None = None,
-        on_first_token: Callable[[], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        on_piece: OnPiece | None = None,
-        await_features: Callable[[], None] | None = None,
-    ) -> GenerationResult:
-        """Serves one request in the shared batch and waits for it; thread-safe (`api.follow`)."""
-        return follow(
-            self.submit(request),
-            on_token=on_token,
-            on_first_token=on_first_token,
-            should_stop=should_stop,
-            on_piece=on_piece,
-            await_features=await_features,
-        )
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Lays out the prompt and queues the request; its images load here, outside the model

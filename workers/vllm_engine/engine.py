@@ -30,11 +30,10 @@ from workers.engine.api import (
     FIRST,
     TOKEN,
     EngineLoad,
+    FollowsSubmitted,
     GenerationRequest,
     GenerationResult,
-    OnPiece,
     RequestHandle,
-    follow,
 )
 from workers.kv_cache import PublishEvents
 from workers.prompt_layout import ImageInput, PromptError
@@ -99,7 +98,7 @@ class _SchedulerStatsLogger:
         pass
 
 
-class VllmEngine:
+class VllmEngine(FollowsSubmitted):
     """A vLLM engine serving the worker's tasks. Implements `InferenceEngine`."""
 
     schedule_policy = "fcfs"  # vLLM's default scheduler: the router models its queue as it is
@@ -257,25 +256,6 @@ class VllmEngine:
             running.cancel()
 
         return RequestHandle(request.request_id, flight.events, cancel)
-
-    def generate(
-        self,
-        request: GenerationRequest,
-        *,
-        on_token: Callable[[str], None] | None = None,
-        on_first_token: Callable[[], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        on_piece: OnPiece | None = None,
-        await_features: Callable[[], None] | None = None,
-    ) -> GenerationResult:
-        return follow(
-            self.submit(request),
-            on_token=on_token,
-            on_first_token=on_first_token,
-            should_stop=should_stop,
-            on_piece=on_piece,
-            await_features=await_features,
-        )
 
     def load_report(self) -> EngineLoad:
         stats = self._stats_logger.latest if self._llm is not None else None
