@@ -198,6 +198,7 @@ class PlatformProcesses:
         }
         self.env.pop("PYTEST_CURRENT_TEST", None)
         self.workers: dict[str, subprocess.Popen] = {}
+        self._fleet_of: dict[str, str] = {}  # a simulated worker's name -> its process's (start_sim_workers)
         self.servers: list[subprocess.Popen] = []
         self.server_urls: list[str] = []  # each server's base URL, in the order of `servers`
         self.base_url = ""  # the first server's
@@ -313,23 +314,37 @@ class PlatformProcesses:
             args[0] = python
         self.workers[name] = self._spawn(f"worker-{name}", args)
 
+    def start_sim_workers(self, name: str, count: int, *extra: str) -> list[str]:
+        """`count` simulated workers in one `run_worker --engine sim` process (workers.sim_engine);
+        their names, to wait for with `wait_for_workers`."""
+        args = run_worker_args(name, "--engine", "sim", "--count", str(count), *extra)
+        self.workers[name] = self._spawn(f"worker-{name}", args)
+        members = [name] if count == 1 else [f"{name}-{i}" for i in range(count)]
+        self._fleet_of.update({member: name for member in members})
+        return members
+
     def wait_for_workers(self, *names: str, timeout: float = 90.0) -> None:
+        """Waits for each worker's heartbeat (a simulated one's is its own, its process shared)."""
         deadline = time.monotonic() + timeout
         for name in names:
+            process_name = self._fleet_of.get(name, name)
             while not self.redis.exists(self.heartbeat_key(name)):
-                process = self.workers[name]
+                process = self.workers[process_name]
                 if process.poll() is not None:
-                    raise AssertionError(f"worker {name} exited early:\n{self.log_tail(f'worker-{name}')}")
+                    raise AssertionError(
+                        f"worker {name} exited early:\n{self.log_tail(f'worker-{process_name}')}"
+                    )
                 if time.monotonic() > deadline:
                     raise AssertionError(
-                        f"worker {name} did not register:\n{self.log_tail(f'worker-{name}')}"
+                        f"worker {name} did not register:\n{self.log_tail(f'worker-{process_name}')}"
                     )
                 time.sleep(0.1)
         # Registered means the model is loaded; then Celery starts consuming, which it logs at
         # INFO ("<name>@<host> ready."). Wait for that line, or a second where the log level
         # hides it (each spawn starts its log afresh, so a line is this process's own).
+        processes = {self._fleet_of.get(name, name) for name in names}
         settled = time.monotonic() + 1.0
-        while time.monotonic() < settled and not all(self._consuming(name) for name in names):
+        while time.monotonic() < settled and not all(self._consuming(name) for name in processes):
             time.sleep(0.05)
 
     def _consuming(self, name: str) -> bool:

@@ -30,7 +30,7 @@ class CachedBlock:
     """A block of `block_size` prompt tokens in the prefix tree, stored in pool block `block_id`."""
 
     sequence_hash: int
-    local_hash: int
+    local_hash: int | None  # None: not known to this pool's engine (the simulated one's)
     parent: CachedBlock | None
     depth: int  # 0 for a prompt's first block
     block_id: int
@@ -158,7 +158,8 @@ class KvPool:
         local_hashes: Sequence[int],
     ) -> int:
         """Makes a request's filled prompt blocks `first..last-1` (indices into its block table and
-        hashes) cacheable; returns how many were cached.
+        hashes) cacheable; returns how many were cached. `local_hashes` may be empty: an engine
+        that knows only the router's sequence hashes (workers.sim_engine) announces none.
 
         A block whose hash another request cached meanwhile stays the request's own (the cached
         copy serves later prompts). A block whose parent is no longer cached is not cached either:
@@ -185,7 +186,7 @@ class KvPool:
                     break  # already someone's cached block (never happens for a private block)
                 entry = CachedBlock(
                     sequence_hash=sequence_hashes[index],
-                    local_hash=local_hashes[index],
+                    local_hash=local_hashes[index] if local_hashes else None,
                     parent=parent,
                     depth=index,
                     block_id=block,
@@ -277,7 +278,9 @@ class KvPool:
             worker=self.worker,
             block_hashes=tuple(entry.sequence_hash for entry in entries),
             parent_hash=None if parent is None else parent.sequence_hash,
-            local_hashes=tuple(entry.local_hash for entry in entries),
+            local_hashes=()
+            if entries[0].local_hash is None
+            else tuple(entry.local_hash for entry in entries),  # type: ignore[misc]
         )
 
     def _emit(self, events: list[KvEvent]) -> None:

@@ -7,6 +7,7 @@ once per process and never forked; the Celery task hands each payload to `serve`
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from routing.contract.tasks import (
     TokenEvent,
     VideoRef,
 )
+from routing.fleet.registry import Heartbeat
 from routing.media.images import MediaError, MediaPolicy, fetch_bytes
 from routing.media.store import MediaRef, MediaStore, MediaStoreError
 from routing.observe import telemetry
@@ -200,6 +202,8 @@ class WorkerRuntime:
                 videos=_video_inputs(VideoInput, task.videos, self.media),
                 expected_block_hashes=task.block_hashes,
                 continued_token_ids=list(task.continued_token_ids),
+                prompt_tokens=task.prompt_tokens,
+                image_ends=task.image_ends,
             )
             receipts: list[Any] = []
             await_features = None
@@ -523,16 +527,42 @@ def _throttled(check, interval_s: float):
     return throttled
 
 
-# A WorkerRuntime, or an encode worker's workers.disaggregation.EncodeRuntime (same task methods).
+def heartbeat_with_load(heartbeat: Heartbeat, engine: InferenceEngine) -> Heartbeat:
+    """The heartbeat with the engine's state now (what the router's busy check and drain read)."""
+    load = engine.load_report()
+    return dataclasses.replace(
+        heartbeat,
+        running=load.running,
+        waiting=load.waiting,
+        max_running=engine.max_running,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_free=load.kv_blocks_free,
+        running_peak=load.running_peak,
+        forward_passes=load.forward_passes,
+        generated_tokens=load.generated_tokens,
+        prefill_tokens_per_s=round(load.prefill_tokens_per_s, 1),
+        schedule_policy=engine.schedule_policy,
+    )
+
+
+# A WorkerRuntime, or an encode worker's workers.disaggregation.EncodeRuntime (same task methods);
+# a process of many simulated workers installs one per queue (`run_worker --engine sim --count N`).
 _runtime: Any = None
+_runtimes_by_queue: dict[str, Any] = {}
 
 
-def install_runtime(runtime: Any) -> None:
+def install_runtime(runtime: Any, queue: str | None = None) -> None:
+    """The runtime that serves this process's tasks, or with `queue`, those of that queue."""
     global _runtime
-    _runtime = runtime
+    if queue is None:
+        _runtime = runtime
+    else:
+        _runtimes_by_queue[queue] = runtime
 
 
-def current_runtime() -> Any:
-    if _runtime is None:
-        raise NoRuntime("this process was not started by `manage.py run_worker`")
-    return _runtime
+def current_runtime(queue: str | None = None) -> Any:
+    """The runtime for a task that came from `queue` (its delivery's routing key)."""
+    runtime = _runtimes_by_queue.get(queue, _runtime) if queue is not None else _runtime
+    if runtime is None:
+        raise NoRuntime(f"this process was not started by `manage.py run_worker` (queue {queue!r})")
+    return runtime

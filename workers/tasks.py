@@ -16,22 +16,27 @@ from celery import shared_task
 from routing.contract.tasks import ENCODE_TASK, FLUSH_CACHES_TASK, GENERATE_TASK
 
 
-@shared_task(name=GENERATE_TASK, ignore_result=True)
-def generate(payload: dict[str, Any]) -> None:
+def _queue(task: Any) -> str | None:
+    """The queue the task came from: a process of many simulated workers serves several."""
+    return (task.request.delivery_info or {}).get("routing_key")
+
+
+@shared_task(name=GENERATE_TASK, ignore_result=True, bind=True)
+def generate(self, payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 
-    current_runtime().serve(payload)
+    current_runtime(_queue(self)).serve(payload)
 
 
-@shared_task(name=FLUSH_CACHES_TASK, ignore_result=True)
-def flush_caches(payload: dict[str, Any]) -> None:
+@shared_task(name=FLUSH_CACHES_TASK, ignore_result=True, bind=True)
+def flush_caches(self, payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 
-    current_runtime().flush(payload)
+    current_runtime(_queue(self)).flush(payload)
 
 
-@shared_task(name=ENCODE_TASK, ignore_result=True)
-def encode(payload: dict[str, Any]) -> None:
+@shared_task(name=ENCODE_TASK, ignore_result=True, bind=True)
+def encode(self, payload: dict[str, Any]) -> None:
     from workers.runtime import current_runtime
 
-    current_runtime().serve_encode(payload)
+    current_runtime(_queue(self)).serve_encode(payload)

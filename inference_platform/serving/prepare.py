@@ -253,6 +253,8 @@ class PreparedRequest:
             logit_bias={str(token): bias for token, bias in self.chat.logit_bias.items()} or None,
             logprobs=self.chat.logprobs,
             top_logprobs=self.chat.top_logprobs,
+            prompt_tokens=self.view.prompt_tokens,
+            image_ends=tuple(image.start + image.tokens for image in self.view.images),
         )
 
 

@@ -209,6 +209,13 @@ class GenerateTask:
     # left of the budget); a worker that ignored them would repeat the answer from its start:
     # hence contract version 6.
     continued_token_ids: tuple[int, ...] = ()
+    # The router's count of the prompt's tokens (images expanded), and where each image's
+    # placeholder run ends in it, in image order: an engine without a tokenizer (the simulated
+    # one, workers.sim_engine) sizes its prefill and knows which images its cached prefix covers
+    # from them. 0 and (): not sent (an older frontend); engines that lay the prompt out
+    # themselves ignore them, hence no new version.
+    prompt_tokens: int = 0
+    image_ends: tuple[int, ...] = ()
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
@@ -231,6 +238,7 @@ class GenerateTask:
             data["block_hashes"] = tuple(int(h) for h in data.get("block_hashes") or ())
             data["encoded_images"] = tuple(int(i) for i in data.get("encoded_images") or ())
             data["continued_token_ids"] = tuple(int(t) for t in data.get("continued_token_ids") or ())
+            data["image_ends"] = tuple(int(end) for end in data.get("image_ends") or ())
             task = _from_mapping(cls, data)
             return dataclasses.replace(
                 task,
@@ -238,6 +246,7 @@ class GenerateTask:
                 temperature=float(task.temperature),
                 top_p=float(task.top_p),
                 seed=None if task.seed is None else int(task.seed),
+                prompt_tokens=int(task.prompt_tokens),
             )
         except (TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, ContractError):

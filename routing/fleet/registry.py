@@ -101,6 +101,13 @@ class WorkerRegistry:
     def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
         self._client.set(self._key(heartbeat.name), heartbeat.to_json(), px=int(ttl_s * 1000))
 
+    def beat_many(self, heartbeats: Iterable[Heartbeat], ttl_s: float) -> None:
+        """Many workers' beats in one round trip (a process of simulated workers)."""
+        pipe = self._client.pipeline(transaction=False)
+        for heartbeat in heartbeats:
+            pipe.set(self._key(heartbeat.name), heartbeat.to_json(), px=int(ttl_s * 1000))
+        pipe.execute()
+
     def remove(self, name: str, instance: str = "") -> bool:
         """Deregister; with an instance, only if the heartbeat is still that instance's."""
         return bool(self._client.eval(_REMOVE_OWN_LUA, 1, self._key(name), instance))

@@ -7,10 +7,17 @@ vLLM's v1 engine is: `core` (the request API and the engine thread), `inputs` (r
 sequences), `vision` (image and video embeddings), `step` (one forward pass), `outputs` (tokens
 into text and results), `loading` (a checkpoint into an engine).
 
-Importing this package imports torch: the web process never does (import-linter's contracts).
+The native engine's names load on first use (PEP 562): `workers.engine.api` and `counters` import
+no torch, so an engine without a model (`workers.sim_engine`) uses them and never loads torch;
+`from workers.engine import Engine` imports torch. The web process imports none of it
+(import-linter's contracts).
 """
 
-from workers.detokenizer import IncrementalDetokenizer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from workers.engine.api import (
     EngineLoad,
     GenerationRequest,
@@ -19,15 +26,29 @@ from workers.engine.api import (
     RequestHandle,
     follow,
 )
-from workers.engine.core import WARM_UP_PROMPT, Engine
-from workers.engine.inputs import load_image_directly
-from workers.prompt_layout import (
-    LLAVA_MODEL_TYPES,
-    ImageChangedError,
-    ImageInput,
-    PromptError,
-    VideoInput,
-)
+
+# Name -> the module that defines it, imported when the name is first asked for.
+_LAZY = {
+    "IncrementalDetokenizer": "workers.detokenizer",
+    "WARM_UP_PROMPT": "workers.engine.core",
+    "Engine": "workers.engine.core",
+    "load_image_directly": "workers.engine.inputs",
+    "LLAVA_MODEL_TYPES": "workers.prompt_layout",
+    "ImageChangedError": "workers.prompt_layout",
+    "ImageInput": "workers.prompt_layout",
+    "PromptError": "workers.prompt_layout",
+    "VideoInput": "workers.prompt_layout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LLAVA_MODEL_TYPES",

@@ -62,6 +62,11 @@ class GenerationRequest:
     # An answer continued after a migration: the tokens another worker already generated and the
     # client has. They follow the prompt, and generation goes on after them.
     continued_token_ids: list[int] = field(default_factory=list)
+    # The router's prompt length and each image's placeholder end (GenerateTask.prompt_tokens,
+    # image_ends): what an engine without a tokenizer (workers.sim_engine) goes by; 0 and (): not
+    # sent. Engines that lay the prompt out themselves ignore them.
+    prompt_tokens: int = 0
+    image_ends: tuple[int, ...] = ()
 
 
 @dataclass

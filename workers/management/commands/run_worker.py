@@ -41,12 +41,14 @@ from routing.models import Worker, worker_queue
 from routing.observe import telemetry
 from routing.observe.cache_stats import CacheStats
 from routing.state.redis_keys import redact_url, sync_client
+from workers.runtime import heartbeat_with_load
 
 logger = logging.getLogger("workers.run_worker")
 
 ENGINE_NATIVE = "native"
 ENGINE_VLLM = "vllm"
-ENGINES = (ENGINE_NATIVE, ENGINE_VLLM)
+ENGINE_SIM = "sim"
+ENGINES = (ENGINE_NATIVE, ENGINE_VLLM, ENGINE_SIM)
 
 
 class Command(BaseCommand):
@@ -88,7 +90,27 @@ class Command(BaseCommand):
             choices=ENGINES,
             default=ENGINE_NATIVE,
             help="native: the platform's own engine (default); vllm: vLLM's AsyncLLM in this process, "
-            "run from the vLLM virtualenv (`make vllm`, then .venv-vllm/bin/python manage.py run_worker).",
+            "run from the vLLM virtualenv (`make vllm`, then .venv-vllm/bin/python manage.py run_worker); "
+            "sim: no model, a timing model over a real prefix pool (workers.sim_engine), --count per process",
+        )
+        parser.add_argument(
+            "--count",
+            type=int,
+            default=1,
+            help="--engine sim: simulated workers in this process, named <name>-0 .. <name>-<count-1> "
+            "(1: <name>), each with its own queue, heartbeat and prefix pool.",
+        )
+        parser.add_argument(
+            "--sim-profile",
+            default=os.environ.get("SIM_PROFILE", "cpu-demo"),
+            help="--engine sim: a profile shipped in workers/sim_engine/profiles (by name) or a JSON file.",
+        )
+        parser.add_argument(
+            "--sim-speedup",
+            type=float,
+            default=float(os.environ.get("SIM_SPEEDUP", "1")),
+            help="--engine sim: simulated seconds per wall second (scaled real time; <1 slows the "
+            "simulation down so a busy process keeps up with many engines).",
         )
         parser.add_argument(
             "--kv-cache-mb",
@@ -110,6 +132,9 @@ class Command(BaseCommand):
         name: str = options["name"]
         if not name.replace("-", "").replace("_", "").isalnum():
             raise CommandError(f"worker name {name!r} must be letters, digits, '-' or '_'")
+        if options["engine"] == ENGINE_SIM:
+            self._serve_simulated(name, options)
+            return
         model_path = Path(options["model_path"] or settings.MODEL_PATH)
         if not (model_path / "config.json").is_file():
             raise CommandError(
@@ -303,6 +328,73 @@ class Command(BaseCommand):
                     deregistered_at=timezone.now()
                 )
             self.stdout.write(f"worker {name}: deregistered" if own else f"worker {name}: stopped (replaced)")
+
+    def _serve_simulated(self, name: str, options: dict[str, Any]) -> None:
+        """`--engine sim`: `--count` simulated workers in this process (workers.sim_engine), no
+        model and no torch; the real queues, heartbeats, KV events and response streams."""
+        from workers.runtime import install_runtime
+        from workers.sim_engine.clock import SimClock
+        from workers.sim_engine.fleet import SimFleet, fleet_names
+        from workers.sim_engine.profile import load_profile
+
+        if options["role"] != ROLE_BOTH:
+            raise CommandError("--engine sim runs --role both only")
+        if options["count"] < 1 or options["sim_speedup"] <= 0:
+            raise CommandError("--count must be >= 1 and --sim-speedup > 0")
+        try:
+            profile = load_profile(options["sim_profile"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise CommandError(f"--sim-profile: {exc}") from exc
+        client = sync_client(settings.REDIS_URL)
+        metrics = telemetry.attach(client, statistics_namespace(), name)
+        clock = SimClock(speedup=options["sim_speedup"]).start()
+        fleet = SimFleet(
+            fleet_names(name, options["count"]),
+            profile=profile,
+            clock=clock,
+            client=client,
+            namespace=settings.REDIS_KEY_PREFIX,
+            # The frontend's name for the model it routes (no checkpoint is read here).
+            model_name=settings.MODEL_NAME
+            or Path(options["model_path"] or settings.MODEL_PATH).resolve().name,
+            block_size=settings.KV_BLOCK_SIZE,
+            heartbeat_ttl_s=settings.WORKER_HEARTBEAT_TTL_SECS,
+            heartbeat_interval_s=settings.WORKER_HEARTBEAT_INTERVAL_SECS,
+            publish_events=not options["no_kv_events"],
+        )
+        try:
+            fleet.start()
+        except NameInUse as exc:
+            raise CommandError(str(exc)) from exc
+        for queue, runtime in fleet.runtimes.items():
+            install_runtime(runtime, queue)
+        self.stdout.write(
+            f"worker {name}: {options['count']} simulated workers (profile {profile.name}, "
+            f"speed-up {options['sim_speedup']:g}) serving via {redact_url(settings.CELERY_BROKER_URL)}"
+        )
+        from celery.signals import worker_shutting_down
+
+        from inference_platform.celery import app
+
+        worker_shutting_down.connect(lambda **_: fleet.mark_stopping(), weak=False)
+        celery_worker = app.Worker(
+            hostname=f"{name}@{socket.gethostname()}",
+            queues=fleet.queues,
+            pool_cls="threads",
+            concurrency=options["concurrency"],
+            loglevel=settings.LOG_LEVEL,
+            without_gossip=True,
+            without_mingle=True,
+            without_heartbeat=True,
+            redirect_stdouts=False,
+        )
+        try:
+            celery_worker.start()
+        finally:
+            fleet.stop()
+            clock.stop()
+            metrics.close()
+            self.stdout.write(f"worker {name}: {options['count']} simulated workers deregistered")
 
 
 class _BlockAnnouncer:
@@ -535,19 +627,5 @@ class _HeartbeatLoop:
 
 
 def _with_engine_load(heartbeat: Heartbeat, runtime) -> Heartbeat:
-    engine = runtime.engine
-    load = engine.load_report()
     runtime.report_engine_gauges()
-    return dataclasses.replace(
-        heartbeat,
-        running=load.running,
-        waiting=load.waiting,
-        max_running=engine.max_running,
-        kv_blocks_used=load.kv_blocks_used,
-        kv_blocks_free=load.kv_blocks_free,
-        running_peak=load.running_peak,
-        forward_passes=load.forward_passes,
-        generated_tokens=load.generated_tokens,
-        prefill_tokens_per_s=round(load.prefill_tokens_per_s, 1),
-        schedule_policy=engine.schedule_policy,
-    )
+    return heartbeat_with_load(heartbeat, runtime.engine)

@@ -1,0 +1,253 @@
+"""`SimEngine`: an `InferenceEngine` with no model. The native engine's scheduler and paged pool,
+the profile's step times, and tokens that are counted rather than sampled."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.engine.api import (
+    DONE,
+    ERROR,
+    FIRST,
+    TOKEN,
+    EngineLoad,
+    FollowsSubmitted,
+    GenerationRequest,
+    GenerationResult,
+    RequestHandle,
+)
+from workers.engine.counters import RATE_MIN_PROMPT_TOKENS, EngineCounters
+from workers.kv_cache import KvPool
+from workers.scheduler import Scheduler, SequenceState, StepPlan
+from workers.sim_engine.clock import SimClock
+from workers.sim_engine.profile import SimProfile
+
+# What a simulated token reads as: one word per token, so a streamed answer has the right length.
+SIM_TOKEN_TEXT = " sim"
+SIM_TOKEN_ID = 0
+
+
+@dataclass(eq=False)
+class _SimRequest:
+    """What the engine keeps with a sequence: its caller's queue and its timeline (clock seconds)."""
+
+    request: GenerationRequest
+    events: queue.SimpleQueue
+    submitted_at: float
+    image_ends: tuple[int, ...]
+    images_encoded: bool = False
+    encoder_calls: int = 0
+    first_token_at: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+class SimEngine(FollowsSubmitted):
+    """Serves requests in modelled time. Implements `workers.engine.api.InferenceEngine`.
+
+    A request's prompt is `prompt_tokens` long (the router's count) and its full blocks are the
+    router's `block_hashes`: the pool caches exactly what the router's index names, so its KV
+    events and `cached_tokens` are real. Each step is the native scheduler's plan, timed by the
+    profile; the clock (`workers.sim_engine.clock`) ends it after that long.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model_name: str,
+        profile: SimProfile,
+        pool: KvPool,
+        clock: SimClock,
+    ) -> None:
+        self.name = name
+        self.model_name = model_name
+        self.profile = profile
+        self.kv_pool = pool
+        self.block_size = pool.block_size
+        self.clock = clock
+        self.scheduler = Scheduler(
+            pool,
+            max_batch_tokens=profile.max_batch_tokens,
+            max_running=profile.max_running,
+            policy=profile.schedule_policy,
+            join_tokens=profile.prefill_join_tokens,
+        )
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()
+        self._inbox: deque[SequenceState] = deque()
+        self._plan: StepPlan | None = None
+        # The index may still list blocks of this worker's previous life: say it holds nothing.
+        pool.clear()
+
+    # --- the protocol (workers.engine.api.InferenceEngine) -------------------------------------------
+    @property
+    def schedule_policy(self) -> str:
+        return self.scheduler.policy
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        bs = self.block_size
+        hashes = list(request.expected_block_hashes)
+        prompt_len = request.prompt_tokens or max(len(hashes) * bs, 1)
+        if len(hashes) > prompt_len // bs:
+            hashes = hashes[: prompt_len // bs]
+        state = _SimRequest(
+            request=request,
+            events=queue.SimpleQueue(),
+            submitted_at=self.clock.now(),
+            # An image whose end the frontend did not send is covered only by a whole-prompt hit.
+            image_ends=tuple(request.image_ends) or (prompt_len,) * len(request.images),
+        )
+        sequence = SequenceState(
+            request_id=request.request_id,
+            tokens=[SIM_TOKEN_ID] * prompt_len,
+            prompt_len=prompt_len,
+            max_tokens=max(request.max_tokens, 1),
+            sequence_hashes=hashes,
+            local_hashes=[],
+            payload=state,
+        )
+        with self._lock:
+            self._inbox.append(sequence)
+        self.clock.wake(self)
+
+        def cancel() -> None:
+            sequence.cancelled = True
+            self.clock.wake(self)
+
+        return RequestHandle(request.request_id, state.events, cancel)
+
+    def load_report(self) -> EngineLoad:
+        scheduler, counters = self.scheduler, self.counters
+        return EngineLoad(
+            running=len(scheduler.running),
+            running_peak=counters.running_peak,
+            waiting=len(scheduler.waiting) + len(self._inbox),
+            kv_blocks_used=self.kv_pool.held_blocks,
+            kv_blocks_free=self.kv_pool.free_blocks,
+            kv_blocks_cached=len(self.kv_pool),
+            forward_passes=counters.forward_passes,
+            generated_tokens=counters.generated_tokens,
+            preemptions=counters.preemptions,
+            prefill_tokens_per_s=counters.prefill_tokens_per_s,
+        )
+
+    def kv_block_hashes(self) -> set[int]:
+        return self.kv_pool.block_hashes()
+
+    def clear_kv_cache(self) -> int:
+        return self.kv_pool.clear()
+
+    def warm_up(self) -> float:
+        return 0.0  # nothing to warm: no model
+
+    def close(self, timeout: float = 30.0) -> None:
+        pass  # the clock, shared by the process's engines, is stopped by their owner
+
+    # --- steps, driven by the clock -------------------------------------------------------------------
+    def begin_step(self) -> float | None:
+        """Plans the next step (the native scheduler's) and returns its modelled seconds; None
+        when there is nothing to run."""
+        with self._lock:
+            scheduler = self.scheduler
+            while self._inbox:
+                scheduler.add(self._inbox.popleft())
+            for sequence in scheduler.drop_cancelled():
+                self._finish(sequence, "stop", release=False)
+            if not scheduler.has_work():
+                return None
+            plan = scheduler.schedule()
+            self.counters.preemptions += len(plan.preempted)
+            self.counters.running_peak = max(self.counters.running_peak, len(scheduler.running))
+            if not plan.chunks:
+                if not scheduler.running and scheduler.waiting:
+                    # Cannot happen for a request that fits an empty pool; never spin on it.
+                    self._fail(scheduler.waiting[0], RuntimeError("the KV pool cannot hold this request"))
+                return self.profile.step_seconds(0, 0) if scheduler.has_work() else None
+            prefill_tokens = decodes = images = 0
+            for chunk in plan.chunks:
+                sequence = chunk.sequence
+                if chunk.start >= sequence.prompt_len:
+                    decodes += 1
+                    continue
+                prefill_tokens += min(chunk.start + chunk.count, sequence.prompt_len) - chunk.start
+                images += self._images_to_encode(sequence)
+            seconds = self.profile.step_seconds(prefill_tokens, decodes, images)
+            self.counters.forward_passes += 1
+            if prefill_tokens >= RATE_MIN_PROMPT_TOKENS:
+                self.counters.note_prefill_rate(prefill_tokens, seconds)
+            self._plan = plan
+            return seconds
+
+    def end_step(self) -> None:
+        """The planned step's KV is written (blocks cached and announced) and its tokens chosen."""
+        with self._lock:
+            plan, self._plan = self._plan, None
+            if plan is None:
+                return
+            now = self.clock.now()
+            for chunk in plan.chunks:
+                self.scheduler.computed(chunk)
+            for chunk in plan.chunks:
+                if chunk.samples and not chunk.sequence.cancelled:
+                    self._accept(chunk.sequence, now)
+
+    def _images_to_encode(self, sequence: SequenceState) -> int:
+        """Images its cached prefix does not cover, encoded at its first prefill (once, as the
+        native engine's embedding cache keeps them across a preemption)."""
+        state: _SimRequest = sequence.payload
+        if state.images_encoded:
+            return 0
+        state.images_encoded = True
+        cached = sequence.cached_tokens or 0
+        state.encoder_calls = sum(1 for end in state.image_ends if end > cached)
+        return state.encoder_calls
+
+    def _accept(self, sequence: SequenceState, now: float) -> None:
+        state: _SimRequest = sequence.payload
+        sequence.tokens.append(SIM_TOKEN_ID)
+        self.counters.generated_tokens += 1
+        if state.first_token_at is None:
+            state.first_token_at = now
+            state.events.put((FIRST, now))
+        state.events.put((TOKEN, (SIM_TOKEN_TEXT, None, [SIM_TOKEN_ID])))
+        if sequence.generated >= sequence.max_tokens:
+            self._finish(sequence, "length")
+
+    def _finish(self, sequence: SequenceState, finish_reason: str, *, release: bool = True) -> None:
+        state: _SimRequest = sequence.payload
+        if release:
+            self.scheduler.finish(sequence)
+        finished = self.clock.now()
+        first = state.first_token_at if state.first_token_at is not None else finished
+        generated = sequence.generated
+        state.events.put(
+            (
+                DONE,
+                GenerationResult(
+                    text=SIM_TOKEN_TEXT * generated,
+                    finish_reason=finish_reason,
+                    prompt_tokens=sequence.prompt_len,
+                    completion_tokens=generated,
+                    cached_tokens=sequence.cached_tokens or 0,
+                    ttft_ms=(first - state.submitted_at) * 1000,
+                    prefill_ms=(first - state.submitted_at) * 1000,
+                    total_ms=(finished - state.submitted_at) * 1000,
+                    encoder_calls=state.encoder_calls,
+                    embedding_cache_hits=0,
+                    embedding_cache_misses=state.encoder_calls,
+                    block_hashes=sequence.sequence_hashes,
+                    preemptions=sequence.preemptions,
+                ),
+            )
+        )
+
+    def _fail(self, sequence: SequenceState, exc: Exception) -> None:
+        self.scheduler.finish(sequence)
+        sequence.payload.events.put((ERROR, exc))
