@@ -64,6 +64,12 @@ def _require_integration_marker(what: str) -> None:
         )
 
 
+# A worker with no model (workers.sim_engine: the native scheduler and prefix pool, counted
+# tokens): it starts in about a second instead of loading torch and the model. For the tests of
+# what the platform does around a worker (kills, restarts, freezes, routing), not of its answers.
+SIMULATED = ("--engine", "sim")
+
+
 def run_worker_args(name: str, *extra: str) -> list[str]:
     """The command line of a `run_worker` process, counted as started (its caller starts it)."""
     _require_integration_marker(f"worker {name}")

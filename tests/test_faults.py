@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from routing.kv.load import LoadTracker
-from tests.platform_harness import PrivateRedis, run_worker_args
+from tests.platform_harness import SIMULATED, PrivateRedis, run_worker_args
 
 
 def chat(
@@ -77,8 +77,8 @@ def two_workers(platform_harness, tmp_path_factory, demo_model_dir):
         ROUTER_LOAD_ENTRY_TTL_SECS="300",
     )
     try:
-        platform.start_worker("doomed")
-        platform.start_worker("spare")
+        platform.start_worker("doomed", *SIMULATED)
+        platform.start_worker("spare", *SIMULATED)
         platform.wait_for_workers("doomed", "spare")
         platform.start_server()
         platform.start_server()

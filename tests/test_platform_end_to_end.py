@@ -22,7 +22,7 @@ from PIL import Image
 from routing.kv.index import KvIndex
 from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO
+from tests.platform_harness import REPO, SIMULATED
 
 
 def ask(platform, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -125,7 +125,7 @@ def test_streaming_sends_chunks_then_done(pooled_platform):
 def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(pooled_platform):
     # given the pool's workers, which stay, and one of the test's own beside them, which leaves
     platform = pooled_platform(ROUTER_MODE="round_robin")
-    platform.start_worker("leaves")
+    platform.start_worker("leaves", *SIMULATED)
     platform.wait_for_workers("leaves")
     platform.start_server()
 
@@ -140,7 +140,7 @@ def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(pooled_pla
 
 def test_sigkill_leaves_the_live_set_after_the_heartbeat_ttl(platform_processes):
     platform = platform_processes()
-    platform.start_worker("doomed")
+    platform.start_worker("doomed", *SIMULATED)
     platform.wait_for_workers("doomed")
     platform.start_server()
     assert ask(platform, "Hello").status_code == 200
@@ -163,7 +163,7 @@ def test_sigkill_leaves_the_live_set_after_the_heartbeat_ttl(platform_processes)
 
 def test_a_worker_killed_mid_request_is_a_502_with_the_request_id(platform_processes):
     platform = platform_processes()
-    platform.start_worker("fragile")
+    platform.start_worker("fragile", *SIMULATED)
     platform.wait_for_workers("fragile")
     platform.start_server()
 

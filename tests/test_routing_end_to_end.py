@@ -17,6 +17,7 @@ from PIL import Image
 
 from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
+from tests.platform_harness import SIMULATED
 
 
 def picture(seed: int, size: tuple[int, int] = (336, 280)) -> bytes:
@@ -129,8 +130,8 @@ def test_two_frontend_processes_make_identical_choices(pooled_platform, origin):
 
 
 def test_a_worker_without_kv_events_is_routed_in_approximate_mode(platform_processes, origin):
-    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1", ROUTER_APPROXIMATE_TTL_SECS="60")
-    platform.start_worker("quiet", "--no-kv-events")
+    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1", ROUTER_APPROXIMATE_TTL_SECS="600")
+    platform.start_worker("quiet", "--no-kv-events", *SIMULATED)
     platform.wait_for_workers("quiet")
     base_url = platform.start_server()
     url = origin.add("/quiet.png", picture(7), content_type="image/png")
@@ -142,7 +143,7 @@ def test_a_worker_without_kv_events_is_routed_in_approximate_mode(platform_proce
 
     # A second worker comes up idle. The router remembered its own decision, so the repeat
     # still goes to the worker that cached the prompt, credited with it, and it really hits.
-    platform.start_worker("chatty")
+    platform.start_worker("chatty", *SIMULATED)
     platform.wait_for_workers("chatty")
     again = httpx.post(
         f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60

@@ -22,7 +22,7 @@ import redis
 from routing.kv.load import LoadTracker
 from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO, free_port, run_worker_args
+from tests.platform_harness import REPO, SIMULATED, free_port, run_worker_args
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
 
 
@@ -96,7 +96,7 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
     )
     try:
         for name in ("a", "b"):
-            platform.start_worker(name)
+            platform.start_worker(name, *SIMULATED)
         platform.wait_for_workers("a", "b")
         base_url = platform.start_server()
         url = origin.add("/kept.png", picture(7), content_type="image/png")
@@ -255,7 +255,7 @@ def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_pr
     platform = platform_processes(
         ROUTER_BUSY_MAX_REQUESTS="1", ROUTER_BUSY_RETRY_AFTER_SECS="2", WORKER_HEARTBEAT_TTL_SECS="60"
     )
-    platform.start_worker("solo")
+    platform.start_worker("solo", *SIMULATED)
     platform.wait_for_workers("solo")
     base_url = platform.start_server()
     platform.stop_worker("solo", signal.SIGSTOP, wait=False)
