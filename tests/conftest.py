@@ -74,7 +74,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):  # a parallel test process: the controller reports
         return
-    terminalreporter.write_line(f"worker processes started: {harness.worker_starts()}")
+    model, simulated = harness.worker_starts("model"), harness.worker_starts("sim")
+    terminalreporter.write_line(
+        f"worker processes started: {model + simulated} ({model} with the model, {simulated} simulated)"
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -39,21 +39,22 @@ guard_starts = False
 starts_allowed_for: str | None = None
 
 
-def count_worker_start(name: str) -> None:
+def count_worker_start(name: str, *, simulated: bool = False) -> None:
     """Record one started `run_worker` process (see WORKER_STARTS_FILE)."""
     path = os.environ.get(WORKER_STARTS_FILE)
     if path:
         with open(path, "a", encoding="utf-8") as starts:
-            starts.write(f"{name}\n")
+            starts.write(f"{name} {'sim' if simulated else 'model'}\n")
 
 
-def worker_starts() -> int:
-    """How many `run_worker` processes this session has started so far."""
+def worker_starts(kind: str | None = None) -> int:
+    """How many `run_worker` processes this session has started so far: of `kind` ("model" or
+    "sim") or of either."""
     path = os.environ.get(WORKER_STARTS_FILE)
     if not path or not os.path.exists(path):
         return 0
     with open(path, encoding="utf-8") as starts:
-        return sum(1 for _ in starts)
+        return sum(1 for line in starts if kind is None or line.split()[-1] == kind)
 
 
 def _require_integration_marker(what: str) -> None:
@@ -73,8 +74,12 @@ SIMULATED = ("--engine", "sim")
 def run_worker_args(name: str, *extra: str) -> list[str]:
     """The command line of a `run_worker` process, counted as started (its caller starts it)."""
     _require_integration_marker(f"worker {name}")
-    count_worker_start(name)
+    count_worker_start(name, simulated=_engine_of(extra) == "sim")
     return [sys.executable, "manage.py", "run_worker", "--name", name, *extra]
+
+
+def _engine_of(args: tuple[str, ...]) -> str:
+    return args[args.index("--engine") + 1] if "--engine" in args[:-1] else "native"
 
 
 def free_port() -> int:
