@@ -238,7 +238,7 @@ def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: st
         processes.close()
 
 
-POOL_WORKERS = ("pool_a", "pool_b", "pool_c")  # \w+ names: the routing log is read by regex
+POOL_WORKERS = ("pool_a", "pool_b")  # \w+ names: the routing log is read by regex
 POOL_TENANTS = 48  # made at once when the pool starts; a test past them makes its own
 
 

@@ -20,7 +20,6 @@ import pytest
 import redis
 
 from routing.kv.load import LoadTracker
-from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
 from tests.platform_harness import REPO, SIMULATED, free_port, run_worker_args
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
@@ -218,10 +217,11 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
     assert "already running" in refused.stderr and f"pid {platform.workers['a'].pid}" in refused.stderr
 
 
-def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pooled_platform):
-    # given: three idle workers (the session's pool) and two frontend processes
-    platform = pooled_platform()
-    names = POOL_WORKERS
+def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(platform_processes):
+    # given: three idle (simulated) workers and two frontend processes
+    platform = platform_processes()
+    names = platform.start_sim_workers("idle", 3)
+    platform.wait_for_workers(*names)
     frontends = [platform.start_server(), platform.start_server()]
     barrier = threading.Barrier(3)
     routed: list[str] = []
