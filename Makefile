@@ -9,6 +9,12 @@ STAMP := $(VENV)/.requirements-installed
 
 .PHONY: install run test check lint bench clean-var vllm
 
+# Compiled modules are kept (in __pycache__, git-ignored) even where the environment says not to
+# write them: the suite starts dozens of Python processes and collects ~90 test modules, and
+# compiling the project's sources (and rewriting the tests' asserts) afresh in each costs seconds
+# of CPU per run.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt

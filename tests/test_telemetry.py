@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from routing.observe import telemetry
 from routing.observe.metric_catalog import CATALOG, LATENCY_BUCKETS
@@ -111,7 +113,8 @@ def test_a_failed_flush_keeps_the_counts_for_the_next(redis_url: str, key_namesp
     """Fault injection: Redis on a closed port, then the real one."""
     from tests.test_dashboard import closed_port
 
-    dead = redis.Redis(port=closed_port(), socket_connect_timeout=0.5)
+    # no retries: redis-py's default backs off ten times (seconds) before it gives up
+    dead = redis.Redis(port=closed_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     recorder = MetricsRecorder(dead, key_namespace, source="w")
     recorder.inc("completion_tokens", 2, labels={"worker": "gpu0"})
     with pytest.raises(redis.RedisError):

@@ -1,27 +1,25 @@
-"""Tenants against the real platform (a worker process, an ASGI server), through the official
-`openai` client with max_retries=0: keys, limits, log probabilities, tenant isolation of the
-caches, the OpenAPI document under schemathesis, and no key in the clear anywhere.
+"""Tenants against the real platform (the session's worker pool, a frontend of the module's own),
+through the official `openai` client with max_retries=0: keys, limits, log probabilities, tenant
+isolation of the caches, the OpenAPI document under schemathesis, and no key in the clear anywhere.
 
-One platform serves the whole module (starting one costs seconds); each test makes tenants and
-keys of its own.
+One frontend serves the whole module; each test makes tenants and keys of its own.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import redis
 
-from tests.conftest import TEST_REDIS_URL
+from tests.conftest import POOL_WORKERS, TEST_REDIS_URL, WorkerPool
 from tests.platform_harness import PlatformProcesses
 
-WORKER = "tenants-w"
 # Long enough for several full KV blocks: the "secret" a second tenant must not be able to probe.
 SECRET_PROMPT = (
     "Internal memo, do not share. The launch code for project Bluebird is 7341-ALPHA-9920. "
@@ -33,20 +31,18 @@ ISSUED_KEYS: list[str] = []  # every key the module issued, for the test that gr
 
 
 @pytest.fixture(scope="module")
-def platform(platform_harness, tmp_path_factory, demo_model_dir) -> Iterator[PlatformProcesses]:
-    namespace = f"test:{uuid.uuid4().hex[:12]}:"
-    processes = platform_harness(
+def platform(worker_pool: WorkerPool, tmp_path_factory) -> Iterator[PlatformProcesses]:
+    """A frontend of the module's own in front of the session's worker pool; its tenants are
+    the module's own, so their cache salts keep the other tests' prompts out of their overlap."""
+    processes = PlatformProcesses.joining(
+        worker_pool.processes,
         tmp_path_factory.mktemp("tenants"),
-        demo_model_dir,
-        TEST_REDIS_URL,
-        namespace,
+        worker_pool.fresh_tenant_key(),
         # Small answers keep the schemathesis run short; the schema says so (its max_tokens bound).
         {"MAX_TOKENS_LIMIT": "8", "LOG_LEVEL": "DEBUG", "LOG_LEVELS": "routing=debug"},
     )
     ISSUED_KEYS.append(processes.api_key)
     try:
-        processes.start_worker(WORKER)
-        processes.wait_for_workers(WORKER)
         processes.start_server()
         yield processes
     finally:
@@ -227,7 +223,7 @@ def test_a_second_tenant_can_probe_nothing_of_the_first_tenants_prompts(platform
         headers={"Authorization": f"Bearer {operator}"},
         timeout=30,
     ).json()
-    assert [candidate["overlap"] for candidate in seen["candidates"]] == [0]
+    assert {candidate["overlap"] for candidate in seen["candidates"]} == {0}
 
 
 def test_two_tenants_that_opted_into_sharing_share_one_pool(platform):
@@ -336,7 +332,7 @@ def test_no_key_appears_in_the_clear_in_logs_redis_or_the_database(platform):
     secrets = [key for key in ISSUED_KEYS] + [key.split(".", 1)[1] for key in ISSUED_KEYS]
 
     # then no log of the server or the worker holds one
-    logs = platform.log("server") + platform.log(f"worker-{WORKER}")
+    logs = platform.log("server") + "".join(platform.log(f"worker-{name}") for name in POOL_WORKERS)
     assert "request" in logs  # the logs are there, and were written at debug level
     # nor any key or value in Redis under the platform's namespace
     conn = redis.Redis.from_url(TEST_REDIS_URL)
@@ -358,7 +354,7 @@ def test_no_key_appears_in_the_clear_in_logs_redis_or_the_database(platform):
         stored.append(key)
     conn.close()
     redis_text = b"\n".join(stored).decode("latin-1")
-    database = (platform.tmp / "db.sqlite3").read_bytes().decode("latin-1")
+    database = Path(platform.env["DATABASE_URL"].removeprefix("sqlite:///")).read_bytes().decode("latin-1")
     for secret in secrets:
         assert secret not in logs
         assert secret not in redis_text
