@@ -4,16 +4,21 @@ vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's
 These need vLLM's virtualenv (`make vllm`, 3.5 GB); without it they are skipped, saying so
 (`make test-vllm` builds it and runs them). vLLM starts in 40-80 s on a 2-core machine, so the
 module starts one pair of vLLM workers (`vllm_pair`) that every test which only sends requests
-shares, each with pictures of its own; the Redis restart, which empties everything, goes last.
+shares, each with pictures of its own; last come the Redis restart, which empties everything,
+and a worker killed before its requests' first token, which leaves one.
 Only the Qwen3-VL checkpoint and the refusals start workers of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +27,10 @@ import pytest
 from PIL import Image
 
 from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
 from tests.image_server import ImageServer
 from tests.platform_harness import PrivateRedis
+from tests.test_faults import set_enabled
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 PAIR = ("va", "vb")
@@ -395,7 +402,7 @@ def test_greedy_answers_equal_vllms_own_chat_on_the_same_image(vllm_pair, origin
     assert body["choices"][0]["message"]["content"] == direct["text"]
 
 
-# Last in the module: it empties the pair's Redis.
+# Last but one: it empties the pair's Redis.
 def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
     vllm_pair, pair_redis, origin
 ) -> None:
@@ -443,3 +450,61 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
     overlap = int(repeat.headers["X-Routing-Overlap"].split("/")[0])
     cached = repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert min(overlap, cacheable) == cached // 32 == cacheable
+
+
+def descendants(pid: int) -> list[int]:
+    """A process's children, theirs, and so on (from /proc): vLLM's engine core and its worker."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+# Last: it kills one of the pair.
+def test_requests_on_a_vllm_worker_killed_before_their_first_token_are_answered_by_the_other(
+    vllm_pair, origin
+) -> None:
+    # given the pair, requests going to vb while va is disabled
+    platform = vllm_pair
+    url = origin.add("/doomed.png", picture(11), content_type="image/png")
+    set_enabled(platform, "va", False)
+    assert chat(platform, image_request(url)).headers["X-Routed-Worker"] == "vb"
+
+    # when vb freezes with two requests routed to it (one streamed), and is then killed: no
+    # token of theirs came out
+    engine_processes = descendants(platform.workers["vb"].pid)
+    platform.stop_worker("vb", signal.SIGSTOP, wait=False)
+    answers: dict[int, httpx.Response] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = chat(platform, image_request(url, stream=i == 1))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    load = LoadTracker(platform.redis, platform.namespace)
+    deadline = time.monotonic() + 30
+    while load.snapshot(["vb"])["vb"].active_requests < 2:
+        assert time.monotonic() < deadline, "the requests never both reached vb"
+        time.sleep(0.05)
+    set_enabled(platform, "va", True)
+    platform.stop_worker("vb", signal.SIGKILL)
+    try:
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        for pid in engine_processes:  # whatever of vLLM's engine core outlived its killed parent
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    # then both were answered 200 by va, the stream too, as if nothing had happened
+    assert sorted(answers) == [0, 1]
+    for i, response in answers.items():
+        assert response.status_code == 200, response.text
+        assert response.headers["X-Routed-Worker"] == "va"
+        if i == 0:
+            assert response.json()["usage"]["completion_tokens"] > 0
+        else:
+            assert '"error"' not in response.text and response.text.endswith("data: [DONE]\n\n")
+    assert "migrated to va" in platform.log("server")
