@@ -3,10 +3,11 @@
 Usage: `.venv/bin/python bench/vllm_engine.py [--requests N] [--size small|medium|tiny]
 [--max-tokens N]` (needs `make vllm`; Redis at REDIS_URL, default redis://127.0.0.1:6379/14,
 under a namespace of its own that is deleted afterwards). It builds the Qwen2-VL demo checkpoint
-of `--size` (default small: vLLM decodes it at a few hundred tokens/s at 8 requests in flight
-on a 2-core CPU, so the comparison times vLLM, not the platform around it) into a temporary
-directory, unless MODEL_PATH names one. About 8 minutes at 100 requests on a busy 2-core
-machine, most of it vLLM starting (four engines, two at a time).
+of `--size` (default small, about 3x tiny's compute per token, so the comparison times vLLM
+more than its per-step overheads: 91-118 tok/s directly at concurrency 8 on this 2-core machine
+while other work ran, tiny 131) into a temporary directory, unless MODEL_PATH names one. About
+11 minutes at 100 requests on a busy 2-core machine, most of it vLLM starting (four engines,
+two at a time).
 
 The workload: REQUESTS chat requests, each a system prompt (one of SYSTEM_PROMPTS, Zipf-like
 popularity), one image (one of IMAGES noise pictures, Zipf-like) and a question (one of a few),
