@@ -1,13 +1,13 @@
-# `make run` starts the whole platform; `make test` runs the whole suite; `make check`, the inner
-# loop, runs lint and every test but those that start the platform's processes or a browser.
-# All install first.
+# `make run` starts the whole platform; `make test` runs the whole suite but vLLM's tests, which
+# `make test-vllm` runs; `make check`, the inner loop, runs lint and every test but those that
+# start the platform's processes or a browser. All install first.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 
-.PHONY: install run test check lint bench clean-var vllm
+.PHONY: install run test test-vllm check lint bench clean-var vllm
 
 # Compiled modules are kept (in __pycache__, git-ignored) even where the environment says not to
 # write them: the suite starts dozens of Python processes and collects ~90 test modules, and
@@ -28,7 +28,7 @@ run: install
 test: install lint
 	@bash scripts/ensure_redis.sh
 	@bash scripts/ensure_chromium.sh
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
 
 # The tiers are markers the fixtures a test uses apply (tests/conftest.py). Two test processes,
 # since the inner loop is CPU-bound and starts no worker process; a module's tests stay in one
@@ -63,3 +63,10 @@ $(VLLM_STAMP): requirements-vllm.txt deploy/vllm/sitecustomize.py
 	@touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# vLLM's tests (marker `vllm`: tests/test_vllm_engine.py), which start vLLM engines from
+# .venv-vllm (built first when missing). Apart from `make test`, which would not stay under 10
+# minutes on 2 cores with them; CI runs both (README: "Workers on vLLM").
+test-vllm: install vllm
+	@bash scripts/ensure_redis.sh
+	$(PY) -m pytest -m vllm $(PYTEST_ARGS)

@@ -122,3 +122,29 @@ def test_command_refuses_to_overwrite_without_force(demo_dir: Path) -> None:
     with pytest.raises(CommandError, match="--force"):
         call_command("build_demo_model", str(demo_dir))
     assert (demo_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_the_size_option_changes_only_the_language_models_dimensions() -> None:
+    from workers.demo_model import TEXT_SIZES, _demo_config
+
+    token_ids = {token: n for n, token in enumerate(SPECIAL_TOKENS)}
+    tiny = _demo_config(token_ids).to_dict()
+    for size in ("small", "medium"):
+        larger = _demo_config(token_ids, size=size).to_dict()
+        text = larger["text_config"]
+        assert {name: text[name] for name in TEXT_SIZES[size]} == TEXT_SIZES[size]
+        assert text["hidden_size"] * text["num_hidden_layers"] > 256 * 4
+        # the same head size, so the same rotary sections; the same vocabulary and vision tower
+        assert text["hidden_size"] // text["num_attention_heads"] == 64
+        assert text["rope_parameters"] == tiny["text_config"]["rope_parameters"]
+        assert text["vocab_size"] == VOCAB_SIZE
+        assert {k: v for k, v in larger["vision_config"].items() if k != "hidden_size"} == {
+            k: v for k, v in tiny["vision_config"].items() if k != "hidden_size"
+        }
+        assert larger["vision_config"]["hidden_size"] == text["hidden_size"]
+
+
+def test_the_command_builds_sizes_of_the_qwen2_vl_demo_only(tmp_path: Path) -> None:
+    with pytest.raises(CommandError, match="--size"):
+        call_command("build_demo_model", str(tmp_path / "q3"), "--family", "qwen3_vl", "--size", "small")
+    assert not (tmp_path / "q3").exists()

@@ -1,16 +1,24 @@
 """Workers on vLLM (`run_worker --engine vllm`), end to end: the platform's frontend routes, a
 vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's own.
 
-These need vLLM's virtualenv (`make vllm`, 3.5 GB); without it they are skipped, saying so.
-vLLM starts in 40-80 s on a 2-core machine, so each test starts as few workers as it can.
+These need vLLM's virtualenv (`make vllm`, 3.5 GB); without it they are skipped, saying so
+(`make test-vllm` builds it and runs them). vLLM starts in 40-80 s on a 2-core machine, so the
+module starts one pair of vLLM workers (`vllm_pair`) that every test which only sends requests
+shares, each with pictures of its own; last come the Redis restart, which empties everything,
+and a worker killed before its requests' first token, which leaves one.
+Only the Qwen3-VL checkpoint and the refusals start workers of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
+import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -19,9 +27,13 @@ import pytest
 from PIL import Image
 
 from routing.kv.index import KvIndex
+from routing.kv.load import LoadTracker
 from tests.image_server import ImageServer
+from tests.platform_harness import PrivateRedis
+from tests.test_faults import set_enabled
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+PAIR = ("va", "vb")
 
 pytestmark = [
     pytest.mark.integration,
@@ -76,126 +88,37 @@ def origin():
         yield server
 
 
-@pytest.fixture
-def vllm_platform(platform_processes):
+# --- workers of their own, before the pair starts -------------------------------------------------
+def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:
+    # given a deployment hashing prompts in blocks of 16
+    platform = platform_processes(**{**VLLM_ENV, "KV_BLOCK_SIZE": "16"})
+
+    # when a vLLM worker starts on a CPU
+    started = time.monotonic()
+    platform.start_worker("v16", "--engine", "vllm", python=str(VLLM_PYTHON))
+    code = platform.workers["v16"].wait(timeout=120)
+
+    # then it refuses at once, naming the setting, before loading anything
+    assert code != 0
+    assert "KV_BLOCK_SIZE" in platform.log("worker-v16")
+    assert time.monotonic() - started < 60
+
+
+def test_a_vllm_worker_refuses_to_be_an_encode_worker(platform_processes) -> None:
     platform = platform_processes(**VLLM_ENV)
-    platform.start_worker("v1", "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
-    platform.wait_for_workers("v1", timeout=400)
-    platform.start_server()
-    return platform
+    platform.start_worker("venc", "--engine", "vllm", "--role", "encode", python=str(VLLM_PYTHON))
+    assert platform.workers["venc"].wait(timeout=120) != 0
+    assert "--role encode" in platform.log("worker-venc")
 
 
-def test_the_same_image_twice_is_answered_from_vllms_prefix_cache(vllm_platform, origin) -> None:
-    # given a vLLM worker behind the platform, and an image at its origin
-    platform = vllm_platform
-    url = origin.add("/seed.png", picture(1), content_type="image/png")
-    chat = f"{platform.base_url}/v1/chat/completions"
-
-    # when the same image and question come twice
-    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-
-    # then vLLM answered both, the same way, and the second from its cache: the 336x280 image is
-    # 120 placeholders, so at least its 3 full blocks of 32 were reused, as vLLM counts them
-    assert first.status_code == 200, first.text + platform.log_tail("worker-v1")
-    assert second.status_code == 200, second.text
-    assert second.headers["X-Routed-Worker"] == "v1"
-    first_body, second_body = first.json(), second.json()
-    assert first_body["choices"][0]["message"]["content"] == second_body["choices"][0]["message"]["content"]
-    assert first_body["usage"]["prompt_tokens"] == second_body["usage"]["prompt_tokens"] > 120
-    assert first_body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert second_body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
-    # and vLLM's expanded prompt hashed to the router's blocks, checked on both requests
-    assert (
-        len(re.findall(r"vLLM's layout agrees with the router's on \d+ blocks", platform.log("worker-v1")))
-        == 2
-    )
-
-
-def find_block_hashes(description: object) -> list[int] | None:
-    """The token view's block hashes, wherever `/v1/route` puts them."""
-    if isinstance(description, dict):
-        if "block_hashes" in description:
-            return [int(h) for h in description["block_hashes"]]
-        for value in description.values():
-            found = find_block_hashes(value)
-            if found is not None:
-                return found
-    return None
-
-
-def test_vllms_kv_events_put_the_prompts_blocks_in_the_routers_index(vllm_platform, origin) -> None:
-    # given a vLLM worker publishing its KV events, and the router's view of an image prompt
-    platform = vllm_platform
-    url = origin.add("/events.png", picture(4), content_type="image/png")
-    route = httpx.post(
-        f"{platform.base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=60
-    )
-    assert route.status_code == 200, route.text
-    hashes = find_block_hashes(route.json())
-    assert hashes and len(hashes) >= 4
-    index = KvIndex(platform.redis, platform.namespace)
-    assert not index.worker_blocks("v1") & set(hashes)
-
-    # when the worker answers it
-    answer = httpx.post(
-        f"{platform.base_url}/v1/chat/completions",
-        json=image_request(url),
-        headers=platform.headers,
+def test_the_vllm_virtualenv_imports_torchvision_for_qwen2_vls_image_processor() -> None:
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import torchvision; from transformers import Qwen2VLImageProcessor"],
+        capture_output=True,
+        text=True,
         timeout=120,
     )
-    assert answer.status_code == 200, answer.text
-
-    # then the index lists every block of the prompt under the worker, by the router's own
-    # hashes (translated from vLLM's, which key the image on its pixels)
-    deadline = time.monotonic() + 10
-    while not set(hashes) <= index.worker_blocks("v1"):
-        assert time.monotonic() < deadline, platform.log_tail("worker-v1")
-        time.sleep(0.1)
-
-
-def test_the_same_url_with_new_pixels_is_not_a_false_hit_in_vllms_cache(vllm_platform, origin) -> None:
-    # given an image answered once, whose origin then serves other pixels of the same size
-    platform = vllm_platform
-    chat = f"{platform.base_url}/v1/chat/completions"
-    url = origin.add("/changing.png", picture(5), content_type="image/png")
-    before = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-    origin.add("/changing.png", picture(6), content_type="image/png")
-
-    # when the same URL comes again
-    after = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-
-    # then the router sent it back (same URL identity), but vLLM reused none of the old picture:
-    # the image starts in the prompt's first block, so nothing at all was cached
-    assert before.status_code == after.status_code == 200, after.text
-    assert after.headers["X-Routed-Worker"] == "v1"
-    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    # and the same new pixels once more are a hit again
-    again = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
-
-
-def test_the_seed_example_across_two_vllm_workers(platform_processes, origin) -> None:
-    # given two vLLM workers (one OpenMP thread each) behind the router
-    platform = platform_processes(**VLLM_ENV)
-    for name in ("va", "vb"):
-        platform.start_worker(name, "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
-    platform.wait_for_workers("va", "vb", timeout=500)
-    platform.start_server()
-    url = origin.add("/seed2.png", picture(7), content_type="image/png")
-    chat = f"{platform.base_url}/v1/chat/completions"
-
-    # when the same image and question come twice
-    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-
-    # then the second went back to the worker that served the first, the router saw the overlap
-    # (from that worker's KV events), and vLLM reused at least the image's 3 full blocks
-    assert first.status_code == second.status_code == 200, second.text
-    assert second.headers["X-Routed-Worker"] == first.headers["X-Routed-Worker"]
-    overlap, total = (int(n) for n in second.headers["X-Routing-Overlap"].split("/"))
-    assert overlap >= 3 and total >= overlap
-    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_qwen3_vl_vllm_worker_answers_the_same_image_from_its_cache(
@@ -219,11 +142,137 @@ def test_a_qwen3_vl_vllm_worker_answers_the_same_image_from_its_cache(
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
 
 
+# --- the pair: every test's pictures are its own -----------------------------------------------------
+@pytest.fixture(scope="module")
+def pair_redis(tmp_path_factory: pytest.TempPathFactory):
+    """The pair's Redis, a server of the module's own: the restart test empties it."""
+    server = PrivateRedis(tmp_path_factory.mktemp("vllm-redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, pair_redis):
+    """Two vLLM workers (one OpenMP thread each) and a frontend, shared by the tests that only
+    send requests."""
+    platform = platform_harness(
+        tmp_path_factory.mktemp("vllm-pair"), demo_model_dir, pair_redis.url, "test:vllm:", VLLM_ENV
+    )
+    try:
+        for name in PAIR:
+            platform.start_worker(name, "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+        platform.wait_for_workers(*PAIR, timeout=500)
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
+
+
+def chat(platform, request: dict) -> httpx.Response:
+    return httpx.post(
+        f"{platform.base_url}/v1/chat/completions", json=request, headers=platform.headers, timeout=120
+    )
+
+
+def layout_checks(platform, worker: str) -> int:
+    """How many requests the worker checked vLLM's expanded prompt against the router's blocks for."""
+    return len(
+        re.findall(r"vLLM's layout agrees with the router's on \d+ blocks", platform.log(f"worker-{worker}"))
+    )
+
+
+def test_the_seed_example_across_two_vllm_workers(vllm_pair, origin) -> None:
+    # given two vLLM workers behind the router, and an image at its origin
+    platform = vllm_pair
+    url = origin.add("/seed.png", picture(1), content_type="image/png")
+    checked = {name: layout_checks(platform, name) for name in PAIR}
+
+    # when the same image and question come twice
+    first = chat(platform, image_request(url))
+    second = chat(platform, image_request(url))
+
+    # then vLLM answered both, the same way, and the second went back to the worker that served
+    # the first: the router saw the overlap (from that worker's KV events), and vLLM reused at
+    # least the 336x280 image's 3 full blocks of 32 (120 placeholders), as vLLM counts them
+    assert first.status_code == 200, first.text + platform.log_tail("worker-va")
+    assert second.status_code == 200, second.text
+    worker = first.headers["X-Routed-Worker"]
+    assert second.headers["X-Routed-Worker"] == worker
+    overlap, total = (int(n) for n in second.headers["X-Routing-Overlap"].split("/"))
+    assert overlap >= 3 and total >= overlap
+    first_body, second_body = first.json(), second.json()
+    assert first_body["choices"][0]["message"]["content"] == second_body["choices"][0]["message"]["content"]
+    assert first_body["usage"]["prompt_tokens"] == second_body["usage"]["prompt_tokens"] > 120
+    # the image starts in the prompt's first block: nothing of the first was cached
+    assert first_body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second_body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    # and vLLM's expanded prompt hashed to the router's blocks, checked on both requests
+    assert layout_checks(platform, worker) == checked[worker] + 2
+
+
+def find_block_hashes(description: object) -> list[int] | None:
+    """The token view's block hashes, wherever `/v1/route` puts them."""
+    if isinstance(description, dict):
+        if "block_hashes" in description:
+            return [int(h) for h in description["block_hashes"]]
+        for value in description.values():
+            found = find_block_hashes(value)
+            if found is not None:
+                return found
+    return None
+
+
+def test_vllms_kv_events_put_the_prompts_blocks_in_the_routers_index(vllm_pair, origin) -> None:
+    # given a vLLM worker publishing its KV events, and the router's view of an image prompt
+    platform = vllm_pair
+    url = origin.add("/events.png", picture(4), content_type="image/png")
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=60
+    )
+    assert route.status_code == 200, route.text
+    hashes = find_block_hashes(route.json())
+    assert hashes and len(hashes) >= 4
+    index = KvIndex(platform.redis, platform.namespace)
+    assert not any(index.worker_blocks(name) & set(hashes) for name in PAIR)
+
+    # when a worker answers it
+    answer = chat(platform, image_request(url))
+    assert answer.status_code == 200, answer.text
+    worker = answer.headers["X-Routed-Worker"]
+
+    # then the index lists every block of the prompt under that worker, by the router's own
+    # hashes (translated from vLLM's, which key the image on its pixels)
+    deadline = time.monotonic() + 10
+    while not set(hashes) <= index.worker_blocks(worker):
+        assert time.monotonic() < deadline, platform.log_tail(f"worker-{worker}")
+        time.sleep(0.1)
+
+
+def test_the_same_url_with_new_pixels_is_not_a_false_hit_in_vllms_cache(vllm_pair, origin) -> None:
+    # given an image answered once, whose origin then serves other pixels of the same size
+    platform = vllm_pair
+    url = origin.add("/changing.png", picture(5), content_type="image/png")
+    before = chat(platform, image_request(url))
+    origin.add("/changing.png", picture(6), content_type="image/png")
+
+    # when the same URL comes again
+    after = chat(platform, image_request(url))
+
+    # then the router sent it back (same URL identity), but vLLM reused none of the old picture:
+    # the image starts in the prompt's first block, so nothing at all was cached
+    assert before.status_code == after.status_code == 200, after.text
+    assert after.headers["X-Routed-Worker"] == before.headers["X-Routed-Worker"]
+    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # and the same new pixels once more are a hit again
+    again = chat(platform, image_request(url))
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
 def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason_and_logprobs_come_back(
-    vllm_platform, origin
+    vllm_pair, origin
 ) -> None:
     # given a vLLM worker and an image
-    platform = vllm_platform
+    platform = vllm_pair
     url = origin.add("/stream.png", picture(2), content_type="image/png")
 
     # when the answer is streamed, with a length limit
@@ -263,11 +312,9 @@ def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason_and_logprobs_c
         assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
 
 
-def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second(
-    vllm_platform, origin
-) -> None:
+def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second(vllm_pair, origin) -> None:
     # given a vLLM worker streaming a long answer
-    platform = vllm_platform
+    platform = vllm_pair
     url = origin.add("/long.png", picture(3), content_type="image/png")
     request = image_request(url, stream=True, max_tokens=3000)
 
@@ -280,6 +327,7 @@ def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second
         timeout=120,
     ) as response:
         assert response.status_code == 200
+        log = f"worker-{response.headers['X-Routed-Worker']}"
         for line in response.iter_lines():
             if line.startswith("data: ") and '"content"' in line:
                 break
@@ -287,11 +335,11 @@ def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second
 
     # then vLLM aborted the request within a second (0.2 s measured), long before its 3,000 tokens
     pattern = re.compile(r"cancelled: vLLM aborted it after (\d+) tokens")
-    while not pattern.search(platform.log("worker-v1")):
-        assert time.monotonic() - gone < 10, platform.log_tail("worker-v1")
+    while not pattern.search(platform.log(log)):
+        assert time.monotonic() - gone < 10, platform.log_tail(log)
         time.sleep(0.02)
     assert time.monotonic() - gone < 1.0
-    assert int(pattern.search(platform.log("worker-v1")).group(1)) < 3000
+    assert int(pattern.search(platform.log(log)).group(1)) < 3000
 
 
 _VLLM_DIRECTLY = """
@@ -312,18 +360,16 @@ print("RESULT " + json.dumps({"text": out.outputs[0].text, "tokens": list(out.ou
 """
 
 
-def test_greedy_answers_equal_vllms_own_chat_on_the_same_image(vllm_platform, origin, tmp_path) -> None:
-    # given an image, answered greedily through the platform's vLLM worker (float32, alone)
-    platform = vllm_platform
+def test_greedy_answers_equal_vllms_own_chat_on_the_same_image(vllm_pair, origin, tmp_path) -> None:
+    # given an image, answered greedily through the platform's vLLM worker (float32, alone), from
+    # an empty prefix cache as a fresh LLM's
+    platform = vllm_pair
     image = picture(8)
     url = origin.add("/greedy.png", image, content_type="image/png")
-    through_platform = httpx.post(
-        f"{platform.base_url}/v1/chat/completions",
-        json=image_request(url, max_tokens=16),
-        headers=platform.headers,
-        timeout=120,
-    )
+    platform.manage("flush_caches", "--cache", "kv")
+    through_platform = chat(platform, image_request(url, max_tokens=16))
     assert through_platform.status_code == 200, through_platform.text
+    assert through_platform.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
     # when vLLM's own LLM.chat answers the same question about the same pixels
     path = tmp_path / "greedy.png"
@@ -356,33 +402,109 @@ def test_greedy_answers_equal_vllms_own_chat_on_the_same_image(vllm_platform, or
     assert body["choices"][0]["message"]["content"] == direct["text"]
 
 
-def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:
-    # given a deployment hashing prompts in blocks of 16
-    platform = platform_processes(**{**VLLM_ENV, "KV_BLOCK_SIZE": "16"})
+# Last but one: it empties the pair's Redis.
+def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
+    vllm_pair, pair_redis, origin
+) -> None:
+    # given an image answered once by one of the pair, whose blocks its KV events put in the index
+    platform = vllm_pair
+    url = origin.add("/kept.png", picture(10), content_type="image/png")
+    first = chat(platform, image_request(url))
+    assert first.status_code == 200, first.text
+    served_by = first.headers["X-Routed-Worker"]
+    cacheable = (first.json()["usage"]["prompt_tokens"] - 1) // 32  # vLLM never caches the last token
 
-    # when a vLLM worker starts on a CPU
-    started = time.monotonic()
-    platform.start_worker("v16", "--engine", "vllm", python=str(VLLM_PYTHON))
-    code = platform.workers["v16"].wait(timeout=120)
+    # when Redis dies and comes back with nothing (no persistence)
+    pair_redis.kill()
+    pair_redis.start()
+    lost_at = time.monotonic()
 
-    # then it refuses at once, naming the setting, before loading anything
-    assert code != 0
-    assert "KV_BLOCK_SIZE" in platform.log("worker-v16")
-    assert time.monotonic() - started < 60
+    # then within a few heartbeats (1 s here) that worker re-announced what its mirror of vLLM's
+    # cache holds, and the router sees the prompt's blocks there again
+    choice = None
+    while time.monotonic() - lost_at < 20:
+        try:
+            seen = httpx.post(
+                f"{platform.base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=10
+            )
+        except httpx.HTTPError:
+            seen = None
+        if seen is not None and seen.status_code == 200 and (seen.json().get("choice") or {}).get("overlap"):
+            choice = seen.json()["choice"]
+            break
+        time.sleep(0.2)
+    assert choice is not None, platform.log_tail(f"worker-{served_by}")
+    assert choice["worker"] == served_by and choice["overlap"] >= cacheable
+    assert "re-announced" in platform.log(f"worker-{served_by}")
+
+    # and the repeat is served there, from vLLM's cache, as far as the router said, through the
+    # restarted broker
+    repeat = None
+    for _ in range(20):
+        repeat = chat(platform, image_request(url))
+        if repeat.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert repeat is not None and repeat.status_code == 200, repeat.text if repeat else None
+    assert repeat.headers["X-Routed-Worker"] == served_by
+    overlap = int(repeat.headers["X-Routing-Overlap"].split("/")[0])
+    cached = repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert min(overlap, cacheable) == cached // 32 == cacheable
 
 
-def test_a_vllm_worker_refuses_to_be_an_encode_worker(platform_processes) -> None:
-    platform = platform_processes(**VLLM_ENV)
-    platform.start_worker("venc", "--engine", "vllm", "--role", "encode", python=str(VLLM_PYTHON))
-    assert platform.workers["venc"].wait(timeout=120) != 0
-    assert "--role encode" in platform.log("worker-venc")
+def descendants(pid: int) -> list[int]:
+    """A process's children, theirs, and so on (from /proc): vLLM's engine core and its worker."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
 
 
-def test_the_vllm_virtualenv_imports_torchvision_for_qwen2_vls_image_processor() -> None:
-    done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", "import torchvision; from transformers import Qwen2VLImageProcessor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+# Last: it kills one of the pair.
+def test_requests_on_a_vllm_worker_killed_before_their_first_token_are_answered_by_the_other(
+    vllm_pair, origin
+) -> None:
+    # given the pair, requests going to vb while va is disabled
+    platform = vllm_pair
+    url = origin.add("/doomed.png", picture(11), content_type="image/png")
+    set_enabled(platform, "va", False)
+    assert chat(platform, image_request(url)).headers["X-Routed-Worker"] == "vb"
+
+    # when vb freezes with two requests routed to it (one streamed), and is then killed: no
+    # token of theirs came out
+    engine_processes = descendants(platform.workers["vb"].pid)
+    platform.stop_worker("vb", signal.SIGSTOP, wait=False)
+    answers: dict[int, httpx.Response] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = chat(platform, image_request(url, stream=i == 1))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    load = LoadTracker(platform.redis, platform.namespace)
+    deadline = time.monotonic() + 30
+    while load.snapshot(["vb"])["vb"].active_requests < 2:
+        assert time.monotonic() < deadline, "the requests never both reached vb"
+        time.sleep(0.05)
+    set_enabled(platform, "va", True)
+    platform.stop_worker("vb", signal.SIGKILL)
+    try:
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        for pid in engine_processes:  # whatever of vLLM's engine core outlived its killed parent
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    # then both were answered 200 by va, the stream too, as if nothing had happened
+    assert sorted(answers) == [0, 1]
+    for i, response in answers.items():
+        assert response.status_code == 200, response.text
+        assert response.headers["X-Routed-Worker"] == "va"
+        if i == 0:
+            assert response.json()["usage"]["completion_tokens"] > 0
+        else:
+            assert '"error"' not in response.text and response.text.endswith("data: [DONE]\n\n")
+    assert "migrated to va" in platform.log("server")

@@ -181,6 +181,38 @@ def train_demo_tokenizer(seed: int = 0) -> Any:
 DEFAULT_VISION = {"depth": 2, "embed_dim": 128, "num_heads": 4}
 HEAVY_VISION = {"depth": 8, "embed_dim": 384, "num_heads": 6}
 
+# The Qwen2-VL demo's language model by size. "tiny", the default, is what the tests load: with
+# images and short answers it spends its time in vLLM's per-step overheads and the prompt, so a
+# throughput figure measured on it says little about decoding. "small" (about 3x tiny's
+# compute per token) and "medium" (about 8x) keep the head size (64, which the mrope_section
+# below covers), the vocabulary, tokenizer and vision tower. Measured with bench/vllm_engine.py's
+# direct run (two vLLM engines of one thread each, 8 requests in flight, 32 new tokens after
+# ~540 prompt tokens with an image) on this 2-core machine while three other engineers' tests
+# ran: tiny 131 tok/s, small 91-118, medium 57.
+TEXT_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "small": {
+        "hidden_size": 384,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+    },
+    "medium": {
+        "hidden_size": 512,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+}
+
 
 def _qwen_demo_tokenizer(seed: int) -> tuple[Any, dict[str, int]]:
     """The demo tokenizer as transformers loads it, and the ids of its special tokens."""
@@ -214,19 +246,16 @@ def _qwen_generation_config(token_ids: dict[str, int]) -> Any:
     )
 
 
-def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None) -> Any:
+def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None, size: str = "tiny") -> Any:
     from transformers import Qwen2VLConfig
 
     vision = vision or DEFAULT_VISION
-    hidden = 256
+    text = TEXT_SIZES[size]
+    hidden = text["hidden_size"]
     return Qwen2VLConfig(
         text_config={
             "vocab_size": VOCAB_SIZE,
-            "hidden_size": hidden,
-            "intermediate_size": 1024,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+            **text,
             "max_position_embeddings": 32768,
             # mrope_section covers head_dim / 2 = 32 rotary frequencies (temporal, height, width).
             "rope_parameters": {
@@ -260,11 +289,15 @@ def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None
     )
 
 
-def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -> None:
+def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False, size: str = "tiny") -> None:
     """Writes the demo checkpoint (weights, config, tokenizer, chat template, image processor).
 
     `heavy_vision` builds the heavier vision tower (HEAVY_VISION); the language model is the same.
+    `size` is the language model's (TEXT_SIZES); the tokenizer and the vision tower's shape are
+    the same at every size.
     """
+    if size not in TEXT_SIZES:
+        raise ValueError(f"no demo size {size!r}; choose from {', '.join(TEXT_SIZES)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import Qwen2VLForConditionalGeneration
@@ -277,7 +310,7 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False) -
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
-    config = _demo_config(token_ids, HEAVY_VISION if heavy_vision else DEFAULT_VISION)
+    config = _demo_config(token_ids, HEAVY_VISION if heavy_vision else DEFAULT_VISION, size)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
     model.generation_config = _qwen_generation_config(token_ids)
@@ -341,14 +374,14 @@ def _write_video_preprocessor_config(path: Path, settings: dict[str, Any]) -> No
 
 
 def replace_demo_model(
-    path: Path, *, seed: int = 0, heavy_vision: bool = False, family: str = "qwen2_vl"
+    path: Path, *, seed: int = 0, heavy_vision: bool = False, family: str = "qwen2_vl", size: str = "tiny"
 ) -> None:
     """Builds into a sibling directory and swaps it in, so readers never see a half-written model."""
     path = Path(path)
     staging = path.with_name(path.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
     if family == "qwen2_vl":
-        build_demo_model(staging, seed=seed, heavy_vision=heavy_vision)
+        build_demo_model(staging, seed=seed, heavy_vision=heavy_vision, size=size)
     else:
         build_demo_family(staging, family, seed=seed)
     if path.exists():

@@ -1,5 +1,5 @@
-"""`manage.py build_demo_model PATH [--family qwen2_vl|qwen3_vl|llava|llava_next]`: writes a small
-random-weight demo checkpoint (Qwen2-VL by default)."""
+"""`manage.py build_demo_model PATH [--family qwen2_vl|qwen3_vl|llava|llava_next]
+[--size tiny|small|medium]`: writes a small random-weight demo checkpoint (Qwen2-VL by default)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from workers.demo_model import DEMO_FAMILIES, replace_demo_model
+from workers.demo_model import DEMO_FAMILIES, TEXT_SIZES, replace_demo_model
 
 
 class Command(BaseCommand):
@@ -26,6 +26,13 @@ class Command(BaseCommand):
             action="store_true",
             help="a deeper, wider vision tower, so encoding is a real share of a request's cost on a CPU",
         )
+        parser.add_argument(
+            "--size",
+            choices=tuple(TEXT_SIZES),
+            default="tiny",
+            help="the language model's size (default tiny, the tests' model); small and medium cost "
+            "enough per token that a throughput bench times the engine, not the platform around it",
+        )
 
     def handle(
         self,
@@ -35,6 +42,7 @@ class Command(BaseCommand):
         force: bool,
         heavy_vision: bool = False,
         family: str = "qwen2_vl",
+        size: str = "tiny",
         **options: Any,
     ) -> None:
         path = path.resolve()
@@ -42,5 +50,7 @@ class Command(BaseCommand):
             raise CommandError(f"{path} already holds files; pass --force to replace them")
         if heavy_vision and family != "qwen2_vl":
             raise CommandError("--heavy-vision builds only the qwen2_vl demo")
-        replace_demo_model(path, seed=seed, heavy_vision=heavy_vision, family=family)
+        if size != "tiny" and family != "qwen2_vl":
+            raise CommandError("--size builds only the qwen2_vl demo")
+        replace_demo_model(path, seed=seed, heavy_vision=heavy_vision, family=family, size=size)
         self.stdout.write(self.style.SUCCESS(f"{family} demo model written to {path}"))
