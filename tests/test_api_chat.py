@@ -190,7 +190,13 @@ async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(
     client, served_demo_model, ghost_worker
 ):
     def vanish() -> None:
-        time.sleep(0.3)
+        # once the task is in the ghost's queue (sent to it), not after a time a loaded machine
+        # may overrun before sending
+        conn = redis.Redis.from_url(django_settings.REDIS_URL)
+        queue = f"{django_settings.REDIS_KEY_PREFIX}worker.ghost"
+        deadline = time.monotonic() + 30
+        while not conn.llen(queue) and time.monotonic() < deadline:
+            time.sleep(0.01)
         ghost_worker.remove("ghost")
 
     threading.Thread(target=vanish).start()
