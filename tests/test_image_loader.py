@@ -30,6 +30,12 @@ SESSION_HEADER = "x-dynamo-session-id"
 SCOPE_KEY = b"test-scope-key"
 
 
+# What a bound on a load's time allows beyond the timeouts that make it: room for a loaded
+# machine's scheduling, still far below what an unbounded wait costs (redis-py's default retries
+# of a refused connection take ~3.4 s; a socket's default timeout, 5 s).
+SLACK_S = 1.0
+
+
 def colour_for(path: str, session: str) -> tuple[int, int, int]:
     digest = hashlib.sha256(f"{path}|{session}".encode()).digest()
     return digest[0], digest[1], digest[2]
@@ -208,7 +214,7 @@ def test_a_caller_that_times_out_does_not_cancel_the_fetch_for_others(
         threading.Timer(0.01, waiter.start).start()
         load(loader, url, timeout=0.05)
     assert gave_up.value.status == 504
-    assert time.perf_counter() - impatient_start < 0.3
+    assert time.perf_counter() - impatient_start < 0.05 + SLACK_S
     # then the fetch still completes for the caller who joined it, and fills the caches
     time.sleep(0.05)
     waiter.join(timeout=5)
@@ -299,7 +305,7 @@ def test_loads_succeed_from_the_origin_when_the_cache_stops_answering(
     cache = shared_cache(f"redis://127.0.0.1:{silent.port}/0", "x:", io_timeout_secs=0.25)
     loader = make_loader(cache)  # type: ignore[operator]
     # one failed GET and one failed SET, each bounded by the IO timeout
-    assert_loads_fail_open(loader, origin, caplog, per_load_bound=2 * 0.25 + 0.3, count=3)
+    assert_loads_fail_open(loader, origin, caplog, per_load_bound=2 * 0.25 + SLACK_S, count=3)
     silent.close()
 
 
@@ -307,7 +313,7 @@ def test_loads_succeed_from_the_origin_when_the_cache_refuses_connections(
     origin: Origin, make_loader: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     loader = make_loader(shared_cache(f"redis://127.0.0.1:{closed_port()}/0", "x:"))  # type: ignore[operator]
-    assert_loads_fail_open(loader, origin, caplog, per_load_bound=0.3)
+    assert_loads_fail_open(loader, origin, caplog, per_load_bound=SLACK_S)
 
 
 def test_loads_succeed_from_the_origin_when_connecting_to_the_cache_times_out(
@@ -319,7 +325,7 @@ def test_loads_succeed_from_the_origin_when_connecting_to_the_cache_times_out(
     filler = socket.create_connection(listener.getsockname(), timeout=1)  # the backlog is now full
     loader = make_loader(shared_cache(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", "x:"))  # type: ignore[operator]
     # default connect timeout 0.1 s: two bounded attempts per load
-    assert_loads_fail_open(loader, origin, caplog, per_load_bound=2 * 0.1 + 0.3, count=3)
+    assert_loads_fail_open(loader, origin, caplog, per_load_bound=2 * 0.1 + SLACK_S, count=3)
     filler.close()
     listener.close()
 
@@ -348,7 +354,7 @@ def test_loads_succeed_when_a_cluster_node_is_killed_mid_test(
                 # then every load succeeds: from the survivors' cache, or from the origin
                 expected = "origin" if holder[url] == victim else "shared"
                 assert loaded.source == expected, url
-                assert elapsed < 1.0
+                assert elapsed < 1.0 + SLACK_S
         warnings = [
             record for record in caplog.records
             if record.name == "workers.shared_image_cache" and record.levelno == logging.WARNING
