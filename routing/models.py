@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from django.core.validators import MinValueValidator
 from django.db import models
+
+from routing.fleet.registry import Heartbeat
 
 
 class WorkerQuerySet(models.QuerySet):
@@ -63,6 +68,84 @@ class Worker(models.Model):
 def worker_queue(name: str) -> str:
     """The Celery queue a worker consumes, and the only one it consumes."""
     return f"worker.{name}"
+
+
+class ModelQuerySet(WorkerQuerySet):
+    """Model rows are read with the workers' rows, under their generation: an update() says so too."""
+
+
+class Model(models.Model):
+    """A model the deployment serves: made when a worker first announces it, or by an operator.
+
+    Its fingerprint (routing.prompt.model_card) is authoritative: a worker announcing the name
+    with another one is misconfigured (another tokenizer or template under the same name) and
+    gets none of the model's requests. A worker announcing a model with no fingerprint recorded
+    yet records its own.
+    """
+
+    name = models.CharField(
+        max_length=200, unique=True, help_text="What clients send as `model`; also the name workers announce."
+    )
+    family = models.CharField(max_length=64, blank=True, help_text="Its config.json's model_type.")
+    fingerprint = models.CharField(
+        max_length=32,
+        blank=True,
+        help_text="The routing files' hash (tokenizer, chat template, processor settings) its workers "
+        "must announce. Empty: the next worker to announce the model records its own.",
+    )
+    enabled = models.BooleanField(
+        default=True, help_text="A disabled model answers new requests with 404 model_not_found."
+    )
+    always_listed = models.BooleanField(
+        default=False, help_text="Listed in /v1/models even while no worker of it is live."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = ModelQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def announce(cls, name: str, family: str, fingerprint: str) -> Model:
+        """A worker announces that it serves `name`: the row, made now if it is the first to, with
+        this fingerprint recorded if none was. The caller compares the row's fingerprint with its
+        own (a mismatch is the operator's to resolve, never overwritten by a worker)."""
+        row, created = cls.objects.get_or_create(
+            name=name, defaults={"family": family, "fingerprint": fingerprint}
+        )
+        if not created and not row.fingerprint:
+            cls.objects.filter(pk=row.pk, fingerprint="").update(fingerprint=fingerprint, family=family)
+            row.refresh_from_db()
+        return row
+
+
+@dataclass(frozen=True)
+class ModelFleet:
+    """A model's live workers as the admin and /metrics show them."""
+
+    serving: tuple[Heartbeat, ...]  # live, announcing the model's fingerprint (or none, from before)
+    # Live and announcing the model's name with another fingerprint: a configuration error, and
+    # no request of the model goes there (inference_platform.serving.dispatch).
+    mismatched: tuple[Heartbeat, ...]
+
+
+def model_fleets(models: Iterable[Model], alive: Iterable[Heartbeat]) -> dict[str, ModelFleet]:
+    """Each model's live workers by its name, split by whether they announce its fingerprint."""
+    beats = list(alive)
+    fleets = {}
+    for model in models:
+        own = [beat for beat in beats if beat.model == model.name]
+        agrees = [
+            b for b in own if not (model.fingerprint and b.fingerprint) or b.fingerprint == model.fingerprint
+        ]
+        fleets[model.name] = ModelFleet(
+            serving=tuple(agrees), mismatched=tuple(b for b in own if b not in agrees)
+        )
+    return fleets
 
 
 class RoutingPolicySettings(models.Model):

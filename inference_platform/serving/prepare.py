@@ -61,6 +61,7 @@ logger = logging.getLogger("inference_platform.serving")
 
 
 def served_model() -> ModelView:
+    """The deployment's own model (MODEL_PATH): the default a client's request names."""
     return model_view(settings.MODEL_PATH, settings.MODEL_NAME)
 
 
@@ -141,6 +142,9 @@ class PreparedRequest:
     frontend_decoding: bool
     processed: dict[str, Any] | None = None  # the processor path's model inputs, for the worker
     videos: list[SampledVideo] = dataclasses.field(default_factory=list)  # always frontend-decoded
+    # The model's fingerprint (routing.prompt.model_card): what its workers must announce, and
+    # the KV partition the view's block hashes fold in.
+    fingerprint: str = ""
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
@@ -279,21 +283,15 @@ def prepare(
     """
     if sizes is not None:
         sizes.follow_flushes()
-    prepared = _prepare(chat, sizes, image_size_scope(cache_salt, scope_key))
-    if cache_salt is not None:
-        prepared = dataclasses.replace(prepared, view=prepared.view.salted(cache_salt))
-    return prepared
+    served = frontend().models().resolve(chat.model)  # before any work: an unknown model is a 404
+    prepared = _prepare(chat, served.view, sizes, image_size_scope(cache_salt, scope_key))
+    view = prepared.view.of_model(served.fingerprint).salted(cache_salt)
+    return dataclasses.replace(prepared, view=view, fingerprint=served.fingerprint)
 
 
-def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> PreparedRequest:
-    model = served_model()
-    if chat.model != model.name:
-        raise ApiError(
-            404,
-            f"The model '{chat.model}' does not exist; this platform serves '{model.name}'.",
-            code="model_not_found",
-            param="model",
-        )
+def _prepare(
+    chat: ChatRequest, model: ModelView, sizes: ImageSizes | None, size_scope: tuple
+) -> PreparedRequest:
     if chat.logit_bias:
         _check_logit_bias(model, chat.logit_bias)
     try:
@@ -565,7 +563,9 @@ async def describe_workers(prepared: PreparedRequest, scope_key: str | None) -> 
     now, the E/PD plan, and every worker of the model with its overlap, load terms and cost, as
     the router computes them (nothing reserved)."""
     description: dict[str, Any] = {}
-    states = await worker_states(prepared.model.name, prepared.view.block_size)
+    states = await worker_states(
+        prepared.model.name, prepared.view.block_size, fingerprint=prepared.fingerprint
+    )
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
     scores: dict[str, Score] = {}
     busy: tuple[str, ...] = ()

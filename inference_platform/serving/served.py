@@ -146,7 +146,7 @@ class ServedRequest:
             self.prepared = prepared
             model, view = prepared.model, prepared.view
             try:
-                workers = await eligible_workers(model.name, view.block_size)
+                workers = await eligible_workers(model.name, view.block_size, prepared.fingerprint)
                 if not workers:
                     raise NoWorker
                 # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
@@ -244,7 +244,7 @@ class ServedRequest:
         """
         view = prepared.view
         if workers is None:
-            workers = await eligible_workers(prepared.model.name, view.block_size)
+            workers = await eligible_workers(prepared.model.name, view.block_size, prepared.fingerprint)
         workers = dict(workers)
         for tried in self.tried:
             workers.pop(tried, None)

@@ -1,0 +1,41 @@
+"""The models a client sees in `/v1/models`: those with a live worker, and those an operator marked
+always listed (routing.models.Model), enabled; the deployment's own model (MODEL_PATH) while this
+frontend has its directory and no row says otherwise, as before models were rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asgiref.sync import async_to_sync
+
+from inference_platform.serving.dispatch import worker_states
+from inference_platform.serving.frontend import frontend
+from inference_platform.serving.model_pool import ModelRow
+
+
+@dataclass(frozen=True)
+class ListedModel:
+    name: str
+    created: int  # Unix time: when its row was made, or its directory last changed
+
+
+def listed_models() -> list[ListedModel]:
+    """The models to list, by name (synchronous: the rows may need a query)."""
+    pool = frontend().models()
+    rows = pool.rows()
+    listed = [
+        ListedModel(row.name, int(row.created_at))
+        for row in rows.values()
+        if row.enabled and (row.always_listed or _has_live_worker(row))
+    ]
+    local = pool.local_model()
+    if local is not None and local.name not in rows:
+        listed.append(ListedModel(local.name, int(local.view.path.stat().st_mtime)))
+    return sorted(listed, key=lambda model: model.name)
+
+
+def _has_live_worker(row: ModelRow) -> bool:
+    from django.conf import settings
+
+    states = async_to_sync(worker_states)(row.name, settings.KV_BLOCK_SIZE, fingerprint=row.fingerprint)
+    return any(state.heartbeat is not None and state.ineligible_because is None for state in states)
