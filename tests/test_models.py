@@ -186,3 +186,27 @@ async def test_the_request_path_reads_only_the_chosen_models_worker_keys(monkeyp
     heartbeats = {k for k in read if ":hb:" in k}
     assert heartbeats == {f"{django_settings.REDIS_KEY_PREFIX}hb:small{n}" for n in range(32)}
     assert all(read[k] == 2 for k in heartbeats)
+
+
+@pytest.mark.usefixtures("served_demo_model")
+def test_a_tenant_limited_to_one_model_sees_only_it_and_gets_404_for_another(make_api_key, demo_model_dir):
+    from django.test import Client
+
+    # given two models (the deployment's own, and one an operator lists though no worker is live)
+    Model.objects.create(
+        name="other-vlm", fingerprint=read_model_card(demo_model_dir).fingerprint, always_listed=True
+    )
+    limited = Client(headers={"Authorization": f"Bearer {make_api_key('limited', allowed_models='demo')}"})
+    everyone = Client(headers={"Authorization": f"Bearer {make_api_key('unlimited')}"})
+    # when each tenant lists the models
+    listed = {
+        name: [m["id"] for m in client.get("/v1/models").json()["data"]]
+        for name, client in (("limited", limited), ("unlimited", everyone))
+    }
+    # then the limited tenant sees only its model, the other tenant both
+    assert listed == {"limited": ["demo"], "unlimited": ["demo", "other-vlm"]}
+    assert limited.get("/v1/models/other-vlm").status_code == 404
+    # and a request for the other model is a 404 model_not_found, before any work
+    body = {"model": "other-vlm", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    refused = limited.post("/v1/chat/completions", body, content_type="application/json")
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"

@@ -36,7 +36,9 @@ def _model_card(model: ListedModel) -> dict[str, Any]:
 @api_key_required
 @only_get
 def list_models(request: HttpRequest) -> HttpResponse:
-    return JsonResponse({"object": "list", "data": [_model_card(model) for model in listed_models()]})
+    return JsonResponse(
+        {"object": "list", "data": [_model_card(model) for model in listed_models(request.caller)]}
+    )
 
 
 @csrf_exempt
@@ -48,7 +50,7 @@ def retrieve_model(request: HttpRequest, model_id: str) -> HttpResponse:
         )
         response["Allow"] = "GET, HEAD"
         return response
-    for model in listed_models():
+    for model in listed_models(request.caller):
         if model.name == model_id:
             return JsonResponse(_model_card(model))
     return error_response(model_not_found(model_id))

@@ -11,6 +11,7 @@ from asgiref.sync import async_to_sync
 from inference_platform.serving.dispatch import worker_states
 from inference_platform.serving.frontend import frontend
 from inference_platform.serving.model_pool import ModelRow
+from tenants.keys import ANONYMOUS, Caller
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,9 @@ class ListedModel:
     created: int  # Unix time: when its row was made, or its directory last changed
 
 
-def listed_models() -> list[ListedModel]:
-    """The models to list, by name (synchronous: the rows may need a query)."""
+def listed_models(caller: Caller = ANONYMOUS) -> list[ListedModel]:
+    """The models to list to `caller` (a tenant limited to some models sees only those), by name
+    (synchronous: the rows may need a query)."""
     pool = frontend().models()
     rows = pool.rows()
     listed = [
@@ -31,7 +33,7 @@ def listed_models() -> list[ListedModel]:
     local = pool.local_model()
     if local is not None and local.name not in rows:
         listed.append(ListedModel(local.name, int(local.view.path.stat().st_mtime)))
-    return sorted(listed, key=lambda model: model.name)
+    return sorted((m for m in listed if caller.may_use(m.name)), key=lambda model: model.name)
 
 
 def _has_live_worker(row: ModelRow) -> bool:

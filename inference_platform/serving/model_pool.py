@@ -55,6 +55,11 @@ class ServedModel:
         return self.view.name
 
 
+def deployment_model_name() -> str:
+    """The name of the deployment's own model: MODEL_NAME, else its directory's name."""
+    return settings.MODEL_NAME or Path(settings.MODEL_PATH).resolve().name
+
+
 def model_not_found(name: str, why: str = "does not exist") -> ApiError:
     return ApiError(404, f"The model '{name}' {why}.", code="model_not_found", param="model")
 
@@ -109,7 +114,7 @@ class ModelPool:
 
     def local_model(self) -> ServedModel | None:
         """The deployment's own model from its directory, if this frontend has the directory."""
-        view = model_view(settings.MODEL_PATH, settings.MODEL_NAME)
+        view = model_view(settings.MODEL_PATH, deployment_model_name())
         card = self._local_card(view.path)
         return None if card is None else ServedModel(view, card.fingerprint)
 

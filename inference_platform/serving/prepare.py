@@ -27,6 +27,7 @@ from inference_platform.serving.dispatch import (
 from inference_platform.serving.encoding import describe_encoding
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
+from inference_platform.serving.model_pool import deployment_model_name
 from routing.contract.tasks import (
     CONTEXT_LENGTH_EXCEEDED,
     GenerateTask,
@@ -62,7 +63,7 @@ logger = logging.getLogger("inference_platform.serving")
 
 def served_model() -> ModelView:
     """The deployment's own model (MODEL_PATH): the default a client's request names."""
-    return model_view(settings.MODEL_PATH, settings.MODEL_NAME)
+    return model_view(settings.MODEL_PATH, deployment_model_name())
 
 
 def check_served_model() -> None:

@@ -48,6 +48,7 @@ from inference_platform.serving.dispatch import (
 from inference_platform.serving.encoding import plan_encoding
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
+from inference_platform.serving.model_pool import model_not_found
 from inference_platform.serving.prepare import (
     PreparedRequest,
     all_busy,
@@ -138,6 +139,8 @@ class ServedRequest:
         self.chat = chat
         try:
             self.scope_key = session_scope_hash(headers, self.caller)
+            if not self.caller.may_use(chat.model):  # as if it did not exist: a tenant sees its own
+                raise model_not_found(chat.model)
             await self._admit()
             salt = self.caller.cache_salt(chat.cache_salt)
             prepared = await asyncio.to_thread(
