@@ -17,7 +17,7 @@ from django.views.decorators.http import require_POST
 
 from routing.fleet.registry import WorkerRegistry
 from routing.kv.load import TOTALS_KEY, LoadTracker
-from routing.models import Model, ModelFleet, RoutingPolicySettings, Worker, model_fleets
+from routing.models import Model, ModelAlias, ModelFleet, RoutingPolicySettings, Worker, model_fleets
 from routing.policy import environment_defaults, forget_cached_policy
 from routing.state.redis_keys import redact_text, sync_client
 
@@ -140,6 +140,15 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
         self.message_user(request, f"Enabled, not draining: {names}.")
 
 
+class ModelAliasInline(admin.TabularInline):
+    """Names that stand for this model, with its share of each (a canary between two versions: the
+    same alias on both, weights 9 and 1)."""
+
+    model = ModelAlias
+    extra = 0
+    fields = ("name", "weight")
+
+
 @admin.register(Model)
 class ModelAdmin(EscapedHelpTexts, admin.ModelAdmin):
     """Each model with its live workers, their roles and KV cache figures; a worker announcing the
@@ -148,8 +157,15 @@ class ModelAdmin(EscapedHelpTexts, admin.ModelAdmin):
     list_display = ("name", "enabled", "always_listed", "family", "short_fingerprint", "workers", "flagged")
     list_editable = ("enabled", "always_listed")
     list_filter = ("enabled", "family")
-    fields = ("name", "enabled", "always_listed", "family", "fingerprint", "created_at")
+    fieldsets = (
+        (None, {"fields": ("name", "enabled", "always_listed", "family", "fingerprint", "created_at")}),
+        (
+            "Routing policy (empty: the deployment's)",
+            {"fields": ("routing_mode", "overlap_credit", "prefill_load_scale", "temperature")},
+        ),
+    )
     readonly_fields = ("created_at",)
+    inlines = (ModelAliasInline,)
     actions = ("disable", "enable")
 
     def get_queryset(self, request):

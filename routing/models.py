@@ -70,6 +70,10 @@ def worker_queue(name: str) -> str:
     return f"worker.{name}"
 
 
+# The routing modes (RoutingPolicySettings.MODES), named before the models that offer them.
+_POLICY_MODES = [("kv", "KV-aware (cache and load)"), ("round_robin", "Round robin"), ("random", "Random")]
+
+
 class ModelQuerySet(WorkerQuerySet):
     """Model rows are read with the workers' rows, under their generation: an update() says so too."""
 
@@ -99,6 +103,22 @@ class Model(models.Model):
     always_listed = models.BooleanField(
         default=False, help_text="Listed in /v1/models even while no worker of it is live."
     )
+    # The model's routing policy: each field left empty follows the deployment's (RoutingPolicySettings).
+    routing_mode = models.CharField(
+        max_length=16,
+        blank=True,
+        choices=[("", "The deployment's"), *[(m, n) for m, n in _POLICY_MODES]],
+        help_text="Empty: the deployment's routing policy.",
+    )
+    overlap_credit = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0)], help_text="Empty: the deployment's."
+    )
+    prefill_load_scale = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0)], help_text="Empty: the deployment's."
+    )
+    temperature = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0)], help_text="Empty: the deployment's."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = ModelQuerySet.as_manager()
@@ -121,6 +141,32 @@ class Model(models.Model):
             cls.objects.filter(pk=row.pk, fingerprint="").update(fingerprint=fingerprint, family=family)
             row.refresh_from_db()
         return row
+
+
+class ModelAlias(models.Model):
+    """Another name clients may send as `model`, standing for one model or several: a request
+    naming it goes to one of its models, chosen at random in proportion to their weights (a
+    canary: 9 to the current version, 1 to the next)."""
+
+    name = models.CharField(max_length=200, help_text="The name clients send; never a model's own name.")
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="aliases")
+    weight = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1)], help_text="Its share of the alias's requests."
+    )
+
+    class Meta:
+        ordering = ["name", "model__name"]
+        constraints = [models.UniqueConstraint(fields=["name", "model"], name="one_weight_per_alias_model")]
+        verbose_name_plural = "model aliases"
+
+    def __str__(self) -> str:
+        return f"{self.name} → {self.model.name} ({self.weight})"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        if Model.objects.filter(name=self.name).exists():
+            raise ValidationError({"name": f"{self.name!r} is a model's own name."})
 
 
 @dataclass(frozen=True)
@@ -153,7 +199,7 @@ class RoutingPolicySettings(models.Model):
     frontend process within a second, without a restart. Until an operator saves it, the
     environment's settings (ROUTER_*, DYN_MM_FRONTEND_DECODING) apply."""
 
-    MODES = [("kv", "KV-aware (cache and load)"), ("round_robin", "Round robin"), ("random", "Random")]
+    MODES = _POLICY_MODES
 
     mode = models.CharField(max_length=16, choices=MODES, default="kv")
     overlap_credit = models.FloatField(

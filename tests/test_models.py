@@ -210,3 +210,66 @@ def test_a_tenant_limited_to_one_model_sees_only_it_and_gets_404_for_another(mak
     body = {"model": "other-vlm", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
     refused = limited.post("/v1/chat/completions", body, content_type="application/json")
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.usefixtures("served_demo_model")
+def test_a_weighted_alias_splits_requests_between_its_models_in_its_ratio(demo_model_dir):
+    from inference_platform.serving.frontend import frontend
+
+    # given two versions of a model behind one alias, weighted 3 to 1
+    fingerprint = read_model_card(demo_model_dir).fingerprint
+    current = Model.objects.create(name="vlm-v1", fingerprint=fingerprint)
+    canary = Model.objects.create(name="vlm-v2", fingerprint=fingerprint)
+    current.aliases.create(name="vlm", weight=3)
+    canary.aliases.create(name="vlm", weight=1)
+    publish_card(
+        redis.Redis.from_url(django_settings.REDIS_URL),
+        django_settings.REDIS_KEY_PREFIX,
+        read_model_card(demo_model_dir),
+    )
+    # when 800 requests name the alias
+    chosen = Counter(frontend().models().resolve("vlm").name for _ in range(800))
+    # then each version gets its share (600 and 200 expected; 5 standard deviations either way)
+    assert set(chosen) == {"vlm-v1", "vlm-v2"}
+    assert abs(chosen["vlm-v1"] - 600) < 5 * (800 * 0.75 * 0.25) ** 0.5
+    # and once the canary is disabled, the alias stands for the current version alone
+    Model.objects.filter(name="vlm-v2").update(enabled=False)
+    assert {frontend().models().resolve("vlm").name for _ in range(50)} == {"vlm-v1"}
+
+
+@pytest.mark.usefixtures("served_demo_model")
+def test_a_models_own_routing_policy_overrides_the_deployments_field_by_field(demo_model_dir):
+    from inference_platform.serving.frontend import frontend
+
+    # given a model routed round robin with its own temperature, the rest left to the deployment
+    Model.objects.create(
+        name="demo",
+        fingerprint=read_model_card(demo_model_dir).fingerprint,
+        routing_mode="round_robin",
+        temperature=0.5,
+    )
+    deployment = frontend().policy()
+    # when a request for it is prepared
+    prepared = prepare(_chat("demo"))
+    policy = prepared.policy.over(deployment)
+    # then its own fields apply and the others are the deployment's
+    assert (policy.mode, policy.routing.temperature) == ("round_robin", 0.5)
+    assert policy.routing.overlap_credit == deployment.routing.overlap_credit
+    assert policy.session_affinity == deployment.session_affinity
+
+
+def test_the_admin_lists_each_model_with_its_live_workers_and_flags_a_mismatch(admin_client):
+    # given a model with one worker announcing its fingerprint and one announcing another
+    model = Model.objects.create(name="vlm", family="qwen2_vl", fingerprint="a" * 32)
+    model.aliases.create(name="vlm-latest")
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    for beat in (_beat("good", "vlm", "a" * 32), _beat("bad", "vlm", "f" * 32)):
+        Worker.objects.create(name=beat.name, model_name=beat.model, role="both")
+        WorkerRegistry(client, django_settings.REDIS_KEY_PREFIX).beat(beat, 30)
+    # when an operator opens the models' list and the model's page
+    listing = admin_client.get("/admin/routing/model/").content.decode()
+    page = admin_client.get(f"/admin/routing/model/{model.pk}/change/").content.decode()
+    # then the list shows the serving worker with its role and cache, and flags the other
+    assert "good (both, 0/0)" in listing
+    assert "bad (ffffffffffff)" in listing
+    assert "vlm-latest" in page and "Routing policy" in page

@@ -60,6 +60,8 @@ def _headers(response: HttpResponse, served: ServedRequest) -> HttpResponse:
     response["X-Request-Id"] = served.request_id
     if served.worker is not None:
         response["X-Routed-Worker"] = served.worker
+    if served.prepared is not None:  # the model that answered (an alias names one of several)
+        response["X-Served-Model"] = served.prepared.model.name
     if served.total_blocks:
         response["X-Routing-Overlap"] = f"{served.overlap_blocks}/{served.total_blocks}"
     for name, value in served.rate_limit_headers.items():

@@ -1,6 +1,7 @@
 """The models a client sees in `/v1/models`: those with a live worker, and those an operator marked
-always listed (routing.models.Model), enabled; the deployment's own model (MODEL_PATH) while this
-frontend has its directory and no row says otherwise, as before models were rows."""
+always listed (routing.models.Model), enabled, with the aliases that stand for one of them; the
+deployment's own model (MODEL_PATH) while this frontend has its directory and no row says
+otherwise, as before models were rows."""
 
 from __future__ import annotations
 
@@ -21,19 +22,23 @@ class ListedModel:
 
 
 def listed_models(caller: Caller = ANONYMOUS) -> list[ListedModel]:
-    """The models to list to `caller` (a tenant limited to some models sees only those), by name
-    (synchronous: the rows may need a query)."""
+    """The models to list to `caller` (a tenant limited to some models sees only those), by name,
+    and each alias with a listed model among its own (synchronous: the rows may need a query)."""
     pool = frontend().models()
-    rows = pool.rows()
-    listed = [
-        ListedModel(row.name, int(row.created_at))
-        for row in rows.values()
+    catalogue = pool.catalogue()
+    listed = {
+        row.name: ListedModel(row.name, int(row.created_at))
+        for row in catalogue.models.values()
         if row.enabled and (row.always_listed or _has_live_worker(row))
-    ]
+    }
     local = pool.local_model()
-    if local is not None and local.name not in rows:
-        listed.append(ListedModel(local.name, int(local.view.path.stat().st_mtime)))
-    return sorted((m for m in listed if caller.may_use(m.name)), key=lambda model: model.name)
+    if local is not None and local.name not in catalogue.models:
+        listed[local.name] = ListedModel(local.name, int(local.view.path.stat().st_mtime))
+    for alias, targets in catalogue.aliases.items():
+        created = [listed[model].created for model, _ in targets if model in listed]
+        if created and alias not in catalogue.models:
+            listed[alias] = ListedModel(alias, min(created))
+    return sorted((m for m in listed.values() if caller.may_use(m.name)), key=lambda model: model.name)
 
 
 def _has_live_worker(row: ModelRow) -> bool:

@@ -13,6 +13,8 @@ frontend has it and no row says otherwise, as before models were rows.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import shutil
 import tempfile
 import threading
@@ -26,7 +28,8 @@ from django.conf import settings
 from inference_platform.serving.errors import ApiError
 from routing.fleet.model_cards import read_card
 from routing.fleet.worker_rows import MAX_AGE_S, current_generation
-from routing.models import Model
+from routing.models import Model, ModelAlias
+from routing.policy import DEPLOYMENT_POLICY, ModelPolicy
 from routing.prompt.model_card import ModelCard, read_model_card
 from routing.prompt.model_view import ModelView, model_view
 from routing.state.expiring import ExpiringLru
@@ -41,14 +44,24 @@ class ModelRow:
     family: str
     always_listed: bool
     created_at: float  # Unix time
+    policy: ModelPolicy = DEPLOYMENT_POLICY
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """The model rows by name, and each alias's models with their weights."""
+
+    models: dict[str, ModelRow]
+    aliases: dict[str, tuple[tuple[str, int], ...]]
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model a request may be served by: its view of prompts and its KV partition."""
+    """A model a request may be served by: its view of prompts, its KV partition, its policy."""
 
     view: ModelView
     fingerprint: str  # what its workers must announce; "" for a directory that has no card
+    policy: ModelPolicy = DEPLOYMENT_POLICY
 
     @property
     def name(self) -> str:
@@ -68,13 +81,18 @@ class ModelPool:
     """This process's model rows and loaded views."""
 
     def __init__(self) -> None:
-        self._rows: ExpiringLru[tuple[bytes, dict[str, ModelRow]]] = ExpiringLru(1)
+        self._rows: ExpiringLru[tuple[bytes, Catalogue]] = ExpiringLru(1)
         self._views: OrderedDict[tuple[str, str], ModelView] = OrderedDict()
         self._lock = threading.Lock()
         self._local_cards: dict[Path, ModelCard | None] = {}
+        self._random = random.Random()
 
     def rows(self) -> dict[str, ModelRow]:
-        """Every model row by name, read again when the workers' generation has moved."""
+        """Every model row by name."""
+        return self.catalogue().models
+
+    def catalogue(self) -> Catalogue:
+        """The rows and aliases, read again when the workers' generation has moved."""
         try:
             generation = current_generation(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
         except redis.RedisError:
@@ -82,19 +100,23 @@ class ModelPool:
         kept = self._rows.get(None)
         if kept is not None and kept[0] == generation:
             return kept[1]
-        fields = ("name", "enabled", "fingerprint", "family", "always_listed", "created_at")
-        rows = {
-            row[0]: ModelRow(*row[:-1], created_at=row[-1].timestamp())
-            for row in Model.objects.values_list(*fields)
-        }
+        catalogue = _read_catalogue()
         if generation is not None:
-            self._rows.put(None, (generation, rows), MAX_AGE_S)
-        return rows
+            self._rows.put(None, (generation, catalogue), MAX_AGE_S)
+        return catalogue
 
     def resolve(self, name: str) -> ServedModel:
-        """The model a request names, or the OpenAI error a client gets for it: 404 for a name no
-        row or directory knows and for a disabled model, 503 while no card is published yet."""
-        row = self.rows().get(name)
+        """The model a request names (an alias: one of its models, by weight), or the OpenAI
+        error a client gets for it: 404 for a name no row, alias or directory knows and for a
+        disabled model, 503 while no card is published yet."""
+        catalogue = self.catalogue()
+        targets = [
+            (model, weight) for model, weight in catalogue.aliases.get(name, ()) if model in catalogue.models
+        ]
+        targets = [(model, weight) for model, weight in targets if catalogue.models[model].enabled]
+        if name not in catalogue.models and targets:
+            (name,) = self._random.choices([m for m, _ in targets], weights=[w for _, w in targets])
+        row = catalogue.models.get(name)
         local = self.local_model()
         if row is None:
             if local is not None and local.name == name:
@@ -103,14 +125,14 @@ class ModelPool:
         if not row.enabled:
             raise model_not_found(name, "is disabled")
         if local is not None and local.name == name and local.fingerprint == row.fingerprint:
-            return local
+            return dataclasses.replace(local, policy=row.policy)
         if not row.fingerprint:
             raise ApiError(
                 503,
                 f"No worker of the model '{name}' has announced its routing files yet.",
                 code="model_unavailable",
             )
-        return ServedModel(self._view(name, row.fingerprint), row.fingerprint)
+        return ServedModel(self._view(name, row.fingerprint), row.fingerprint, row.policy)
 
     def local_model(self) -> ServedModel | None:
         """The deployment's own model from its directory, if this frontend has the directory."""
@@ -153,6 +175,22 @@ class ModelPool:
         """The (name, fingerprint) of each view loaded now, least recently used first."""
         with self._lock:
             return list(self._views)
+
+
+def _read_catalogue() -> Catalogue:
+    fields = (
+        "name", "enabled", "fingerprint", "family", "always_listed", "created_at",
+        "routing_mode", "overlap_credit", "prefill_load_scale", "temperature",
+    )  # fmt: skip
+    models = {}
+    for name, enabled, fingerprint, family, listed, created, *policy in Model.objects.values_list(*fields):
+        models[name] = ModelRow(
+            name, enabled, fingerprint, family, listed, created.timestamp(), ModelPolicy(*policy)
+        )
+    aliases: dict[str, list[tuple[str, int]]] = {}
+    for alias, model, weight in ModelAlias.objects.values_list("name", "model__name", "weight"):
+        aliases.setdefault(alias, []).append((model, weight))
+    return Catalogue(models, {alias: tuple(targets) for alias, targets in aliases.items()})
 
 
 def _materialised(card: ModelCard) -> Path:

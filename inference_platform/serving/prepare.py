@@ -51,6 +51,7 @@ from routing.media.images import (
 )
 from routing.media.store import MediaRef
 from routing.media.video import SampledVideo, VideoLimits, resolve_videos
+from routing.policy import DEPLOYMENT_POLICY, ModelPolicy
 from routing.prompt.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.prompt.model_view import ModelDirectoryError, ModelView, model_view
 from routing.prompt.session_scope import SessionScopeError, resolve_session_scope, scope_hash
@@ -146,6 +147,7 @@ class PreparedRequest:
     # The model's fingerprint (routing.prompt.model_card): what its workers must announce, and
     # the KV partition the view's block hashes fold in.
     fingerprint: str = ""
+    policy: ModelPolicy = DEPLOYMENT_POLICY  # the model's own routing fields over the deployment's
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
@@ -287,7 +289,7 @@ def prepare(
     served = frontend().models().resolve(chat.model)  # before any work: an unknown model is a 404
     prepared = _prepare(chat, served.view, sizes, image_size_scope(cache_salt, scope_key))
     view = prepared.view.of_model(served.fingerprint).salted(cache_salt)
-    return dataclasses.replace(prepared, view=view, fingerprint=served.fingerprint)
+    return dataclasses.replace(prepared, view=view, fingerprint=served.fingerprint, policy=served.policy)
 
 
 def _prepare(
@@ -422,7 +424,7 @@ def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None
 
 def _decision_inputs(prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None):
     view = prepared.view
-    policy = frontend().policy()
+    policy = prepared.policy.over(frontend().policy())
     args = (view.block_hashes, view.prompt_tokens, view.block_size, sorted(workers), policy.routing)
     options = {
         "session_key": scope_key,
