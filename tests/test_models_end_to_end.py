@@ -51,6 +51,22 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
     _, headers = _ask(client, LLAVA)
     assert headers["x-routed-worker"] == "llava_w"
 
+    # when an operator puts both models behind one alias, evenly: each request goes to one of them,
+    # on that model's worker (the ratio itself: tests/test_models.py)
+    platform.manage(
+        "shell",
+        "-c",
+        "from routing.models import Model; "
+        f"[Model.objects.get(name=n).aliases.create(name='vlm', weight=1) for n in ({QWEN!r}, {LLAVA!r})]",
+    )
+    served = []
+    for _ in range(12):
+        _, headers = _ask(client, "vlm")
+        served.append(headers["x-served-model"])
+        assert headers["x-routed-worker"] == {QWEN: "qwen_w", LLAVA: "llava_w"}[served[-1]]
+    assert set(served) == {QWEN, LLAVA}
+    assert "vlm" in [model.id for model in client.models.list()]
+
     # when the LLaVA worker stops: 503 for LLaVA, naming it, while Qwen keeps answering
     platform.stop_worker("llava_w")
     with pytest.raises(openai.APIStatusError) as unavailable:
@@ -64,7 +80,7 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
     platform.wait_for_workers("qwen_w")
     _, headers = _ask(client, LLAVA)
     assert headers["x-routed-worker"] == "qwen_w" and _overlap(headers) == 0
-    assert sorted(model.id for model in client.models.list()) == [LLAVA]
+    assert sorted(model.id for model in client.models.list()) == [LLAVA, "vlm"]
 
     # when an operator disables LLaVA (the admin's action): 404 model_not_found
     platform.manage(

@@ -148,6 +148,17 @@ def test_an_extreme_aspect_ratio_is_refused_with_a_422(demo_model_dir):
     assert refused.value.code == "image_size_refused"
 
 
+def test_inspect_request_asks_the_model_its_model_option_names(tmp_path):
+    # given a request body naming the deployment's model
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))))
+    # when an operator asks another model with it
+    with pytest.raises(CommandError) as refused:
+        call_command("inspect_request", str(path), "--model", "no-such-model")
+    # then it is that model that answers, here as a client would be answered
+    assert "404 model_not_found" in str(refused.value) and "no-such-model" in str(refused.value)
+
+
 def test_inspect_request_prints_the_view_as_json(tmp_path, capsys):
     body = two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))
     del body["model"]  # the configured model is assumed
