@@ -354,6 +354,26 @@ def test_dashboard_page_shows_each_worker_its_state_and_kv_hit_rate(
 
 
 @pytest.mark.django_db
+def test_the_model_filter_keeps_the_page_and_its_data_to_one_models_workers(
+    deployment: float, staff_client: Client
+) -> None:
+    # given workers of two models ("demo": gpu0, gpu1; "old-model": gpu2)
+    page = staff_client.get("/admin/dashboard/?minutes=5").content.decode()
+    # then the page offers each model, and every model at once
+    assert re.search(r'<a href="\?minutes=5&amp;model=old-model" data-model="old-model"', page)
+    assert 'data-model="" aria-current="page"' in page
+    # when an operator chooses one model
+    page = staff_client.get("/admin/dashboard/?minutes=5&model=old-model").content.decode()
+    data = staff_client.get("/admin/dashboard.json?minutes=5&model=old-model").json()
+    # then the workers table, its per-worker series and the polled data are that model's workers
+    assert re.findall(r'<tr data-worker="([^"]+)">', page) == ["gpu2"]
+    assert [w["name"] for w in data["workers"]] == ["gpu2"] and data["model"] == "old-model"
+    assert "model=old-model" in re.search(r'"dataUrl": "([^"]+)"', page)[1]
+    # and the windows keep the choice
+    assert '<a href="?minutes=60&amp;model=old-model"' in page
+
+
+@pytest.mark.django_db
 def test_dashboard_page_loads_nothing_from_outside(deployment: float, staff_client: Client) -> None:
     page = staff_client.get("/admin/dashboard/").content.decode()
     assert not re.search(r'(src|href)="(https?:)?//', page)
