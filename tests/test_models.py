@@ -273,3 +273,22 @@ def test_the_admin_lists_each_model_with_its_live_workers_and_flags_a_mismatch(a
     assert "good (both, 0/0)" in listing
     assert "bad (ffffffffffff)" in listing
     assert "vlm-latest" in page and "Routing policy" in page
+
+
+def test_a_frontend_without_the_deployments_model_is_ready_while_another_model_has_a_worker(
+    settings, tmp_path
+):
+    from django.test import Client
+
+    # given a frontend with no model directory, and a live worker of a model row
+    settings.MODEL_PATH = tmp_path / "absent"
+    Model.objects.create(name="remote-vlm", fingerprint="a" * 32)
+    Worker.objects.create(name="remote0", model_name="remote-vlm")
+    registry = WorkerRegistry(redis.Redis.from_url(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+    registry.beat(_beat("remote0", "remote-vlm", "a" * 32), 30)
+    # then it is ready: some model can be served
+    ready = Client().get("/ready")
+    assert ready.status_code == 200 and ready.json()["accepting_workers"] == 1
+    # and once that worker is gone, it is not
+    registry.remove("remote0")
+    assert Client().get("/ready").status_code == 503
