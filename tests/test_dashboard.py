@@ -503,16 +503,16 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
     now = away_from_a_minute_boundary()
     recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
     for status, ttft in (("200", 0.02), ("200", 0.02), ("200", 0.3), ("503", None)):
-        recorder.inc("requests", labels={"status": status, "worker": "gpu0"})
+        recorder.inc("requests", labels={"status": status, "worker": "gpu0", "model": "demo"})
         if ttft is not None:
-            recorder.observe("ttft_seconds", ttft, labels={"worker": "gpu0"})
-    recorder.inc("prompt_tokens", 90, labels={"worker": "gpu0"})
-    recorder.inc("cached_prompt_tokens", 30, labels={"worker": "gpu0"})
+            recorder.observe("ttft_seconds", ttft, labels={"worker": "gpu0", "model": "demo"})
+    recorder.inc("prompt_tokens", 90, labels={"worker": "gpu0", "model": "demo"})
+    recorder.inc("cached_prompt_tokens", 30, labels={"worker": "gpu0", "model": "demo"})
     recorder.inc("routing_overlap_given_up_blocks", 2, labels={"worker": "gpu0"})
     recorder.inc("routing_best_overlap_blocks", 8, labels={"worker": "gpu0"})
     recorder.close()
     old = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now - 600)
-    old.inc("requests", 50, labels={"status": "500", "worker": "gpu0"})
+    old.inc("requests", 50, labels={"status": "500", "worker": "gpu0", "model": "demo"})
     old.close()
     # when
     snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
@@ -582,7 +582,7 @@ def test_the_dashboard_separates_server_errors_from_client_mistakes_and_rate_lim
         ("499", 1),
         ("429", 3),
     ):
-        recorder.inc("requests", n, labels={"status": status, "worker": "none"})
+        recorder.inc("requests", n, labels={"status": status, "worker": "none", "model": "none"})
     recorder.close()
     # when
     snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
@@ -636,7 +636,7 @@ def test_latency_and_inter_token_quantiles_are_in_the_window(
     now = away_from_a_minute_boundary()
     recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
     for _ in range(10):
-        recorder.observe("request_duration_seconds", 0.7, labels={"worker": "gpu0"})
+        recorder.observe("request_duration_seconds", 0.7, labels={"worker": "gpu0", "model": "demo"})
         recorder.observe("inter_token_seconds", 0.004, labels={"worker": "gpu0"})
     recorder.close()
     snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=2, now=now)

@@ -4,6 +4,9 @@ each on the test machine, and one per model proves the pool choice as two would.
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 
 QWEN = "demo"  # the Qwen2-VL demo checkpoint's directory name: what its worker announces
@@ -17,6 +20,10 @@ def _ask(client, model: str):
         model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0
     )
     return raw.parse(), raw.headers
+
+
+def _metrics(base_url: str, headers) -> str:
+    return httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text
 
 
 def _overlap(headers) -> int:
@@ -66,6 +73,14 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
         assert headers["x-routed-worker"] == {QWEN: "qwen_w", LLAVA: "llava_w"}[served[-1]]
     assert set(served) == {QWEN, LLAVA}
     assert "vlm" in [model.id for model in client.models.list()]
+
+    # and /metrics counts each model's requests under its name (recorders flush about once a second)
+    deadline = time.monotonic() + 15
+    wanted = f'mmr_requests_total{{model="{LLAVA}",status="200",worker="llava_w"}}'
+    while wanted not in (exposition := _metrics(base_url, platform.headers)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert wanted in exposition
+    assert f'mmr_model_live_workers{{model="{QWEN}"}} 1.0' in exposition
 
     # when the LLaVA worker stops: 503 for LLaVA, naming it, while Qwen keeps answering
     platform.stop_worker("llava_w")

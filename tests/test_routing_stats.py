@@ -93,7 +93,7 @@ def test_the_all_time_block_is_labelled_and_statuses_are_in_order(deployment: fl
     # given: statuses recorded in no particular order
     recorder = MetricsRecorder(sync_client(live_settings.REDIS_URL), statistics_namespace(), source="web:t")
     for status in ("503", "200", "429", "401", "200"):
-        recorder.inc("requests", labels={"status": status, "worker": "none"})
+        recorder.inc("requests", labels={"status": status, "worker": "none", "model": "none"})
     recorder.close()
     # when
     lines = run_command("--minutes", "3").splitlines()

@@ -498,7 +498,8 @@ class ServedRequest:
                 logger.warning(
                     "could not free the load of request %s on worker %s", self.request_id, self.worker
                 )
-        self.clock.finish(status, self.worker, done)
+        model = self.prepared.model.name if self.prepared is not None else None
+        self.clock.finish(status, self.worker, done, model)
         if self._admitted:
             await asyncio.shield(self._end_for_tenant(done))
 
