@@ -16,7 +16,7 @@ from inference_platform.metrics import model_families, render_metrics
 from inference_platform.serving import dispatch
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.prepare import prepare
-from routing.fleet.model_cards import card_key, publish_card, read_card
+from routing.fleet.model_cards import card_key, publish_card, read_card, republish_if_lost
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.models import Model, Worker, model_fleets
 from routing.prompt.hashing import block_hashes, cache_salt, partition_salt
@@ -64,6 +64,18 @@ def test_a_published_card_reads_back_and_one_altered_in_redis_is_refused(
     redis_client.hset(card_key(key_namespace, card.fingerprint), "tokenizer_config.json", b"{}")
     assert read_card(redis_client, key_namespace, card.fingerprint) is None
     assert read_card(redis_client, key_namespace, "0" * 32) is None
+
+
+def test_a_card_redis_lost_is_published_again_at_the_next_beat(redis_client, key_namespace, demo_model_dir):
+    # given a worker's published card, and a Redis that lost it (restarted empty)
+    card = read_model_card(demo_model_dir)
+    publish_card(redis_client, key_namespace, card)
+    assert not republish_if_lost(redis_client, key_namespace, card)  # present: nothing to do
+    redis_client.delete(card_key(key_namespace, card.fingerprint))
+    # when the worker beats
+    assert republish_if_lost(redis_client, key_namespace, card)
+    # then frontends can read it again
+    assert read_card(redis_client, key_namespace, card.fingerprint) == card
 
 
 def test_the_first_announcement_records_the_fingerprint_and_a_later_one_cannot_change_it():

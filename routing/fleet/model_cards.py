@@ -26,6 +26,15 @@ def publish_card(client: redis.Redis, namespace: str, card: ModelCard) -> None:
     client.hset(card_key(namespace, card.fingerprint), mapping=card.files)
 
 
+def republish_if_lost(client: redis.Redis, namespace: str, card: ModelCard) -> bool:
+    """Publish the card again if Redis lost it (restarted empty), so a frontend that meets the
+    model afterwards can still load it; True if it did. One EXISTS per call: each heartbeat."""
+    if client.exists(card_key(namespace, card.fingerprint)):
+        return False
+    publish_card(client, namespace, card)
+    return True
+
+
 def read_card(client: redis.Redis, namespace: str, fingerprint: str) -> ModelCard | None:
     """The card published under `fingerprint`; None when none was, or when what is stored there
     no longer hashes to it (a card is never trusted for a fingerprint it does not have)."""

@@ -32,7 +32,7 @@ from routing.contract.kv_events import KvEvent
 from routing.contract.tasks import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
-from routing.fleet.model_cards import publish_card
+from routing.fleet.model_cards import publish_card, republish_if_lost
 from routing.fleet.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
@@ -281,6 +281,7 @@ class Command(BaseCommand):
 
         def after_beat() -> None:
             announcer.check()
+            republish_if_lost(client, namespace, card)
             # Reservations whose frontend stopped renewing them go now, even if no frontend
             # decides anything for a while (decisions sweep too).
             load.sweep()
