@@ -46,6 +46,7 @@ bench: install
 	$(PY) bench/media.py
 	$(PY) bench/prefix_cache.py
 	$(PY) bench/routing.py
+	$(PY) bench/models.py
 	$(PY) bench/metrics.py
 
 # The vLLM engine's own virtualenv (README: "Workers on vLLM"). PyPI's torchvision links CUDA

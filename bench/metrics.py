@@ -68,14 +68,20 @@ def ours(
     recorder = recorders[0]
     start = time.perf_counter()
     for i in range(observations):
-        recorder.observe("ttft_seconds", (i % 997) / 1000, labels={"worker": WORKERS[i % len(WORKERS)]})
+        recorder.observe(
+            "ttft_seconds", (i % 997) / 1000, labels={"worker": WORKERS[i % len(WORKERS)], "model": "demo"}
+        )
     record = (time.perf_counter() - start) / observations * 1e6
     start = time.perf_counter()
     recorder.flush()  # what the background thread does once a second, off the request path
     flush = (time.perf_counter() - start) * 1000
     for other in recorders[1:]:
         for i in range(1000):
-            other.observe("ttft_seconds", (i % 997) / 1000, labels={"worker": WORKERS[i % len(WORKERS)]})
+            other.observe(
+                "ttft_seconds",
+                (i % 997) / 1000,
+                labels={"worker": WORKERS[i % len(WORKERS)], "model": "demo"},
+            )
         other.flush()
     from inference_platform.metrics import render_metrics, telemetry_families
 

@@ -7,6 +7,7 @@ under admin/ ahead of the admin's own URLs.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import redis
 from django.conf import settings
@@ -53,12 +54,26 @@ def _minutes(request: HttpRequest) -> int:
     return min(max(minutes, 1), MAX_MINUTES)
 
 
-def _read(minutes: int) -> tuple[Snapshot | None, str]:
-    """The snapshot, or why there is none; never a password, even inside a driver's message."""
+def _read(minutes: int, model: str = "") -> tuple[Snapshot | None, str]:
+    """The snapshot (with `model`, its workers only), or why there is none; never a password,
+    even inside a driver's message."""
     try:
-        return deployment_snapshot(minutes), ""
+        return of_model(deployment_snapshot(minutes), model), ""
     except redis.RedisError as exc:
         return None, f"Redis unavailable: {type(exc).__name__}: {redact_text(str(exc))}"
+
+
+def of_model(snapshot: Snapshot, model: str) -> Snapshot:
+    """The snapshot with only the workers of `model` (each carries its own series); every model's
+    when `model` is empty. The window's request figures stay the deployment's."""
+    models = sorted({w["model"] for w in snapshot["workers"] if w["model"]})
+    if model:
+        snapshot = {**snapshot, "workers": [w for w in snapshot["workers"] if w["model"] == model]}
+    return {**snapshot, "models": models, "model": model}
+
+
+def _model(request: HttpRequest) -> str:
+    return request.GET.get("model", "").strip()[:200]
 
 
 def percent(rate: float | None) -> str:
@@ -200,8 +215,9 @@ def scope_text(worker: dict[str, Any]) -> str:
 
 @require_GET
 def dashboard_page(request: HttpRequest) -> HttpResponse:
-    minutes = _minutes(request)
-    snapshot, error = _read(minutes)
+    minutes, model = _minutes(request), _model(request)
+    snapshot, error = _read(minutes, model)
+    model_query = f"&model={quote(model)}" if model else ""
     context: dict[str, Any] = {
         **admin.site.each_context(request),
         # The charts need the width more than a dashboard page needs the models' sidebar.
@@ -214,11 +230,14 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
         "minutes": minutes,
         "window_label": window_label(minutes),
         "windows": [{"minutes": m, "label": short_window_label(m)} for m in WINDOWS],
+        "model": model,
+        "model_query": model_query,
+        "models": snapshot["models"] if snapshot else [],
         "poll_interval_ms": poll_interval_ms(minutes),
         "error": error,
         "snapshot": snapshot,
         "dashboard_config": {
-            "dataUrl": f"{reverse('admin-dashboard-data')}?minutes={minutes}",
+            "dataUrl": f"{reverse('admin-dashboard-data')}?minutes={minutes}{model_query}",
             "pollMs": poll_interval_ms(minutes),
             "minutes": minutes,
             "cacheTitles": CACHE_TITLES,
@@ -246,7 +265,7 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 def dashboard_data(request: HttpRequest) -> JsonResponse:
-    snapshot, error = _read(_minutes(request))
+    snapshot, error = _read(_minutes(request), _model(request))
     if snapshot is None:
         return JsonResponse({"error": error}, status=503)
     return JsonResponse(snapshot)

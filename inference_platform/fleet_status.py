@@ -1,4 +1,4 @@
-"""Whether any worker takes new requests for the served model, and if none, why.
+"""Whether any worker takes new requests for a model, and if none, why.
 
 The 503 a request gets, `/ready` and the admin's banner all read `fleet_availability`, so they
 never disagree: a fleet an operator drained is not reported as "no live worker", and a draining
@@ -102,14 +102,16 @@ def fleet_banner(request: HttpRequest) -> dict[str, str]:
     """Context processor: on the staff's admin pages, a banner while no worker takes requests."""
     if not request.path.startswith("/admin/") or not getattr(request.user, "is_staff", False):
         return {}
-    from inference_platform.serving.prepare import served_model
-    from routing.prompt.model_view import ModelDirectoryError
+    from inference_platform.serving.frontend import frontend
+    from inference_platform.serving.model_pool import deployment_model_name
 
     try:
-        availability = async_to_sync(fleet_availability)(served_model().name, settings.KV_BLOCK_SIZE)
-    except (redis.RedisError, ModelDirectoryError):
-        return {}  # the pages say Redis is down where it matters; no model: nothing to serve anyway
-    if availability.accepting:
+        names = sorted({*frontend().models().rows(), deployment_model_name()})
+        fleets = [async_to_sync(fleet_availability)(name, settings.KV_BLOCK_SIZE) for name in names]
+    except redis.RedisError:
+        return {}  # the pages say Redis is down where it matters
+    if any(fleet.accepting for fleet in fleets):
         return {}
-    banner = f"{availability.reason}. Requests get 503 with Retry-After until one does."
+    reasons = "; ".join(fleet.reason for fleet in fleets if fleet.live or fleet.down) or fleets[0].reason
+    banner = f"{reasons}. Requests get 503 with Retry-After until one does."
     return {"no_worker_accepting": banner}

@@ -1,5 +1,5 @@
 """`GET /health` (liveness: the process answers) and `GET /ready` (it can serve: Redis answers
-and at least one live worker takes requests for the model; a live fleet that is all drained is
+and at least one live worker takes requests for one of the models; a live fleet that is all drained is
 not ready). Open to anyone: load balancers probe them, and they reveal nothing a caller could
 use (counts, no names)."""
 
@@ -12,8 +12,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 
 from inference_platform.fleet_status import RETRY_AFTER_S, fleet_availability
-from inference_platform.serving.prepare import served_model
-from routing.prompt.model_view import ModelDirectoryError
+from inference_platform.serving.frontend import frontend
+from inference_platform.serving.model_pool import deployment_model_name
 
 
 @require_GET
@@ -35,18 +35,22 @@ async def ready(request: HttpRequest) -> HttpResponse:
         checks["redis"] = f"unavailable: {type(exc).__name__}"
         return JsonResponse({"status": "unavailable", **checks, "live_workers": 0}, status=503)
     try:
-        model = served_model()
-        fleet = await fleet_availability(model.name, settings.KV_BLOCK_SIZE)
+        names = await asyncio.to_thread(_model_names)
+        fleets = [await fleet_availability(name, settings.KV_BLOCK_SIZE) for name in names]
     except redis.RedisError as exc:
         checks["redis"] = f"unavailable: {type(exc).__name__}"
         return JsonResponse({"status": "unavailable", **checks, "live_workers": 0}, status=503)
-    except ModelDirectoryError:
-        return JsonResponse({"status": "unavailable", **checks, "reason": "model not loadable"}, status=503)
     # Live and accepting apart: a drained fleet is live, and still cannot serve.
-    checks["live_workers"] = fleet.live
-    checks["accepting_workers"] = len(fleet.accepting)
-    if not fleet.accepting:
-        response = JsonResponse({"status": "unavailable", **checks, "reason": fleet.summary}, status=503)
+    checks["live_workers"] = sum(fleet.live for fleet in fleets)
+    checks["accepting_workers"] = sum(len(fleet.accepting) for fleet in fleets)
+    if not checks["accepting_workers"]:
+        reason = next((fleet.summary for fleet in fleets if fleet.held_back), "no live worker")
+        response = JsonResponse({"status": "unavailable", **checks, "reason": reason}, status=503)
         response["Retry-After"] = str(RETRY_AFTER_S)
         return response
     return JsonResponse({"status": "ready", **checks})
+
+
+def _model_names() -> list[str]:
+    """Every model a request may name: the rows', and the deployment's own."""
+    return sorted({*frontend().models().rows(), deployment_model_name()})

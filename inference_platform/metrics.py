@@ -30,7 +30,8 @@ from inference_platform.api.auth import api_key_required
 from inference_platform.serving.clock import counts_http_responses
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import FALLBACK_CAUSES
-from routing.models import Worker
+from routing.fleet.registry import WorkerRegistry
+from routing.models import Model, ModelFleet, Worker, model_fleets
 from routing.observe import telemetry
 from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import Snapshot, shared_reader
@@ -124,8 +125,10 @@ def deployment_families() -> list[Metric]:
     client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
     statistics = statistics_namespace()
     snapshot = shared_reader(client, namespace, statistics).snapshot(Worker.objects.all(), minutes=0)
+    alive = WorkerRegistry(client, namespace).alive(Worker.objects.values_list("name", flat=True))
     return [
         *snapshot_families(snapshot),
+        *model_families(model_fleets(Model.objects.all(), alive.values())),
         *telemetry_families(
             telemetry.read_totals(client, statistics), telemetry.read_gauges(client, statistics)
         ),
@@ -180,6 +183,25 @@ def snapshot_families(snapshot: Snapshot) -> Iterator[Metric]:
             family.add_metric((w["name"],), w["caches"]["kv"][field])
         yield family
     yield from encoder_families(snapshot.get("encoders") or {"workers": []})
+
+
+def model_families(fleets: dict[str, ModelFleet]) -> Iterator[Metric]:
+    """Per model: its live workers, and each live worker that announces its name with another
+    fingerprint (a configuration error: it gets none of the model's requests)."""
+    live = GaugeMetricFamily(
+        f"{PREFIX}model_live_workers", "Live workers serving the model's fingerprint.", labels=("model",)
+    )
+    mismatched = GaugeMetricFamily(
+        f"{PREFIX}model_fingerprint_mismatch",
+        "1 for each live worker announcing the model's name with another fingerprint.",
+        labels=("model", "worker"),
+    )
+    for model, fleet in sorted(fleets.items()):
+        live.add_metric((model,), len(fleet.serving))
+        for beat in fleet.mismatched:
+            mismatched.add_metric((model, beat.name), 1)
+    yield live
+    yield mismatched
 
 
 def encoder_families(section: dict) -> Iterator[Metric]:

@@ -131,6 +131,10 @@ MODEL_PATH = Path(env_str("MODEL_PATH") or BASE_DIR / "var" / "models" / "demo")
 if not MODEL_PATH.is_absolute():
     MODEL_PATH = BASE_DIR / MODEL_PATH
 MODEL_NAME = env_str("MODEL_NAME") or ""  # empty: the model directory's name
+# Where a frontend writes the routing files (model cards) workers published in Redis, one folder
+# per fingerprint, and how many models' routing views it keeps loaded at once.
+MODEL_CARD_DIR = Path(env_str("MODEL_CARD_DIR") or BASE_DIR / "var" / "model-cards")
+MODEL_VIEWS_LOADED = env_int("MODEL_VIEWS_LOADED", 8, minimum=1)
 KV_BLOCK_SIZE = env_int("KV_BLOCK_SIZE", 16, minimum=1)
 WORKER_HEARTBEAT_TTL_SECS = env_float("WORKER_HEARTBEAT_TTL_SECS", 6.0, positive=True)
 WORKER_HEARTBEAT_INTERVAL_SECS = env_float("WORKER_HEARTBEAT_INTERVAL_SECS", 2.0, positive=True)

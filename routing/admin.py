@@ -1,5 +1,5 @@
-"""Operators' admin: workers (live state from the heartbeat beside the row they edit) and the
-live routing policy."""
+"""Operators' admin: models (their live workers beside the row they edit), workers (live state from
+the heartbeat beside the row they edit) and the live routing policy."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from django.views.decorators.http import require_POST
 
 from routing.fleet.registry import WorkerRegistry
 from routing.kv.load import TOTALS_KEY, LoadTracker
-from routing.models import RoutingPolicySettings, Worker
+from routing.models import Model, ModelAlias, ModelFleet, RoutingPolicySettings, Worker, model_fleets
 from routing.policy import environment_defaults, forget_cached_policy
 from routing.state.redis_keys import redact_text, sync_client
 
@@ -138,6 +138,88 @@ class WorkerAdmin(EscapedHelpTexts, admin.ModelAdmin):
         names = ", ".join(sorted(queryset.values_list("name", flat=True)))
         queryset.update(enabled=True, draining=False)
         self.message_user(request, f"Enabled, not draining: {names}.")
+
+
+class ModelAliasInline(admin.TabularInline):
+    """Names that stand for this model, with its share of each (a canary between two versions: the
+    same alias on both, weights 9 and 1)."""
+
+    model = ModelAlias
+    extra = 0
+    fields = ("name", "weight")
+
+
+@admin.register(Model)
+class ModelAdmin(EscapedHelpTexts, admin.ModelAdmin):
+    """Each model with its live workers, their roles and KV cache figures; a worker announcing the
+    model's name with another fingerprint is flagged (it gets none of the model's requests)."""
+
+    list_display = ("name", "enabled", "always_listed", "family", "short_fingerprint", "workers", "flagged")
+    list_editable = ("enabled", "always_listed")
+    list_filter = ("enabled", "family")
+    fieldsets = (
+        (None, {"fields": ("name", "enabled", "always_listed", "family", "fingerprint", "created_at")}),
+        (
+            "Routing policy (empty: the deployment's)",
+            {"fields": ("routing_mode", "overlap_credit", "prefill_load_scale", "temperature")},
+        ),
+    )
+    readonly_fields = ("created_at",)
+    inlines = (ModelAliasInline,)
+    actions = ("disable", "enable")
+
+    def get_queryset(self, request):
+        queryset = super().get_queryset(request)
+        names = list(Worker.objects.values_list("name", flat=True))
+        try:
+            alive = WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX).alive(names)
+            self._fleets: dict[str, ModelFleet] | None = model_fleets(queryset, alive.values())
+        except redis.RedisError as exc:
+            self._fleets = None
+            messages.warning(
+                request,
+                f"Redis unavailable ({type(exc).__name__}: {redact_text(str(exc))}): "
+                "the models' live workers are unknown.",
+            )
+        return queryset
+
+    def _fleet(self, model: Model) -> ModelFleet | None:
+        fleets = getattr(self, "_fleets", None)
+        return None if fleets is None else fleets.get(model.name, ModelFleet((), ()))
+
+    @admin.display(description="Fingerprint", ordering="fingerprint")
+    def short_fingerprint(self, model: Model) -> str:
+        return model.fingerprint[:12] or "—"
+
+    @admin.display(description="Live workers (role, KV blocks used / capacity)")
+    def workers(self, model: Model) -> str:
+        fleet = self._fleet(model)
+        if fleet is None:
+            return "unknown"
+        if not fleet.serving:
+            return "none"
+        return ", ".join(
+            f"{b.name} ({b.role}, {b.kv_blocks_used}/{b.kv_capacity_blocks})" for b in fleet.serving
+        )
+
+    @admin.display(description="Flagged: another fingerprint")
+    def flagged(self, model: Model) -> str:
+        fleet = self._fleet(model)
+        if fleet is None or not fleet.mismatched:
+            return ""
+        return ", ".join(f"{b.name} ({b.fingerprint[:12]})" for b in fleet.mismatched)
+
+    @admin.action(description="Disable: new requests get 404 model_not_found")
+    def disable(self, request, queryset) -> None:
+        names = ", ".join(sorted(queryset.values_list("name", flat=True)))
+        queryset.update(enabled=False)
+        self.message_user(request, f"Disabled: {names}.")
+
+    @admin.action(description="Enable")
+    def enable(self, request, queryset) -> None:
+        names = ", ".join(sorted(queryset.values_list("name", flat=True)))
+        queryset.update(enabled=True)
+        self.message_user(request, f"Enabled: {names}.")
 
 
 @admin.register(RoutingPolicySettings)

@@ -1,9 +1,11 @@
 """The routing and media policy in force: the admin's row if an operator saved one, else the
 environment's settings. Each process rereads it at most once a second, so an edit in the admin
-reaches every frontend within a second, without a restart."""
+reaches every frontend within a second, without a restart. A model may set its own routing fields
+(`ModelPolicy`, from its row); those it leaves empty follow this one."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +26,38 @@ class LivePolicy:
     session_affinity: bool
     frontend_decoding: bool
     source: str  # "admin" or "environment"
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """A model's own routing policy (routing.models.Model): each field None (or "") follows the
+    deployment's live policy."""
+
+    mode: str = ""
+    overlap_credit: float | None = None
+    prefill_load_scale: float | None = None
+    temperature: float | None = None
+
+    def over(self, live: LivePolicy) -> LivePolicy:
+        """The live policy with this model's own values in place of the deployment's."""
+        routing = {
+            field: value
+            for field, value in (
+                ("overlap_credit", self.overlap_credit),
+                ("prefill_load_scale", self.prefill_load_scale),
+                ("temperature", self.temperature),
+            )
+            if value is not None
+        }
+        if not routing and not self.mode:
+            return live
+        return dataclasses.replace(
+            live, mode=self.mode or live.mode, routing=dataclasses.replace(live.routing, **routing)
+        )
+
+
+# A model that sets none of its own: the deployment's policy in every field.
+DEPLOYMENT_POLICY = ModelPolicy()
 
 
 def environment_defaults() -> dict[str, Any]:

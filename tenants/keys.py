@@ -60,6 +60,10 @@ class Caller:
     prompt_tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
     usage_id: str | None = None  # keys the tenant's usage counters (tenants.usage)
+    allowed_models: frozenset[str] | None = None  # the models it may use; None: every model
+
+    def may_use(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
 
     def cache_salt(self, request_salt: str | None = None) -> int | None:
         """The salt of this caller's cache partition (None: the shared, unsalted pool).
@@ -153,6 +157,7 @@ def _tenant_caller(tenant: Tenant, *, key_prefix: str | None, staff: bool) -> Ca
         prompt_tokens_per_minute=tenant.prompt_tokens_per_minute,
         max_concurrent_requests=tenant.max_concurrent_requests,
         usage_id=str(tenant.usage_id),
+        allowed_models=tenant.allowed_model_names,
     )
 
 

@@ -42,6 +42,13 @@ class Tenant(models.Model):
         null=True, blank=True, help_text="Empty: no limit."
     )
     max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: no limit.")
+    # Names, not a relation: read with the tenant's row when a key is verified (no query more per
+    # key), and a tenant may be limited to a model before its first worker announces it.
+    allowed_models = models.TextField(
+        blank=True,
+        help_text="Models the tenant may use and sees in /v1/models, by name, separated by commas or "
+        "spaces. Empty: every model.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -49,6 +56,11 @@ class Tenant(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def allowed_model_names(self) -> frozenset[str] | None:
+        """The models the tenant may use; None: every model."""
+        return frozenset(self.allowed_models.replace(",", " ").split()) or None
 
 
 class ApiKey(models.Model):

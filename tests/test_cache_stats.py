@@ -135,7 +135,7 @@ def test_cache_counts_and_metrics_share_one_buffer_and_one_flush(
     recorder = MetricsRecorder(redis_client, key_namespace, source="gpu0", flush_interval=60)
     stats = CacheStats(redis_client, key_namespace, "gpu0", recorder=recorder)
     # when both count and the recorder flushes once
-    recorder.inc("completion_tokens", 3, labels={"worker": "gpu0"})
+    recorder.inc("completion_tokens", 3, labels={"worker": "gpu0", "model": "demo"})
     stats.incr("kv", "hits", 2)
     recorder.flush()
     # then both reach Redis, through one flusher thread

@@ -354,6 +354,26 @@ def test_dashboard_page_shows_each_worker_its_state_and_kv_hit_rate(
 
 
 @pytest.mark.django_db
+def test_the_model_filter_keeps_the_page_and_its_data_to_one_models_workers(
+    deployment: float, staff_client: Client
+) -> None:
+    # given workers of two models ("demo": gpu0, gpu1; "old-model": gpu2)
+    page = staff_client.get("/admin/dashboard/?minutes=5").content.decode()
+    # then the page offers each model, and every model at once
+    assert re.search(r'<a href="\?minutes=5&amp;model=old-model" data-model="old-model"', page)
+    assert 'data-model="" aria-current="page"' in page
+    # when an operator chooses one model
+    page = staff_client.get("/admin/dashboard/?minutes=5&model=old-model").content.decode()
+    data = staff_client.get("/admin/dashboard.json?minutes=5&model=old-model").json()
+    # then the workers table, its per-worker series and the polled data are that model's workers
+    assert re.findall(r'<tr data-worker="([^"]+)">', page) == ["gpu2"]
+    assert [w["name"] for w in data["workers"]] == ["gpu2"] and data["model"] == "old-model"
+    assert "model=old-model" in re.search(r'"dataUrl": "([^"]+)"', page)[1]
+    # and the windows keep the choice
+    assert '<a href="?minutes=60&amp;model=old-model"' in page
+
+
+@pytest.mark.django_db
 def test_dashboard_page_loads_nothing_from_outside(deployment: float, staff_client: Client) -> None:
     page = staff_client.get("/admin/dashboard/").content.decode()
     assert not re.search(r'(src|href)="(https?:)?//', page)
@@ -483,16 +503,16 @@ def test_window_figures_come_from_the_minutes_of_the_window_only(
     now = away_from_a_minute_boundary()
     recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
     for status, ttft in (("200", 0.02), ("200", 0.02), ("200", 0.3), ("503", None)):
-        recorder.inc("requests", labels={"status": status, "worker": "gpu0"})
+        recorder.inc("requests", labels={"status": status, "worker": "gpu0", "model": "demo"})
         if ttft is not None:
-            recorder.observe("ttft_seconds", ttft, labels={"worker": "gpu0"})
-    recorder.inc("prompt_tokens", 90, labels={"worker": "gpu0"})
-    recorder.inc("cached_prompt_tokens", 30, labels={"worker": "gpu0"})
+            recorder.observe("ttft_seconds", ttft, labels={"worker": "gpu0", "model": "demo"})
+    recorder.inc("prompt_tokens", 90, labels={"worker": "gpu0", "model": "demo"})
+    recorder.inc("cached_prompt_tokens", 30, labels={"worker": "gpu0", "model": "demo"})
     recorder.inc("routing_overlap_given_up_blocks", 2, labels={"worker": "gpu0"})
     recorder.inc("routing_best_overlap_blocks", 8, labels={"worker": "gpu0"})
     recorder.close()
     old = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now - 600)
-    old.inc("requests", 50, labels={"status": "500", "worker": "gpu0"})
+    old.inc("requests", 50, labels={"status": "500", "worker": "gpu0", "model": "demo"})
     old.close()
     # when
     snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
@@ -562,7 +582,7 @@ def test_the_dashboard_separates_server_errors_from_client_mistakes_and_rate_lim
         ("499", 1),
         ("429", 3),
     ):
-        recorder.inc("requests", n, labels={"status": status, "worker": "none"})
+        recorder.inc("requests", n, labels={"status": status, "worker": "none", "model": "none"})
     recorder.close()
     # when
     snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=5, now=now)
@@ -616,7 +636,7 @@ def test_latency_and_inter_token_quantiles_are_in_the_window(
     now = away_from_a_minute_boundary()
     recorder = MetricsRecorder(redis_client, key_namespace, source="web", clock=lambda: now)
     for _ in range(10):
-        recorder.observe("request_duration_seconds", 0.7, labels={"worker": "gpu0"})
+        recorder.observe("request_duration_seconds", 0.7, labels={"worker": "gpu0", "model": "demo"})
         recorder.observe("inter_token_seconds", 0.004, labels={"worker": "gpu0"})
     recorder.close()
     snapshot = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=2, now=now)

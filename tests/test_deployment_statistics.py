@@ -128,7 +128,7 @@ def test_the_deployment_id_is_made_once_and_kept_in_the_database(this_deployment
 
 def record_errors(client: redis.Redis, namespace: str, n: int) -> None:
     recorder = MetricsRecorder(client, namespace, source="web:t")
-    recorder.inc("requests", n, labels={"status": "500", "worker": "none"})
+    recorder.inc("requests", n, labels={"status": "500", "worker": "none", "model": "none"})
     recorder.close()
 
 

@@ -138,3 +138,27 @@ def test_a_worker_that_is_not_live_is_refused_naming_the_live_set_the_router_rea
         registry.remove("beta")
     # then the command names the live workers, as the router sees them, not "none"
     assert "not live: nope (live workers: alpha, beta)" in str(refused.value)
+
+
+@pytest.mark.django_db
+def test_with_model_only_that_models_workers_are_flushed(redis_client, settings):
+    """Heartbeats with no process behind them (fault injection): the command reads the live set."""
+    from django.core.management import CommandError, call_command
+
+    from routing.fleet.registry import Heartbeat, WorkerRegistry
+    from routing.models import Worker
+
+    # given a live worker of each of two models
+    registry = WorkerRegistry(redis_client, settings.REDIS_KEY_PREFIX)
+    for name, model in (("small0", "small-vlm"), ("large0", "large-vlm")):
+        Worker.objects.create(name=name, model_name=model)
+        registry.beat(Heartbeat(name=name, model=model, block_size=16), 30)
+    try:
+        # when an operator flushes one model's caches, naming the other model's worker
+        with pytest.raises(CommandError) as refused:
+            call_command("flush_caches", "--dry-run", "--model", "small-vlm", "--worker", "large0")
+    finally:
+        registry.remove("small0")
+        registry.remove("large0")
+    # then only the model's workers count as the live set
+    assert "not live: large0 (live workers: small0)" in str(refused.value)

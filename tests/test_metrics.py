@@ -65,8 +65,8 @@ def test_metrics_parse_in_both_formats_with_help_and_type_for_every_metric(
 ) -> None:
     # given: requests recorded through the telemetry every process uses
     recorder = MetricsRecorder(sync_client(live_settings.REDIS_URL), statistics_namespace(), source="web:t")
-    recorder.inc("requests", labels={"status": "200", "worker": "gpu0"})
-    recorder.observe("ttft_seconds", 0.2, labels={"worker": "gpu0"})
+    recorder.inc("requests", labels={"status": "200", "worker": "gpu0", "model": "demo"})
+    recorder.observe("ttft_seconds", 0.2, labels={"worker": "gpu0", "model": "demo"})
     recorder.close()
     # when: scraped as Prometheus asks (text) and as OpenMetrics scrapers ask
     response = scraper().get("/metrics", HTTP_ACCEPT=accept)
@@ -80,9 +80,9 @@ def test_metrics_parse_in_both_formats_with_help_and_type_for_every_metric(
         assert family.type in {"counter", "gauge", "histogram"}, family.name
     assert families["mmr_cache_hits"].type == "counter"
     assert families["mmr_ttft_seconds"].type == "histogram"
-    assert value(samples, "mmr_requests_total", status="200", worker="gpu0") == 1
-    assert value(samples, "mmr_ttft_seconds_bucket", worker="gpu0", le="0.25") == 1
-    assert value(samples, "mmr_ttft_seconds_bucket", worker="gpu0", le="0.1") == 0
+    assert value(samples, "mmr_requests_total", status="200", worker="gpu0", model="demo") == 1
+    assert value(samples, "mmr_ttft_seconds_bucket", worker="gpu0", model="demo", le="0.25") == 1
+    assert value(samples, "mmr_ttft_seconds_bucket", worker="gpu0", model="demo", le="0.1") == 0
     for name in CATALOG:
         assert f"mmr_{name}" in families, f"declared metric {name} missing from /metrics"
 
@@ -204,8 +204,8 @@ def test_refusals_at_the_edge_401_and_415_appear_in_metrics(shared_platform) -> 
     while True:
         samples = scraped_from(url, shared_platform.headers)
         seen = {key: added(samples, key[0], handler=key[1], status=key[2]) for key in expected}
-        chat_401 = added(samples, "mmr_requests_total", status="401", worker="none")
-        chat_415 = added(samples, "mmr_requests_total", status="415", worker="none")
+        chat_401 = added(samples, "mmr_requests_total", status="401", worker="none", model="none")
+        chat_415 = added(samples, "mmr_requests_total", status="415", worker="none", model="none")
         if (seen, chat_401, chat_415) == (expected, 2, 1) or time.monotonic() > deadline:
             break
         time.sleep(0.3)

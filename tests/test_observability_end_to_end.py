@@ -62,9 +62,9 @@ def test_window_figures_equal_what_was_sent_in_the_window_and_not_the_history_be
     # (their own clocks put them there; the platform's processes cannot be sent back in time)
     then = time.time() - HISTORY_AGE_S
     history = MetricsRecorder(redis_client, namespace, source="web:history", clock=lambda: then)
-    history.inc("requests", 7, labels={"status": "200", "worker": WORKERS[0]})
-    history.inc("prompt_tokens", 700, labels={"worker": WORKERS[0]})
-    history.inc("cached_prompt_tokens", 300, labels={"worker": WORKERS[0]})
+    history.inc("requests", 7, labels={"status": "200", "worker": WORKERS[0], "model": "demo"})
+    history.inc("prompt_tokens", 700, labels={"worker": WORKERS[0], "model": "demo"})
+    history.inc("cached_prompt_tokens", 300, labels={"worker": WORKERS[0], "model": "demo"})
     history.close()
     platform.ledger.history_requests += 7
     old_counts = CacheStats(redis_client, namespace, WORKERS[0], clock=lambda: then)

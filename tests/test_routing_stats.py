@@ -93,7 +93,7 @@ def test_the_all_time_block_is_labelled_and_statuses_are_in_order(deployment: fl
     # given: statuses recorded in no particular order
     recorder = MetricsRecorder(sync_client(live_settings.REDIS_URL), statistics_namespace(), source="web:t")
     for status in ("503", "200", "429", "401", "200"):
-        recorder.inc("requests", labels={"status": status, "worker": "none"})
+        recorder.inc("requests", labels={"status": status, "worker": "none", "model": "none"})
     recorder.close()
     # when
     lines = run_command("--minutes", "3").splitlines()
@@ -104,3 +104,11 @@ def test_the_all_time_block_is_labelled_and_statuses_are_in_order(deployment: fl
     assert requests.split(None, 1)[1] == "5 (200: 2, 401: 1, 429: 1, 503: 1)"
     failures = next(line for line in lines if line.strip().startswith("not 200"))
     assert failures.split(None, 2)[2] == "5xx 1 (20.0%), 4xx 1 (20.0%), 429 1 (20.0%)"
+
+
+@pytest.mark.django_db
+def test_with_model_only_that_models_workers_are_listed(deployment: float) -> None:
+    # when an operator asks for one model's workers
+    printed = json.loads(run_command("--json", "--model", "old-model"))
+    # then the others are left out
+    assert [w["name"] for w in printed["workers"]] == ["gpu2"]

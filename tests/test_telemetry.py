@@ -17,9 +17,9 @@ def test_two_processes_counts_add_up_in_redis(redis_client: redis.Redis, key_nam
     one = MetricsRecorder(redis_client, key_namespace, source="web:a")
     two = MetricsRecorder(redis_client, key_namespace, source="web:b")
     # when
-    one.inc("requests", labels={"status": "200", "worker": "gpu0"})
-    two.inc("requests", 2, labels={"status": "200", "worker": "gpu0"})
-    two.inc("requests", labels={"status": "503", "worker": "none"})
+    one.inc("requests", labels={"status": "200", "worker": "gpu0", "model": "demo"})
+    two.inc("requests", 2, labels={"status": "200", "worker": "gpu0", "model": "demo"})
+    two.inc("requests", labels={"status": "503", "worker": "none", "model": "none"})
     one.close()
     two.close()
     # then: whichever process reads, it reads the sum
@@ -32,12 +32,13 @@ def test_two_processes_counts_add_up_in_redis(redis_client: redis.Redis, key_nam
 def test_histogram_buckets_sum_and_quantiles(redis_client: redis.Redis, key_namespace: str) -> None:
     recorder = MetricsRecorder(redis_client, key_namespace, source="w")
     for seconds in (0.02, 0.02, 0.3, 7.0):
-        recorder.observe("ttft_seconds", seconds, labels={"worker": "gpu0"})
-    recorder.observe("ttft_seconds", 0.1, labels={"worker": "gpu1"})  # exactly on a bound: le holds it
+        recorder.observe("ttft_seconds", seconds, labels={"worker": "gpu0", "model": "demo"})
+    # exactly on a bound: le holds it
+    recorder.observe("ttft_seconds", 0.1, labels={"worker": "gpu1", "model": "demo"})
     recorder.close()
 
     totals = telemetry.read_totals(redis_client, key_namespace)
-    buckets, total, count = totals["ttft_seconds"].histograms[("gpu0",)]
+    buckets, total, count = totals["ttft_seconds"].histograms[("gpu0", "demo")]
     assert count == 4 and total == pytest.approx(7.34)
     assert buckets[LATENCY_BUCKETS.index(0.025)] == 2
     assert buckets[LATENCY_BUCKETS.index(0.5)] == 1
@@ -54,10 +55,10 @@ def test_histogram_buckets_sum_and_quantiles(redis_client: redis.Redis, key_name
 def test_minutes_hold_what_was_recorded_in_them(redis_client: redis.Redis, key_namespace: str) -> None:
     now = 1_800_000_000.0
     earlier = MetricsRecorder(redis_client, key_namespace, source="w", clock=lambda: now - 600)
-    earlier.inc("prompt_tokens", 100, labels={"worker": "gpu0"})
+    earlier.inc("prompt_tokens", 100, labels={"worker": "gpu0", "model": "demo"})
     earlier.close()
     current = MetricsRecorder(redis_client, key_namespace, source="w", clock=lambda: now)
-    current.inc("prompt_tokens", 7, labels={"worker": "gpu0"})
+    current.inc("prompt_tokens", 7, labels={"worker": "gpu0", "model": "demo"})
     current.close()
 
     minute = int(now // 60)
@@ -94,14 +95,14 @@ def test_undeclared_names_wrong_kinds_and_wrong_labels_are_refused() -> None:
     with pytest.raises(ValueError, match="takes labels"):
         recorder.observe("ttft_seconds", 1.0, labels={"wrker": "gpu0"})
     with pytest.raises(ValueError, match="cannot go down"):
-        recorder.inc("prompt_tokens", -1, labels={"worker": "gpu0"})
+        recorder.inc("prompt_tokens", -1, labels={"worker": "gpu0", "model": "demo"})
 
 
 def test_a_recorder_without_redis_keeps_what_it_recorded_until_attached(
     redis_client: redis.Redis, key_namespace: str
 ) -> None:
     recorder = MetricsRecorder()
-    recorder.inc("completion_tokens", 5, labels={"worker": "gpu0"})
+    recorder.inc("completion_tokens", 5, labels={"worker": "gpu0", "model": "demo"})
     recorder.flush()  # nowhere to write yet: kept
     recorder.attach(redis_client, key_namespace, "web:x")
     recorder.close()
@@ -116,7 +117,7 @@ def test_a_failed_flush_keeps_the_counts_for_the_next(redis_url: str, key_namesp
     # no retries: redis-py's default backs off ten times (seconds) before it gives up
     dead = redis.Redis(port=closed_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     recorder = MetricsRecorder(dead, key_namespace, source="w")
-    recorder.inc("completion_tokens", 2, labels={"worker": "gpu0"})
+    recorder.inc("completion_tokens", 2, labels={"worker": "gpu0", "model": "demo"})
     with pytest.raises(redis.RedisError):
         recorder.flush()
     live = redis.Redis.from_url(redis_url)

@@ -17,7 +17,7 @@ from inference_platform.api.errors import ApiError
 from inference_platform.serving.prepare import prepare
 from routing.media.images import routing_hash, url_identity
 from routing.media.store import MediaRef
-from routing.prompt.hashing import MediaPlacement, block_hashes
+from routing.prompt.hashing import MediaPlacement, block_hashes, partition_salt
 from routing.prompt.model_view import model_view
 from tests.api_client import KeyedAsyncClient
 
@@ -91,7 +91,10 @@ def test_block_hashes_fold_each_image_identity_at_its_place(demo_model_dir):
         MediaPlacement(routing_hash(url_identity(url)), i.start, i.tokens)
         for url, i in zip((first, second), view.images, strict=True)
     ]
-    assert view.block_hashes == block_hashes(view.tokens, 16, media)
+    # In the served model's KV partition, as its workers hash them.
+    assert prepared.fingerprint
+    salt = partition_salt(prepared.fingerprint, None)
+    assert view.block_hashes == block_hashes(view.tokens, 16, media, salt=salt)
     assert [i.identity for i in view.images] == [url_identity(first), url_identity(second)]
 
     swapped = prepare(parse_chat_request(two_image_request("demo", second, first), max_tokens_limit=64)).view
@@ -143,6 +146,17 @@ def test_an_extreme_aspect_ratio_is_refused_with_a_422(demo_model_dir):
         prepare(chat)
     assert refused.value.status == 422
     assert refused.value.code == "image_size_refused"
+
+
+def test_inspect_request_asks_the_model_its_model_option_names(tmp_path):
+    # given a request body naming the deployment's model
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100))))
+    # when an operator asks another model with it
+    with pytest.raises(CommandError) as refused:
+        call_command("inspect_request", str(path), "--model", "no-such-model")
+    # then it is that model that answers, here as a client would be answered
+    assert "404 model_not_found" in str(refused.value) and "no-such-model" in str(refused.value)
 
 
 def test_inspect_request_prints_the_view_as_json(tmp_path, capsys):

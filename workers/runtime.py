@@ -37,6 +37,7 @@ from routing.media.images import MediaError, MediaPolicy, fetch_bytes
 from routing.media.store import MediaRef, MediaStore, MediaStoreError
 from routing.observe import telemetry
 from routing.observe.cache_stats import CacheStats
+from routing.prompt.hashing import partition_salt
 from workers.image_loader import ImageLoader, ImageLoadError
 from workers.shared_image_cache import SharedImageCache, SharedImageCacheConfig
 
@@ -65,6 +66,9 @@ class WorkerRuntime:
     instance: str = ""  # this process's instance id (routing.fleet.registry.new_instance_id)
     media: MediaStore | None = None  # the side store the frontend put image bytes in
     features: Any = None  # workers.disaggregation.FeatureReceiver: E/PD features from encode workers
+    # Its model's fingerprint (routing.prompt.model_card): the KV partition its block hashes fold
+    # in, as the frontend's do ("": none, for an engine run without a card).
+    model_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if self.media is None:
@@ -190,7 +194,7 @@ class WorkerRuntime:
                 seed=task.seed,
                 stop=list(task.stop),
                 scope_key=partition,
-                cache_salt=cache_salt,
+                cache_salt=partition_salt(self.model_fingerprint, cache_salt),
                 presence_penalty=task.presence_penalty,
                 frequency_penalty=task.frequency_penalty,
                 logit_bias=task.token_bias,

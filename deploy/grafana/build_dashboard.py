@@ -14,20 +14,40 @@ RATE = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 
 
+# The dashboard's `model` variable: a series labelled by worker is kept for the workers of the
+# chosen models, joined on mmr_worker_info (1 per worker, labelled with the model it serves).
+OF_MODEL = ' * on (worker) group_left() max by (worker) (mmr_worker_info{model=~"$model"})'
+MODEL_VARIABLE = {
+    "name": "model",
+    "label": "Model",
+    "type": "query",
+    "datasource": DATASOURCE,
+    "query": {"query": "label_values(mmr_worker_info, model)", "refId": "models"},
+    "definition": "label_values(mmr_worker_info, model)",
+    "refresh": 2,
+    "includeAll": True,
+    "multi": True,
+    "allValue": ".*",
+    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+}
+
+
 def hit_rate(cache: str) -> str:
     if cache == "kv":
         return (
-            f"sum by (worker) (rate(mmr_kv_cached_tokens_total[{RATE}]))"
-            f" / sum by (worker) (rate(mmr_kv_prompt_tokens_total[{RATE}]))"
+            f"sum by (worker) (rate(mmr_kv_cached_tokens_total[{RATE}]){OF_MODEL})"
+            f" / sum by (worker) (rate(mmr_kv_prompt_tokens_total[{RATE}]){OF_MODEL})"
         )
-    hits = f'sum by (worker) (rate(mmr_cache_hits_total{{cache="{cache}"}}[{RATE}]))'
-    misses = f'sum by (worker) (rate(mmr_cache_misses_total{{cache="{cache}"}}[{RATE}]))'
+    hits = f'sum by (worker) (rate(mmr_cache_hits_total{{cache="{cache}"}}[{RATE}]){OF_MODEL})'
+    misses = f'sum by (worker) (rate(mmr_cache_misses_total{{cache="{cache}"}}[{RATE}]){OF_MODEL})'
     return f"{hits} / ({hits} + {misses})"
 
 
-def quantile(q: float, metric: str, by: str = "") -> str:
+def quantile(q: float, metric: str, by: str = "", *, per_worker: bool = False) -> str:
+    """The q-quantile of a histogram; `per_worker`: one labelled by worker, kept to the chosen models."""
     group = f"le, {by}" if by else "le"
-    return f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket[{RATE}])))"
+    of_model = OF_MODEL if per_worker else ""
+    return f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket[{RATE}]){of_model}))"
 
 
 # (title, unit, [(expr, legend)], width)
@@ -46,9 +66,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
         "Time to first token",
         "s",
         [
-            (quantile(0.5, "mmr_ttft_seconds"), "p50"),
-            (quantile(0.9, "mmr_ttft_seconds"), "p90"),
-            (quantile(0.99, "mmr_ttft_seconds"), "p99"),
+            (quantile(0.5, "mmr_ttft_seconds", per_worker=True), "p50"),
+            (quantile(0.9, "mmr_ttft_seconds", per_worker=True), "p90"),
+            (quantile(0.99, "mmr_ttft_seconds", per_worker=True), "p99"),
         ],
         12,
     ),
@@ -56,8 +76,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
         "End-to-end latency and queue time",
         "s",
         [
-            (quantile(0.5, "mmr_request_duration_seconds"), "latency p50"),
-            (quantile(0.99, "mmr_request_duration_seconds"), "latency p99"),
+            (quantile(0.5, "mmr_request_duration_seconds", per_worker=True), "latency p50"),
+            (quantile(0.99, "mmr_request_duration_seconds", per_worker=True), "latency p99"),
             (quantile(0.99, "mmr_queue_seconds"), "queue p99"),
             (quantile(0.5, "mmr_inter_token_seconds"), "inter-token p50"),
         ],
@@ -193,6 +213,7 @@ def dashboard() -> dict[str, Any]:
         "version": 1,
         "refresh": "30s",
         "time": {"from": "now-6h", "to": "now"},
+        "templating": {"list": [MODEL_VARIABLE]},
         "panels": [panel(i, *spec) for i, spec in enumerate(PANELS)],
     }
 

@@ -19,24 +19,26 @@ from inference_platform.api.auth import api_key_required
 from inference_platform.api.boundary import is_api_path, json_endpoint, new_request_id, only_get
 from inference_platform.api.chat_request import ChatRequest, parse_chat_request
 from inference_platform.api.errors import ApiError, error_response
+from inference_platform.serving.catalog import ListedModel, listed_models
 from inference_platform.serving.clock import counts_refused_chat_requests
+from inference_platform.serving.model_pool import model_not_found
 from inference_platform.serving.prepare import describe_route, served_model
 from inference_platform.serving.served import ServedRequest, as_api_error
 from routing.contract.tasks import DoneEvent, TokenEvent
-from routing.prompt.model_view import ModelView
 
 logger = logging.getLogger("inference_platform.api")
 
 
-def _model_card(view: ModelView) -> dict[str, Any]:
-    created = int(view.path.stat().st_mtime) if view.path.exists() else 0
-    return {"id": view.name, "object": "model", "created": created, "owned_by": "platform"}
+def _model_card(model: ListedModel) -> dict[str, Any]:
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "platform"}
 
 
 @api_key_required
 @only_get
 def list_models(request: HttpRequest) -> HttpResponse:
-    return JsonResponse({"object": "list", "data": [_model_card(served_model())]})
+    return JsonResponse(
+        {"object": "list", "data": [_model_card(model) for model in listed_models(request.caller)]}
+    )
 
 
 @csrf_exempt
@@ -48,23 +50,18 @@ def retrieve_model(request: HttpRequest, model_id: str) -> HttpResponse:
         )
         response["Allow"] = "GET, HEAD"
         return response
-    view = served_model()
-    if model_id != view.name:
-        return error_response(
-            ApiError(
-                404,
-                f"The model '{model_id}' does not exist; this platform serves '{view.name}'.",
-                code="model_not_found",
-                param="model",
-            )
-        )
-    return JsonResponse(_model_card(view))
+    for model in listed_models(request.caller):
+        if model.name == model_id:
+            return JsonResponse(_model_card(model))
+    return error_response(model_not_found(model_id))
 
 
 def _headers(response: HttpResponse, served: ServedRequest) -> HttpResponse:
     response["X-Request-Id"] = served.request_id
     if served.worker is not None:
         response["X-Routed-Worker"] = served.worker
+    if served.prepared is not None:  # the model that answered (an alias names one of several)
+        response["X-Served-Model"] = served.prepared.model.name
     if served.total_blocks:
         response["X-Routing-Overlap"] = f"{served.overlap_blocks}/{served.total_blocks}"
     for name, value in served.rate_limit_headers.items():

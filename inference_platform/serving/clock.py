@@ -18,6 +18,7 @@ from routing.contract.tasks import DoneEvent
 from routing.observe import telemetry
 
 NO_WORKER = "none"
+NO_MODEL = "none"
 
 
 class RequestClock:
@@ -30,17 +31,20 @@ class RequestClock:
         if self._first_token is None:
             self._first_token = time.monotonic()
 
-    def finish(self, status: int, worker: str | None, done: DoneEvent | None = None) -> None:
-        """Record the request once: its status, and for a served one its tokens and latencies."""
+    def finish(
+        self, status: int, worker: str | None, done: DoneEvent | None = None, model: str | None = None
+    ) -> None:
+        """Record the request once: its status, and for a served one its tokens and latencies;
+        `model`: the known model it named (never a client's free text: a bounded label)."""
         if self._finished:
             return
         self._finished = True
         now = time.monotonic()
-        worker = worker or NO_WORKER
-        telemetry.inc("requests", labels={"status": str(status), "worker": worker})
+        worker, model = worker or NO_WORKER, model or NO_MODEL
+        telemetry.inc("requests", labels={"status": str(status), "worker": worker, "model": model})
         if worker == NO_WORKER:
             return
-        labels = {"worker": worker}
+        labels = {"worker": worker, "model": model}
         telemetry.observe("request_duration_seconds", now - self._started, labels=labels)
         if self._first_token is not None:
             telemetry.observe("ttft_seconds", self._first_token - self._started, labels=labels)

@@ -86,7 +86,13 @@ class WorkerState:
 
 
 def _eligibility(
-    enabled: bool, draining: bool, beat: Heartbeat | None, model: str, block_size: int, encoders: bool = False
+    enabled: bool,
+    draining: bool,
+    beat: Heartbeat | None,
+    model: str,
+    block_size: int,
+    encoders: bool = False,
+    fingerprint: str = "",
 ) -> str | None:
     if not enabled:
         return "disabled in the admin"
@@ -100,6 +106,10 @@ def _eligibility(
         return f"speaks task contract v{beat.contract_version}, not v{CONTRACT_VERSION}"
     if beat.model != model:
         return f"serves {beat.model}"
+    # Another tokenizer or template under the model's name: its prompts and block hashes are not
+    # the frontend's (a worker from before fingerprints announces none, and is not held to one).
+    if fingerprint and beat.fingerprint and beat.fingerprint != fingerprint:
+        return f"announces {model} with fingerprint {beat.fingerprint}, not the model's {fingerprint}"
     if beat.block_size != block_size:
         return f"block size {beat.block_size}, not {block_size}"
     # E/PD: encode workers take image encoding (routing.fleet.encoders), never a whole request.
@@ -110,38 +120,50 @@ def _eligibility(
     return None
 
 
-async def worker_states(model: str, block_size: int, *, encoders: bool = False) -> list[WorkerState]:
-    """Every registered worker with whether it may take a request for this model (or, with
-    `encoders`, its images' encoding), and if not why."""
-    rows, alive = await _rows_and_heartbeats()
+async def worker_states(
+    model: str, block_size: int, *, encoders: bool = False, fingerprint: str = ""
+) -> list[WorkerState]:
+    """The model's registered workers with whether each may take a request for it (or, with
+    `encoders`, its images' encoding), and if not why. With `fingerprint`, the model's: a worker
+    announcing another is not eligible."""
+    rows, alive = await _rows_and_heartbeats(model)
     return [
         WorkerState(
             row.name,
             alive.get(row.name),
-            _eligibility(row.enabled, row.draining, alive.get(row.name), model, block_size, encoders),
+            _eligibility(
+                row.enabled, row.draining, alive.get(row.name), model, block_size, encoders, fingerprint
+            ),
         )
         for row in rows
     ]
 
 
-async def _rows_and_heartbeats() -> tuple[tuple[WorkerRow, ...], dict[str, Heartbeat]]:
-    """The operator's rows (kept under their generation, routing.fleet.worker_rows) and the live
-    heartbeats of their workers: one Redis round trip, and no query, while the rows kept are
-    current."""
+async def _rows_and_heartbeats(model: str) -> tuple[tuple[WorkerRow, ...], dict[str, Heartbeat]]:
+    """The operator's rows of the model's workers (kept under their generation,
+    routing.fleet.worker_rows) and their live heartbeats: one Redis round trip, and no query,
+    while the rows kept are current; no other model's worker keys are read."""
     kept = kept_rows().get()
     if kept is not None:
-        alive = await asyncio.to_thread(_heartbeats_if_current, *kept)
+        generation, rows = kept[0], _of_model(kept[1], model)
+        alive = await asyncio.to_thread(_heartbeats_if_current, generation, rows)
         if alive is not None:
-            return kept[1], alive
+            return rows, alive
     # Read before the database: a change committed after this read moves past it, so the rows
     # read below are never kept under a generation that already knew better.
     generation = await asyncio.to_thread(
         current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
     )
-    rows = tuple([WorkerRow(*row) async for row in Worker.objects.values_list("name", "enabled", "draining")])
-    kept_rows().put(generation, rows)
+    fields = ("name", "enabled", "draining", "model_name")
+    every = tuple([WorkerRow(*row) async for row in Worker.objects.values_list(*fields)])
+    kept_rows().put(generation, every)
+    rows = _of_model(every, model)
     alive = await asyncio.to_thread(_heartbeats, rows)
     return rows, alive
+
+
+def _of_model(rows: tuple[WorkerRow, ...], model: str) -> tuple[WorkerRow, ...]:
+    return tuple(row for row in rows if row.may_serve(model))
 
 
 def _heartbeats_if_current(generation: bytes, rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat] | None:
@@ -161,11 +183,12 @@ def _heartbeats(rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat]:
     return alive
 
 
-async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
-    """Workers an operator allows (enabled, not draining) that are live and serve this model."""
+async def eligible_workers(model: str, block_size: int, fingerprint: str = "") -> dict[str, Heartbeat]:
+    """Workers an operator allows (enabled, not draining) that are live and serve this model
+    (with `fingerprint`: announce the model's own routing files)."""
     return {
         state.name: state.heartbeat
-        for state in await worker_states(model, block_size)
+        for state in await worker_states(model, block_size, fingerprint=fingerprint)
         if state.ineligible_because is None and state.heartbeat is not None
     }
 

@@ -1,6 +1,6 @@
 """The frontend process's collaborators, built in one place: the KV router, the worker registry,
-the media side store, the tenant limiter and usage, the encoder pool, the kept image sizes and
-the live policy reader.
+the media side store, the tenant limiter and usage, the encoder pool, the kept image sizes, the
+served models and the live policy reader.
 
 Each is built once per configuration it reads (the settings it is made from are its key), so a
 deployment builds each once, while a test that changes a setting (a Redis key prefix, a cap) gets
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 
+from inference_platform.serving.model_pool import ModelPool
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
 from routing.fleet.registry import WorkerRegistry
@@ -156,6 +157,11 @@ class Frontend:
                 flush_token=_sizes_flush_token,
             ),
         )
+
+    def models(self) -> ModelPool:
+        """The models requests may name, and the routing views loaded of them."""
+        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX, settings.MODEL_PATH, settings.MODEL_NAME)
+        return self._get("models", key, ModelPool)
 
     def policy(self) -> LivePolicy:
         """The live routing policy (the admin's row, else the environment), reread each second."""

@@ -27,6 +27,7 @@ from inference_platform.serving.dispatch import (
 from inference_platform.serving.encoding import describe_encoding
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
+from inference_platform.serving.model_pool import deployment_model_name
 from routing.contract.tasks import (
     CONTEXT_LENGTH_EXCEEDED,
     GenerateTask,
@@ -50,6 +51,7 @@ from routing.media.images import (
 )
 from routing.media.store import MediaRef
 from routing.media.video import SampledVideo, VideoLimits, resolve_videos
+from routing.policy import DEPLOYMENT_POLICY, ModelPolicy
 from routing.prompt.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.prompt.model_view import ModelDirectoryError, ModelView, model_view
 from routing.prompt.session_scope import SessionScopeError, resolve_session_scope, scope_hash
@@ -61,7 +63,8 @@ logger = logging.getLogger("inference_platform.serving")
 
 
 def served_model() -> ModelView:
-    return model_view(settings.MODEL_PATH, settings.MODEL_NAME)
+    """The deployment's own model (MODEL_PATH): the default a client's request names."""
+    return model_view(settings.MODEL_PATH, deployment_model_name())
 
 
 def check_served_model() -> None:
@@ -141,6 +144,10 @@ class PreparedRequest:
     frontend_decoding: bool
     processed: dict[str, Any] | None = None  # the processor path's model inputs, for the worker
     videos: list[SampledVideo] = dataclasses.field(default_factory=list)  # always frontend-decoded
+    # The model's fingerprint (routing.prompt.model_card): what its workers must announce, and
+    # the KV partition the view's block hashes fold in.
+    fingerprint: str = ""
+    policy: ModelPolicy = DEPLOYMENT_POLICY  # the model's own routing fields over the deployment's
 
     def describe(self) -> dict[str, Any]:
         """What `/v1/route` and `inspect_request` print: the request in the router's eyes."""
@@ -281,21 +288,15 @@ def prepare(
     """
     if sizes is not None:
         sizes.follow_flushes()
-    prepared = _prepare(chat, sizes, image_size_scope(cache_salt, scope_key))
-    if cache_salt is not None:
-        prepared = dataclasses.replace(prepared, view=prepared.view.salted(cache_salt))
-    return prepared
+    served = frontend().models().resolve(chat.model)  # before any work: an unknown model is a 404
+    prepared = _prepare(chat, served.view, sizes, image_size_scope(cache_salt, scope_key))
+    view = prepared.view.of_model(served.fingerprint).salted(cache_salt)
+    return dataclasses.replace(prepared, view=view, fingerprint=served.fingerprint, policy=served.policy)
 
 
-def _prepare(chat: ChatRequest, sizes: ImageSizes | None, size_scope: tuple) -> PreparedRequest:
-    model = served_model()
-    if chat.model != model.name:
-        raise ApiError(
-            404,
-            f"The model '{chat.model}' does not exist; this platform serves '{model.name}'.",
-            code="model_not_found",
-            param="model",
-        )
+def _prepare(
+    chat: ChatRequest, model: ModelView, sizes: ImageSizes | None, size_scope: tuple
+) -> PreparedRequest:
     if chat.logit_bias:
         _check_logit_bias(model, chat.logit_bias)
     try:
@@ -425,7 +426,7 @@ def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None
 
 def _decision_inputs(prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None):
     view = prepared.view
-    policy = frontend().policy()
+    policy = prepared.policy.over(frontend().policy())
     args = (view.block_hashes, view.prompt_tokens, view.block_size, sorted(workers), policy.routing)
     options = {
         "session_key": scope_key,
@@ -567,7 +568,9 @@ async def describe_workers(prepared: PreparedRequest, scope_key: str | None) -> 
     now, the E/PD plan, and every worker of the model with its overlap, load terms and cost, as
     the router computes them (nothing reserved)."""
     description: dict[str, Any] = {}
-    states = await worker_states(prepared.model.name, prepared.view.block_size)
+    states = await worker_states(
+        prepared.model.name, prepared.view.block_size, fingerprint=prepared.fingerprint
+    )
     workers = {state.name: state.heartbeat for state in states if state.ineligible_because is None}
     scores: dict[str, Score] = {}
     busy: tuple[str, ...] = ()

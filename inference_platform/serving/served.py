@@ -48,6 +48,7 @@ from inference_platform.serving.dispatch import (
 from inference_platform.serving.encoding import plan_encoding
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
+from inference_platform.serving.model_pool import model_not_found
 from inference_platform.serving.prepare import (
     PreparedRequest,
     all_busy,
@@ -138,6 +139,8 @@ class ServedRequest:
         self.chat = chat
         try:
             self.scope_key = session_scope_hash(headers, self.caller)
+            if not self.caller.may_use(chat.model):  # as if it did not exist: a tenant sees its own
+                raise model_not_found(chat.model)
             await self._admit()
             salt = self.caller.cache_salt(chat.cache_salt)
             prepared = await asyncio.to_thread(
@@ -146,7 +149,7 @@ class ServedRequest:
             self.prepared = prepared
             model, view = prepared.model, prepared.view
             try:
-                workers = await eligible_workers(model.name, view.block_size)
+                workers = await eligible_workers(model.name, view.block_size, prepared.fingerprint)
                 if not workers:
                     raise NoWorker
                 # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
@@ -244,7 +247,7 @@ class ServedRequest:
         """
         view = prepared.view
         if workers is None:
-            workers = await eligible_workers(prepared.model.name, view.block_size)
+            workers = await eligible_workers(prepared.model.name, view.block_size, prepared.fingerprint)
         workers = dict(workers)
         for tried in self.tried:
             workers.pop(tried, None)
@@ -495,7 +498,8 @@ class ServedRequest:
                 logger.warning(
                     "could not free the load of request %s on worker %s", self.request_id, self.worker
                 )
-        self.clock.finish(status, self.worker, done)
+        model = self.prepared.model.name if self.prepared is not None else None
+        self.clock.finish(status, self.worker, done, model)
         if self._admitted:
             await asyncio.shield(self._end_for_tenant(done))
 

@@ -53,6 +53,10 @@ class Heartbeat:
     # does not say (an older one, an encode worker): the router assumes the frontend's own.
     schedule_policy: str = ""
     beat_at: float = 0.0  # when this beat was sent (a successor watches it move)
+    # Its model's config.json model_type, and the fingerprint of its routing files
+    # (routing.prompt.model_card); "" from a worker from before models were rows.
+    family: str = ""
+    fingerprint: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

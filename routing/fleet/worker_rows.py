@@ -35,6 +35,12 @@ class WorkerRow:
     name: str
     enabled: bool
     draining: bool
+    model_name: str = ""  # the model it announced at registration ("": not registered yet)
+
+    def may_serve(self, model: str) -> bool:
+        """Whether its heartbeat is worth reading for a request for `model`: a request reads only
+        its model's workers' keys (a row not registered yet is read: its heartbeat says)."""
+        return self.model_name in (model, "")
 
 
 class KeptRows:

@@ -62,8 +62,9 @@ REQUESTS = declare(
     Metric(
         "requests",
         "counter",
-        'Chat requests answered, by HTTP status and the worker that served them ("none": no worker chosen).',
-        ("status", "worker"),
+        'Chat requests answered, by HTTP status, the worker that served them and its model ("none": no '
+        "worker chosen, or no model known).",
+        ("status", "worker", "model"),
     )
 )
 # Every answer of the API's edge, whatever refused it (a missing or wrong key, a wrong content
@@ -80,7 +81,10 @@ HTTP_REQUESTS = declare(
 )
 PROMPT_TOKENS = declare(
     Metric(
-        "prompt_tokens", "counter", "Prompt tokens of answered requests, image tokens included.", ("worker",)
+        "prompt_tokens",
+        "counter",
+        "Prompt tokens of answered requests, image tokens included.",
+        ("worker", "model"),
     )
 )
 CACHED_PROMPT_TOKENS = declare(
@@ -88,18 +92,18 @@ CACHED_PROMPT_TOKENS = declare(
         "cached_prompt_tokens",
         "counter",
         "Prompt tokens of answered requests that the worker's prefix KV cache already held.",
-        ("worker",),
+        ("worker", "model"),
     )
 )
 COMPLETION_TOKENS = declare(
-    Metric("completion_tokens", "counter", "Tokens generated for answered requests.", ("worker",))
+    Metric("completion_tokens", "counter", "Tokens generated for answered requests.", ("worker", "model"))
 )
 TTFT = declare(
     Metric(
         "ttft_seconds",
         "histogram",
         "Time to first token: from the request's arrival at the frontend to its first generated token.",
-        ("worker",),
+        ("worker", "model"),
         LATENCY_BUCKETS,
     )
 )
@@ -108,7 +112,7 @@ REQUEST_DURATION = declare(
         "request_duration_seconds",
         "histogram",
         "End-to-end latency: from the request's arrival at the frontend to its last byte.",
-        ("worker",),
+        ("worker", "model"),
         LATENCY_BUCKETS,
     )
 )

@@ -139,6 +139,18 @@ def cache_salt(*parts: str) -> int:
     return _xxh3_64(message, BLOCK_HASH_SEED)
 
 
+def partition_salt(model_fingerprint: str, salt: int | None) -> int | None:
+    """The salt a prompt's first block folds in: the model's partition composed with the caller's.
+
+    The model's fingerprint (routing.prompt.model_card) partitions the index by model, so the same
+    text or image sent to two models never counts as overlap; a tenant's salt partitions within
+    it. Without a fingerprint (a bare engine, a unit test) the caller's salt alone, as before.
+    """
+    if not model_fingerprint:
+        return salt
+    return cache_salt("model", model_fingerprint, "" if salt is None else f"{salt & _U64_MAX:016x}")
+
+
 def chain_sequence_hashes(local: Sequence[int], salt: int | None = None) -> list[int]:
     """Chain local hashes so each one also stands for every block before it.
 

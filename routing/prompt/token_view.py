@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from routing.prompt.hashing import MediaPlacement, block_hashes
+from routing.prompt.hashing import MediaPlacement, block_hashes, partition_salt
 from routing.prompt.layouts import ImageLayout
 
 
@@ -53,17 +53,24 @@ class TokenView:
     # (the model's own processor), or None when routing falls back to the text prefix.
     count_source: str | None = None
     cache_salt: int | None = None  # the caller's cache partition, folded into the first block
+    # The model's fingerprint: its KV partition, composed with the caller's (partition_salt).
+    model_partition: str = ""
 
     def salted(self, cache_salt: int | None) -> TokenView:
         """The same view in another cache partition (its hashes computed afresh)."""
         return dataclasses.replace(self, cache_salt=cache_salt)
+
+    def of_model(self, fingerprint: str) -> TokenView:
+        """The same view in the partition of the model with this fingerprint."""
+        return dataclasses.replace(self, model_partition=fingerprint)
 
     @cached_property
     def block_hashes(self) -> list[int]:
         media = [MediaPlacement(i.routing_hash, i.start, i.tokens) for i in self.images if i.tokens]
         # A video's identity covers its whole run: the timestamps between its frames depend on it too.
         media += [MediaPlacement(v.routing_hash, v.start, v.tokens) for v in self.videos]
-        return block_hashes(self.tokens, self.block_size, media, salt=self.cache_salt)
+        salt = partition_salt(self.model_partition, self.cache_salt)
+        return block_hashes(self.tokens, self.block_size, media, salt=salt)
 
     @property
     def total_blocks(self) -> int:

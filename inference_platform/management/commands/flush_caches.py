@@ -36,6 +36,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--worker", action="append", default=[], help="Only this worker (repeatable).")
+        parser.add_argument("--model", default=None, help="Only the workers of this model.")
         parser.add_argument(
             "--scope",
             default=None,
@@ -68,7 +69,12 @@ class Command(BaseCommand):
         }
 
         # The live set the router reads: registered workers with a heartbeat.
-        registered = list(Worker.objects.values_list("name", flat=True))
+        rows = (
+            Worker.objects.all()
+            if options["model"] is None
+            else Worker.objects.filter(model_name=options["model"])
+        )
+        registered = list(rows.values_list("name", flat=True))
         live = WorkerRegistry(client, settings.REDIS_KEY_PREFIX).alive(registered)
         unknown = sorted(set(options["worker"]) - set(live))
         if unknown:
@@ -100,7 +106,8 @@ class Command(BaseCommand):
 
         if "shared-images" in caches:
             report["shared_images"] = _shared_images(report["workers"])
-        if "images" in caches and not options["dry_run"] and not options["worker"] and scope_key is None:
+        every_worker = not options["worker"] and options["model"] is None
+        if "images" in caches and not options["dry_run"] and every_worker and scope_key is None:
             # The frontends keep the sizes of pictures read by URL: a flush of every worker's
             # images makes them forget those too, each at its next request a second or more
             # after it last looked (routing.media.images.ImageSizes). One limited to some workers or

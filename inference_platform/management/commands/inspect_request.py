@@ -39,6 +39,11 @@ class Command(BaseCommand):
             default=None,
             help="The tenant sending it: its cache salt folds into the block hashes, as for its keys.",
         )
+        parser.add_argument(
+            "--model",
+            default=None,
+            help="The model to ask (overrides the body's; default: the deployment's).",
+        )
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
 
     def handle(self, *args, **options) -> None:
@@ -62,6 +67,8 @@ class Command(BaseCommand):
             raise CommandError(f"cannot read {path}: {exc}") from exc
         try:
             body = parse_json_body(raw)
+            if options["model"]:
+                body["model"] = options["model"]
             body.setdefault("model", served_model().name)
             chat = parse_chat_request(body, max_tokens_limit=settings.MAX_TOKENS_LIMIT)
             salt = caller.cache_salt(chat.cache_salt)

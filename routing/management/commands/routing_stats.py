@@ -67,6 +67,11 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="Print the snapshot as one JSON object.")
         parser.add_argument(
+            "--model",
+            default=None,
+            help="Only the workers of this model (the deployment's totals stay whole).",
+        )
+        parser.add_argument(
             "--minutes",
             type=int,
             default=DEFAULT_MINUTES,
@@ -86,6 +91,8 @@ class Command(BaseCommand):
             raise CommandError(
                 f"Redis at {redact_url(settings.REDIS_URL)} unavailable: {redact_text(str(exc))}"
             ) from exc
+        if options["model"] is not None:
+            snapshot["workers"] = [w for w in snapshot["workers"] if w["model"] == options["model"]]
         if options["json"]:
             self.stdout.write(json.dumps(snapshot))
             return

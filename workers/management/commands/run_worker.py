@@ -32,14 +32,16 @@ from routing.contract.kv_events import KvEvent
 from routing.contract.tasks import ROLE_BOTH, ROLE_ENCODE, ROLE_LLM, ROLES
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
+from routing.fleet.model_cards import publish_card, republish_if_lost
 from routing.fleet.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from routing.media.store import media_store_from_settings
-from routing.models import Worker, worker_queue
+from routing.models import Model, Worker, worker_queue
 from routing.observe import telemetry
 from routing.observe.cache_stats import CacheStats
+from routing.prompt.model_card import read_model_card
 from routing.state.redis_keys import redact_url, sync_client
 from workers.runtime import heartbeat_with_load
 
@@ -58,6 +60,12 @@ class Command(BaseCommand):
         parser.add_argument("--name", required=True, help="Worker name; it consumes the queue worker.<name>.")
         parser.add_argument("--device", default="cpu", help="cpu or cuda:N (default cpu).")
         parser.add_argument("--model-path", default=None, help="Model directory (default: MODEL_PATH).")
+        parser.add_argument(
+            "--model-name",
+            default=None,
+            help="The name clients send as `model` (default: MODEL_NAME for MODEL_PATH, else the "
+            "model directory's name).",
+        )
         parser.add_argument(
             "--concurrency",
             type=int,
@@ -227,7 +235,22 @@ class Command(BaseCommand):
             warmed = f" (a warm-up prompt took {runtime.engine.warm_up():.0f} ms)"
         runtime.instance = instance
         runtime.stats = stats
-        model_name = settings.MODEL_NAME or model_path.resolve().name
+        model_name = _model_name(options["model_name"], model_path)
+        # What routing depends on, published for frontends that cannot read this directory.
+        card = read_model_card(model_path)
+        publish_card(client, namespace, card)
+        if role != ROLE_ENCODE:
+            runtime.model_fingerprint = card.fingerprint  # its KV partition, as the frontend's
+        model = Model.announce(model_name, card.family, card.fingerprint)
+        if model.fingerprint != card.fingerprint:
+            logger.error(
+                "worker %s: model %r is recorded with fingerprint %s, this directory's is %s: it "
+                "gets none of the model's requests until an operator resolves it (Models in the admin)",
+                name,
+                model_name,
+                model.fingerprint,
+                card.fingerprint,
+            )
         self.stdout.write(
             f"worker {name} ({role}, {engine_kind} engine): loaded {model_path} on {options['device']} "
             f"in {time.monotonic() - started:.1f} s{warmed}"
@@ -251,6 +274,8 @@ class Command(BaseCommand):
             instance=instance,
             role=role,
             schedule_policy="" if role == ROLE_ENCODE else runtime.engine.schedule_policy,
+            family=card.family,
+            fingerprint=card.fingerprint,
         )
         Worker.objects.update_or_create(
             name=name,
@@ -281,6 +306,7 @@ class Command(BaseCommand):
 
         def after_beat() -> None:
             announcer.check()
+            republish_if_lost(client, namespace, card)
             # Reservations whose frontend stopped renewing them go now, even if no frontend
             # decides anything for a while (decisions sweep too).
             load.sweep()
@@ -395,6 +421,16 @@ class Command(BaseCommand):
             clock.stop()
             metrics.close()
             self.stdout.write(f"worker {name}: {options['count']} simulated workers deregistered")
+
+
+def _model_name(given: str | None, model_path: Path) -> str:
+    """The name the worker announces: --model-name, else MODEL_NAME for the deployment's own
+    model, else the directory's name (a second model needs no setting of its own)."""
+    if given:
+        return given
+    if settings.MODEL_NAME and model_path.resolve() == Path(settings.MODEL_PATH).resolve():
+        return settings.MODEL_NAME
+    return model_path.resolve().name
 
 
 class _BlockAnnouncer:
