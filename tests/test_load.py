@@ -16,6 +16,11 @@ def load(redis_client: redis.Redis, key_namespace: str) -> LoadTracker:
     return LoadTracker(redis_client, key_namespace)
 
 
+# The entry TTL of the expiry tests, and their waits in thirds and halves of it: long enough that
+# a loaded machine's scheduling delays (tenths of a second) do not move a check across an expiry.
+TTL_S = 0.9
+
+
 def test_a_request_counts_prefill_until_its_first_token_and_blocks_until_freed(load: LoadTracker) -> None:
     # given
     load.add("gpu0", "r1", prefill_tokens=1_600, blocks=125)
@@ -76,28 +81,28 @@ def test_an_entry_left_behind_by_a_dead_frontend_expires_after_its_ttl(
     redis_client: redis.Redis, key_namespace: str
 ) -> None:
     # given: a short entry TTL; r1 is never freed (its frontend died), r2 keeps decoding
-    load = LoadTracker(redis_client, key_namespace, entry_ttl_s=0.3)
+    load = LoadTracker(redis_client, key_namespace, entry_ttl_s=TTL_S)
     load.add("gpu0", "r1", 500, 30)
-    time.sleep(0.2)
+    time.sleep(2 * TTL_S / 3)
     load.add("gpu0", "r2", 100, 5)
     assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(600, 35, 2)
 
     # when: r1's TTL has passed, r2's not yet
-    time.sleep(0.15)
+    time.sleep(TTL_S / 2)
 
     # then
     assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(100, 5, 1)
-    time.sleep(0.2)
+    time.sleep(2 * TTL_S / 3)
     assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(0, 0, 0)
     assert list(redis_client.scan_iter(match=f"{key_namespace}*")) == []
 
 
 def test_the_first_token_restarts_the_entry_ttl(redis_client: redis.Redis, key_namespace: str) -> None:
-    load = LoadTracker(redis_client, key_namespace, entry_ttl_s=0.3)
+    load = LoadTracker(redis_client, key_namespace, entry_ttl_s=TTL_S)
     load.add("gpu0", "r1", 500, 30)
-    time.sleep(0.2)
+    time.sleep(2 * TTL_S / 3)
     load.prefill_done("gpu0", "r1")
-    time.sleep(0.2)
+    time.sleep(2 * TTL_S / 3)
     assert load.snapshot(["gpu0"])["gpu0"] == WorkerLoad(0, 30, 1)
 
 
