@@ -127,6 +127,12 @@ def measured(cells: list[str]) -> bool:
     return any(cell not in ("—", "") for cell in cells)
 
 
+def dashboard_workers(driver: webdriver.Chrome) -> list[str]:
+    """The workers in the dashboard's workers table, by name."""
+    rows = driver.find_elements(By.CSS_SELECTOR, "#workers tr[data-worker]")
+    return sorted(row.get_attribute("data-worker") for row in rows)
+
+
 def worker_state(driver: webdriver.Chrome, worker: str) -> str:
     return driver.find_element(By.CSS_SELECTOR, f'#workers tr[data-worker="{worker}"] td.state').text
 
@@ -254,6 +260,20 @@ def test_dashboard_in_a_browser_shows_what_was_sent_follows_a_drain_and_fits_800
         assert worker_state(driver, WORKERS[0]) == "serving"
     finally:
         enable_again(driver, platform, drained)
+
+    # when: the operator narrows the dashboard to the model its workers serve
+    driver.get(f"{platform.base_url}/admin/dashboard/?minutes=60&model=demo")
+    # then: the model filter marks it, and the workers table holds that model's workers
+    current = driver.find_element(By.CSS_SELECTOR, 'nav.models a[aria-current="page"]')
+    assert current.get_attribute("data-model") == "demo"
+    until(lambda: dashboard_workers(driver), lambda names: names == sorted(WORKERS), what="demo's workers")
+    # and a model no worker serves shows none of them, while the window's figures stay
+    driver.get(f"{platform.base_url}/admin/dashboard/?minutes=60&model=no-such-model")
+    until(lambda: dashboard_workers(driver), lambda names: names == [], what="no worker of no-such-model")
+    # and "All models" takes the filter off
+    driver.find_element(By.CSS_SELECTOR, 'nav.models a[data-model=""]').click()
+    until(lambda: driver.current_url, lambda url: "model=" not in url, what="the filter off")
+    until(lambda: dashboard_workers(driver), lambda names: names == sorted(WORKERS), what="every worker")
 
     # and the routing policy page fits 1,400 px too
     driver.get(f"{platform.base_url}/admin/routing/routingpolicysettings/")
