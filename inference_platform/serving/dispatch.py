@@ -10,10 +10,13 @@ about either (migrate, replan, answer) is the request's owner's call: `served.Se
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 import redis
 from django.conf import settings
@@ -45,6 +48,8 @@ from routing.observe import telemetry
 from routing.state.redis_keys import async_client, redact_text, sync_client
 
 logger = logging.getLogger("inference_platform.dispatch")
+
+T = TypeVar("T")
 
 # How often the frontend looks at the worker's heartbeat while it waits for the next event.
 _POLL_MS = 1000
@@ -110,29 +115,114 @@ def _eligibility(
     return None
 
 
+class EligibleWorkers(dict[str, Heartbeat]):
+    """The workers that may take a request, by name, from one read of the fleet, with what a
+    decision tells the router about them: worked out once per read (`FleetRead`), not once per
+    request, which at a thousand workers cost more than the decision itself."""
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self))
+
+    @functools.cached_property
+    def reports(self) -> Mapping[str, WorkerReport]:
+        # Read-only: the router packs it once per read (routing.kv.router, `_packed`).
+        return MappingProxyType({name: worker_report(beat) for name, beat in self.items()})
+
+    @functools.cached_property
+    def approximate(self) -> frozenset[str]:
+        """Workers that publish no KV events (the router credits what it sends them)."""
+        return frozenset(name for name, beat in self.items() if not beat.publishes_events)
+
+    @functools.cached_property
+    def instances(self) -> dict[str, str]:
+        return {name: beat.instance for name, beat in self.items()}
+
+
+@dataclass(eq=False)
+class FleetRead:
+    """One read of the fleet by this frontend: the operator's rows (under their generation) and
+    the live heartbeats, and what was worked out from them, by question.
+
+    A frontend reads the fleet again when the rows' generation moves (checked per request: one
+    GET, so a drain or a disable still reaches the next request) or when the read is older than
+    FLEET_VIEW_MAX_AGE_SECS; in between, a request's eligibility is a lookup, whatever the
+    number of workers. A heartbeat that lapsed since the read may be chosen meanwhile: the
+    request then finds the worker gone (`follow_task`) and moves on, as when it dies mid-request.
+    """
+
+    generation: bytes
+    rows: tuple[WorkerRow, ...]
+    alive: dict[str, Heartbeat]
+    read_at: float
+    _derived: dict[Hashable, Any] = field(default_factory=dict)
+
+    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+        found = self._derived.get(key)
+        if found is None:
+            found = self._derived[key] = build()
+        return found
+
+
+_last_read: FleetRead | None = None
+
+
 async def worker_states(model: str, block_size: int, *, encoders: bool = False) -> list[WorkerState]:
     """Every registered worker with whether it may take a request for this model (or, with
     `encoders`, its images' encoding), and if not why."""
-    rows, alive = await _rows_and_heartbeats()
+    read = await _fleet_read()
+    return read.derived(
+        ("states", model, block_size, encoders), lambda: _states(read, model, block_size, encoders)
+    )
+
+
+def _states(read: FleetRead, model: str, block_size: int, encoders: bool) -> list[WorkerState]:
+    alive = read.alive
     return [
         WorkerState(
             row.name,
             alive.get(row.name),
             _eligibility(row.enabled, row.draining, alive.get(row.name), model, block_size, encoders),
         )
-        for row in rows
+        for row in read.rows
     ]
 
 
-async def _rows_and_heartbeats() -> tuple[tuple[WorkerRow, ...], dict[str, Heartbeat]]:
-    """The operator's rows (kept under their generation, routing.fleet.worker_rows) and the live
-    heartbeats of their workers: one Redis round trip, and no query, while the rows kept are
-    current."""
+async def _fleet_read() -> FleetRead:
+    """This frontend's read of the fleet, read again if the rows moved or it is too old."""
+    global _last_read
+    read, kept = _last_read, kept_rows().get()
+    if (
+        read is not None
+        and kept is not None
+        and kept[1] is read.rows
+        and time.monotonic() - read.read_at < settings.FLEET_VIEW_MAX_AGE_SECS
+    ):
+        generation = await asyncio.to_thread(
+            current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+        )
+        if generation == read.generation:
+            return read
+    generation, rows, alive = await _rows_and_heartbeats()
+    _last_read = FleetRead(generation, rows, alive, time.monotonic())
+    return _last_read
+
+
+def forget_fleet_read() -> None:
+    """The next request reads the fleet again (tests)."""
+    global _last_read
+    _last_read = None
+
+
+async def _rows_and_heartbeats() -> tuple[bytes, tuple[WorkerRow, ...], dict[str, Heartbeat]]:
+    """The rows' generation, the operator's rows (kept under their generation,
+    routing.fleet.worker_rows) and the live heartbeats of their workers: one Redis round trip,
+    and no query, while the rows kept are current."""
     kept = kept_rows().get()
     if kept is not None:
         alive = await asyncio.to_thread(_heartbeats_if_current, *kept)
         if alive is not None:
-            return kept[1], alive
+            return kept[0], kept[1], alive
     # Read before the database: a change committed after this read moves past it, so the rows
     # read below are never kept under a generation that already knew better.
     generation = await asyncio.to_thread(
@@ -141,7 +231,7 @@ async def _rows_and_heartbeats() -> tuple[tuple[WorkerRow, ...], dict[str, Heart
     rows = tuple([WorkerRow(*row) async for row in Worker.objects.values_list("name", "enabled", "draining")])
     kept_rows().put(generation, rows)
     alive = await asyncio.to_thread(_heartbeats, rows)
-    return rows, alive
+    return generation, rows, alive
 
 
 def _heartbeats_if_current(generation: bytes, rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat] | None:
@@ -161,22 +251,27 @@ def _heartbeats(rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat]:
     return alive
 
 
-async def eligible_workers(model: str, block_size: int) -> dict[str, Heartbeat]:
+async def eligible_workers(model: str, block_size: int) -> EligibleWorkers:
     """Workers an operator allows (enabled, not draining) that are live and serve this model."""
-    return {
-        state.name: state.heartbeat
-        for state in await worker_states(model, block_size)
-        if state.ineligible_because is None and state.heartbeat is not None
-    }
+    read = await _fleet_read()
+    return read.derived(("eligible", model, block_size), lambda: _eligible(read, model, block_size, False))
 
 
-async def eligible_encoders(model: str, block_size: int) -> dict[str, Heartbeat]:
+async def eligible_encoders(model: str, block_size: int) -> EligibleWorkers:
     """Encode workers an operator allows that are live and serve this model (E/PD)."""
-    return {
-        state.name: state.heartbeat
-        for state in await worker_states(model, block_size, encoders=True)
+    read = await _fleet_read()
+    return read.derived(("encoders", model, block_size), lambda: _eligible(read, model, block_size, True))
+
+
+def _eligible(read: FleetRead, model: str, block_size: int, encoders: bool) -> EligibleWorkers:
+    states = read.derived(
+        ("states", model, block_size, encoders), lambda: _states(read, model, block_size, encoders)
+    )
+    return EligibleWorkers(
+        (state.name, state.heartbeat)
+        for state in states
         if state.ineligible_because is None and state.heartbeat is not None
-    }
+    )
 
 
 def _mark_followed(follow_id: str) -> None:

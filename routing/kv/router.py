@@ -30,6 +30,8 @@ import math
 import random
 import struct
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import redis
 
@@ -93,6 +95,7 @@ class KvRouter:
         self._approximate_ttl_ms = max(int(approximate_ttl_s * 1000), 1)
         self._predicted_ttl_ms = max(int(predicted_ttl_s * 1000), 0)
         self._rng = random.Random()
+        self._last_packed: _PackedWorkers | None = None
 
     @property
     def index(self) -> KvIndex:
@@ -198,7 +201,8 @@ class KvRouter:
         rng: random.Random | None,
         reservation_ttl_ms: int | None = None,
     ) -> RoutingDecision:
-        eligible = list(dict.fromkeys(workers))
+        packed = self._packed(workers, reports, approximate_workers, policy)
+        eligible = packed.eligible
         if not eligible:
             raise NoEligibleWorker("no eligible worker")
         if mode not in MODES:
@@ -208,8 +212,7 @@ class KvRouter:
         total_blocks = -(-isl // block_size)
         use_affinity = bool(affinity_enabled and session_key and self._affinity is not None and mode == "kv")
         affinity_key = self._affinity.key(session_key) if use_affinity else ""  # type: ignore[union-attr, arg-type]
-        approximate = set(approximate_workers)
-        reports = reports or {}
+        approximate = packed.approximate
         args: list[object] = [
             self._namespace,
             pack_hashes(block_hashes),
@@ -232,18 +235,14 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
-        checks_busy = policy.busy_max_requests > 0 or policy.busy_kv_fraction > 0
-        approximate_at = (
-            [j for j, name in enumerate(eligible, start=1) if name in approximate] if approximate else []
-        )
         args += [
-            _busy_facts(eligible, reports) if checks_busy else b"",
-            "\n".join(checked_workers(eligible)),
+            packed.busy_facts,
+            packed.names,
             int(policy.load_bound_gap),
             repr(float(policy.load_bound_ratio)),
-            _prefill_rates(eligible, reports) if policy.prefill_drain and reports else b"",
-            struct.pack(f">{len(approximate_at)}i", *approximate_at),
-            _schedules(eligible, reports, policy.shortest_first_queues),
+            packed.prefill_rates,
+            packed.approximate_at,
+            packed.schedules,
         ]
         # A reserving decision must run once: it only goes again if Redis lost the script, in
         # which case the first attempt did nothing.
@@ -282,6 +281,34 @@ class KvRouter:
             self._log(decision, policy)
         return decision
 
+    def _packed(
+        self,
+        workers: Sequence[str],
+        reports: Mapping[str, WorkerReport] | None,
+        approximate: Collection[str],
+        policy: RoutingPolicy,
+    ) -> _PackedWorkers:
+        """The per-worker arguments of the decision, packed; reused while a frontend decides on
+        the same read of the fleet (the same immutable objects: a tuple of names, a read-only
+        mapping of reports, a frozenset), so a decision's Python side does not grow with the
+        fleet. Mutable arguments are packed every time."""
+        key = (
+            policy.busy_max_requests > 0 or policy.busy_kv_fraction > 0,
+            bool(policy.prefill_drain),
+            bool(policy.shortest_first_queues),
+        )
+        last = self._last_packed
+        if last is not None and last.made_of(workers, reports, approximate, key):
+            return last
+        packed = _PackedWorkers.pack(workers, reports, approximate, key)
+        if (
+            isinstance(workers, tuple)
+            and isinstance(reports, MappingProxyType | None)
+            and isinstance(approximate, frozenset)
+        ):
+            self._last_packed = packed
+        return packed
+
     def _log(self, decision: RoutingDecision, policy: RoutingPolicy) -> None:
         total_blocks = decision.total_blocks
         for s in decision.scores:
@@ -310,6 +337,58 @@ class KvRouter:
 
 
 _I32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class _PackedWorkers:
+    """The decision script's per-worker arguments (ARGV 21, 22, 25, 26, 27), from the objects
+    they were made of (kept to tell whether the next decision's are the same ones)."""
+
+    sources: tuple[object, object, object]
+    key: tuple[bool, bool, bool]  # checks busy, drains prefill, assumes shortest first
+    eligible: list[str]
+    approximate: frozenset[str]
+    busy_facts: bytes
+    names: str
+    prefill_rates: bytes
+    approximate_at: bytes
+    schedules: bytes
+
+    def made_of(
+        self, workers: object, reports: object, approximate: object, key: tuple[bool, bool, bool]
+    ) -> bool:
+        return key == self.key and all(
+            a is b for a, b in zip(self.sources, (workers, reports, approximate), strict=True)
+        )
+
+    @classmethod
+    def pack(
+        cls,
+        workers: Sequence[str],
+        reports: Mapping[str, WorkerReport] | None,
+        approximate: Collection[str],
+        key: tuple[bool, bool, bool],
+    ) -> _PackedWorkers:
+        checks_busy, drains, assumed = key
+        eligible = list(dict.fromkeys(workers))
+        approximate_set = frozenset(approximate)
+        found = reports or {}
+        approximate_at = (
+            [j for j, name in enumerate(eligible, start=1) if name in approximate_set]
+            if approximate_set
+            else []
+        )
+        return cls(
+            sources=(workers, reports, approximate),
+            key=key,
+            eligible=eligible,
+            approximate=approximate_set,
+            busy_facts=_busy_facts(eligible, found) if checks_busy else b"",
+            names="\n".join(checked_workers(eligible)),
+            prefill_rates=_prefill_rates(eligible, found) if drains and found else b"",
+            approximate_at=struct.pack(f">{len(approximate_at)}i", *approximate_at),
+            schedules=_schedules(eligible, found, assumed),
+        )
 
 
 def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:
