@@ -53,6 +53,12 @@ from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
 from routing.state.lua import LuaScript, lua_script
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
+# Above this many eligible workers a decision weighs candidates, not the whole fleet
+# (KvRouter._candidates): at most HOLDERS_PER_PREFIX holders per cached prefix length, and
+# LOAD_SAMPLE workers drawn at random. At or below it, every worker, exactly as before.
+CANDIDATES_ABOVE = 64
+HOLDERS_PER_PREFIX = 16
+LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 
 
@@ -96,6 +102,7 @@ class KvRouter:
         self._predicted_ttl_ms = max(int(predicted_ttl_s * 1000), 0)
         self._rng = random.Random()
         self._last_packed: _PackedWorkers | None = None
+        self.candidates_above = CANDIDATES_ABOVE
 
     @property
     def index(self) -> KvIndex:
@@ -235,18 +242,17 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
-        args += [
-            packed.busy_facts,
-            packed.names,
-            int(policy.load_bound_gap),
-            repr(float(policy.load_bound_ratio)),
-            packed.prefill_rates,
-            packed.approximate_at,
-            packed.schedules,
-        ]
-        # A reserving decision must run once: it only goes again if Redis lost the script, in
-        # which case the first attempt did nothing.
-        chosen_at, reason, best_overlap, *packed_columns, busy_at = self._decision(*args)
+        full = packed
+        if mode == "kv" and len(eligible) > self.candidates_above:
+            # A large fleet: the script reads candidates, not every worker (`_candidates`); only
+            # when every one of them is busy does it look at the whole fleet.
+            packed = self._candidates(block_hashes, full, reports, affinity_key, rng)
+        reply = self._decide_over(args, packed, policy)
+        if not reply[0] and packed is not full:
+            packed = full
+            reply = self._decide_over(args, packed, policy)
+        eligible = packed.eligible
+        chosen_at, reason, best_overlap, *packed_columns, busy_at = reply
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
         busy = tuple(eligible[j - 1] for j in busy_at)
         if not chosen_at:
@@ -280,6 +286,50 @@ class KvRouter:
         if self._logger.isEnabledFor(logging.DEBUG):
             self._log(decision, policy)
         return decision
+
+    def _decide_over(self, common: list[object], packed: _PackedWorkers, policy: RoutingPolicy) -> list:
+        """The decision script over these workers. A reserving decision must run once: it only
+        goes again if Redis lost the script, in which case the first attempt did nothing."""
+        return self._decision(
+            *common,
+            packed.busy_facts,
+            packed.names,
+            int(policy.load_bound_gap),
+            repr(float(policy.load_bound_ratio)),
+            packed.prefill_rates,
+            packed.approximate_at,
+            packed.schedules,
+        )
+
+    def _candidates(
+        self,
+        block_hashes: Sequence[int],
+        fleet: _PackedWorkers,
+        reports: Mapping[str, WorkerReport] | None,
+        affinity_key: str,
+        rng: random.Random | None,
+    ) -> _PackedWorkers:
+        """The workers a decision over a large fleet weighs: those holding the request's
+        longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix length, and those a
+        sibling prompt was just sent to), the session's last worker, and LOAD_SAMPLE drawn at
+        random from the rest. Whatever the fleet's size, that is a few dozen workers.
+
+        Why that is enough: a worker's cost grows with its load and falls with its overlap, so
+        among workers of one overlap only the least loaded can win; the holders stand for each
+        overlap present, and for overlap 0 the least loaded of LOAD_SAMPLE random workers is
+        close to the least loaded of all (the power of d choices: with d random choices the
+        heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
+        reservations made by every frontend move the next draw's choice elsewhere."""
+        eligible = fleet.eligible_set
+        names = self._index.prefix_holders(block_hashes, HOLDERS_PER_PREFIX)
+        if affinity_key:
+            sticky = self._client.get(affinity_key)
+            if sticky is not None:
+                names.append(sticky.decode() if isinstance(sticky, bytes) else sticky)
+        chosen = dict.fromkeys(name for name in names if name in eligible)
+        draw = (rng or self._rng).sample(fleet.eligible, min(LOAD_SAMPLE, len(fleet.eligible)))
+        chosen.update(dict.fromkeys(draw))
+        return _PackedWorkers.pack(tuple(chosen), reports, fleet.approximate, fleet.key)
 
     def _packed(
         self,
@@ -347,6 +397,7 @@ class _PackedWorkers:
     sources: tuple[object, object, object]
     key: tuple[bool, bool, bool]  # checks busy, drains prefill, assumes shortest first
     eligible: list[str]
+    eligible_set: frozenset[str]
     approximate: frozenset[str]
     busy_facts: bytes
     names: str
@@ -382,6 +433,7 @@ class _PackedWorkers:
             sources=(workers, reports, approximate),
             key=key,
             eligible=eligible,
+            eligible_set=frozenset(eligible),
             approximate=approximate_set,
             busy_facts=_busy_facts(eligible, found) if checks_busy else b"",
             names="\n".join(checked_workers(eligible)),
