@@ -120,12 +120,31 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
     local prefix, sub, call = ns .. BLOCK_FAMILY, string.sub, redis.call
     for k = 1, #changes do
       local b = changes[k]
-      local holders = call('HKEYS', prefix .. sub(packed, b * 8 - 7, b * 8))
-      for i = 1, #holders do
-        local j = position[holders[i]]
-        if j and out[j] == 0 then
-          out[j] = b
-          unassigned = unassigned - 1
+      local key = prefix .. sub(packed, b * 8 - 7, b * 8)
+      if call('HLEN', key) > unassigned then
+        -- More hold it than are still asked about (a shared system prompt on a large fleet):
+        -- ask about those alone, so the cost follows the workers asked, not the holders.
+        local asked = {}
+        for i = 1, m do
+          if out[i] == 0 then asked[#asked + 1] = i end
+        end
+        local names = {}
+        for a = 1, #asked do names[a] = workers[asked[a]] end
+        local held = call('HMGET', key, unpack(names))
+        for a = 1, #asked do
+          if held[a] then
+            out[asked[a]] = b
+            unassigned = unassigned - 1
+          end
+        end
+      else
+        local holders = call('HKEYS', key)
+        for i = 1, #holders do
+          local j = position[holders[i]]
+          if j and out[j] == 0 then
+            out[j] = b
+            unassigned = unassigned - 1
+          end
         end
       end
       if unassigned == 0 then break end
