@@ -189,29 +189,43 @@ def _states(read: FleetRead, model: str, block_size: int, encoders: bool) -> lis
 
 
 async def _fleet_read() -> FleetRead:
-    """This frontend's read of the fleet, read again if the rows moved or it is too old."""
+    """This frontend's read of the fleet, read again if the rows moved or it is too old.
+
+    A read past its age but not twice its age still serves while a fresh one is made in the
+    background: under load every request finds a read at hand and none pays for reading a
+    thousand heartbeats; when requests are rare a read that old is not trusted, and the request
+    that finds it waits for a fresh one."""
     global _last_read
     read, kept = _last_read, kept_rows().get()
-    if (
-        read is not None
-        and kept is not None
-        and kept[1] is read.rows
-        and time.monotonic() - read.read_at < settings.FLEET_VIEW_MAX_AGE_SECS
-    ):
-        generation = await asyncio.to_thread(
-            current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
-        )
-        if generation == read.generation:
-            return read
+    max_age = settings.FLEET_VIEW_MAX_AGE_SECS
+    if read is not None and kept is not None and kept[1] is read.rows:
+        age = time.monotonic() - read.read_at
+        if age < 2 * max_age:
+            generation = await asyncio.to_thread(
+                current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+            )
+            if generation == read.generation:
+                if age >= max_age:
+                    _read_again_in_background()
+                return read
+    return await _read_again()
+
+
+async def _read_again() -> FleetRead:
+    global _last_read
     generation, rows, alive = await _rows_and_heartbeats()
     _last_read = FleetRead(generation, rows, alive, time.monotonic())
     return _last_read
 
 
-def forget_fleet_read() -> None:
-    """The next request reads the fleet again (tests)."""
-    global _last_read
-    _last_read = None
+_reading: asyncio.Task | None = None
+
+
+def _read_again_in_background() -> None:
+    global _reading
+    loop = asyncio.get_running_loop()
+    if _reading is None or _reading.done() or _reading.get_loop() is not loop:
+        _reading = loop.create_task(_read_again())
 
 
 async def _rows_and_heartbeats() -> tuple[bytes, tuple[WorkerRow, ...], dict[str, Heartbeat]]:
