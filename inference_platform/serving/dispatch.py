@@ -138,6 +138,13 @@ class EligibleWorkers(dict[str, Heartbeat]):
     def instances(self) -> dict[str, str]:
         return {name: beat.instance for name, beat in self.items()}
 
+    def prepare(self) -> None:
+        """Works out now what a decision reads, and has the router pack it (a fleet read being
+        made in the background calls this, not a request)."""
+        policy = frontend().policy().routing
+        frontend().router().pack_workers(self.names, self.reports, self.approximate, policy)
+        self.instances  # noqa: B018 (worked out now, not by a request)
+
 
 @dataclass(eq=False)
 class FleetRead:
@@ -156,12 +163,22 @@ class FleetRead:
     alive: dict[str, Heartbeat]
     read_at: float
     _derived: dict[Hashable, Any] = field(default_factory=dict)
+    _builders: dict[Hashable, Callable[[FleetRead], Any]] = field(default_factory=dict)
 
-    def derived(self, key: Hashable, build: Callable[[], T]) -> T:
+    def derived(self, key: Hashable, build: Callable[[FleetRead], T]) -> T:
         found = self._derived.get(key)
         if found is None:
-            found = self._derived[key] = build()
+            found = self._derived[key] = build(self)
+            self._builders[key] = build
         return found
+
+    def prepare_like(self, previous: FleetRead) -> None:
+        """Works out what the previous read was asked, from this one (in the background, so the
+        request that next asks finds it done): eligibility, reports and packed arguments."""
+        for key, build in list(previous._builders.items()):
+            found = self.derived(key, build)
+            if isinstance(key, tuple) and key[0] == "eligible":  # the router packs one fleet at a time
+                found.prepare()
 
 
 _last_read: FleetRead | None = None
@@ -172,7 +189,7 @@ async def worker_states(model: str, block_size: int, *, encoders: bool = False) 
     `encoders`, its images' encoding), and if not why."""
     read = await _fleet_read()
     return read.derived(
-        ("states", model, block_size, encoders), lambda: _states(read, model, block_size, encoders)
+        ("states", model, block_size, encoders), lambda r: _states(r, model, block_size, encoders)
     )
 
 
@@ -213,9 +230,14 @@ async def _fleet_read() -> FleetRead:
 
 async def _read_again() -> FleetRead:
     global _last_read
+    previous = _last_read
     generation, rows, alive = await _rows_and_heartbeats()
-    _last_read = FleetRead(generation, rows, alive, time.monotonic())
-    return _last_read
+    read = FleetRead(generation, rows, alive, time.monotonic())
+    if previous is not None:
+        # Off the event loop: a thousand workers' eligibility and packing take milliseconds.
+        await asyncio.to_thread(read.prepare_like, previous)
+    _last_read = read
+    return read
 
 
 _reading: asyncio.Task | None = None
@@ -268,18 +290,18 @@ def _heartbeats(rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat]:
 async def eligible_workers(model: str, block_size: int) -> EligibleWorkers:
     """Workers an operator allows (enabled, not draining) that are live and serve this model."""
     read = await _fleet_read()
-    return read.derived(("eligible", model, block_size), lambda: _eligible(read, model, block_size, False))
+    return read.derived(("eligible", model, block_size), lambda r: _eligible(r, model, block_size, False))
 
 
 async def eligible_encoders(model: str, block_size: int) -> EligibleWorkers:
     """Encode workers an operator allows that are live and serve this model (E/PD)."""
     read = await _fleet_read()
-    return read.derived(("encoders", model, block_size), lambda: _eligible(read, model, block_size, True))
+    return read.derived(("encoders", model, block_size), lambda r: _eligible(r, model, block_size, True))
 
 
 def _eligible(read: FleetRead, model: str, block_size: int, encoders: bool) -> EligibleWorkers:
     states = read.derived(
-        ("states", model, block_size, encoders), lambda: _states(read, model, block_size, encoders)
+        ("states", model, block_size, encoders), lambda r: _states(r, model, block_size, encoders)
     )
     return EligibleWorkers(
         (state.name, state.heartbeat)

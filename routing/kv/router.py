@@ -331,6 +331,17 @@ class KvRouter:
         chosen.update(dict.fromkeys(draw))
         return _PackedWorkers.pack(tuple(chosen), reports, fleet.approximate, fleet.key)
 
+    def pack_workers(
+        self,
+        workers: tuple[str, ...],
+        reports: Mapping[str, WorkerReport] | None,
+        approximate: frozenset[str],
+        policy: RoutingPolicy,
+    ) -> None:
+        """Packs these workers' arguments now, for the decisions that will pass the same objects
+        (a frontend's fleet read, prepared in the background)."""
+        self._packed(workers, reports, approximate, policy)
+
     def _packed(
         self,
         workers: Sequence[str],
