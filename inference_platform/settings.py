@@ -138,6 +138,11 @@ MODEL_VIEWS_LOADED = env_int("MODEL_VIEWS_LOADED", 8, minimum=1)
 KV_BLOCK_SIZE = env_int("KV_BLOCK_SIZE", 16, minimum=1)
 WORKER_HEARTBEAT_TTL_SECS = env_float("WORKER_HEARTBEAT_TTL_SECS", 6.0, positive=True)
 WORKER_HEARTBEAT_INTERVAL_SECS = env_float("WORKER_HEARTBEAT_INTERVAL_SECS", 2.0, positive=True)
+# A frontend reads the fleet (every worker's heartbeat) at most this often, not per request
+# (inference_platform.serving.dispatch.FleetRead): a quarter of the interval heartbeats come at.
+FLEET_VIEW_MAX_AGE_SECS = env_float(
+    "FLEET_VIEW_MAX_AGE_SECS", WORKER_HEARTBEAT_INTERVAL_SECS / 4, positive=True
+)
 # The worker's engine batches requests: each step is one forward pass over up to
 # ENGINE_MAX_BATCH_TOKENS tokens (decodes plus prompt chunks) of at most ENGINE_MAX_RUNNING requests.
 ENGINE_MAX_RUNNING = env_int("ENGINE_MAX_RUNNING", 16, minimum=1)

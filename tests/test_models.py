@@ -194,10 +194,11 @@ async def test_the_request_path_reads_only_the_chosen_models_worker_keys(monkeyp
     for _ in range(2):
         eligible = await dispatch.eligible_workers("small", django_settings.KV_BLOCK_SIZE, "s" * 32)
         assert len(eligible) == 32
-    # then only that model's heartbeats were read, each once per request
+    # then only that model's heartbeats were read, each at most once per request (the frontend's
+    # read of the model's pool may serve the second: serving.dispatch.FleetRead)
     heartbeats = {k for k in read if ":hb:" in k}
     assert heartbeats == {f"{django_settings.REDIS_KEY_PREFIX}hb:small{n}" for n in range(32)}
-    assert all(read[k] == 2 for k in heartbeats)
+    assert all(1 <= read[k] <= 2 for k in heartbeats)
 
 
 @pytest.mark.usefixtures("served_demo_model")
@@ -301,6 +302,8 @@ def test_a_frontend_without_the_deployments_model_is_ready_while_another_model_h
     # then it is ready: some model can be served
     ready = Client().get("/ready")
     assert ready.status_code == 200 and ready.json()["accepting_workers"] == 1
-    # and once that worker is gone, it is not
+    # and once that worker is gone (and the frontend's read of the fleet is older than
+    # FLEET_VIEW_MAX_AGE_SECS), it is not
     registry.remove("remote0")
+    dispatch.forget_fleet_read()
     assert Client().get("/ready").status_code == 503

@@ -668,6 +668,7 @@ def test_rates_reach_the_script_in_order_past_a_thousand_workers_and_odd_rates_d
     # (and what a heartbeat's JSON can hold besides: an integer past any double, not a number)
     reports["gpu5"] = WorkerReport(prefill_tokens_per_s=10**400)
     reports["gpu6"] = WorkerReport(prefill_tokens_per_s="fast")  # type: ignore[arg-type]
+    router.candidates_above = len(workers)  # the script over the whole fleet (its fallback)
     lease = router.decide(
         "a", block_hashes(_tokens(25, 480), BS), 480, BS, ["gpu1049"], RoutingPolicy(), reports=reports
     )

@@ -123,3 +123,20 @@ def test_rows_older_than_their_bound_are_not_trusted_whatever_the_generation() -
     kept.put(b"g2", rows)
     kept.clear()
     assert kept.get() is None
+
+
+async def test_a_fleet_read_made_in_the_background_has_the_last_reads_answers_ready(live_worker):
+    # given: a read that a request asked for the eligible workers
+    first = await dispatch.eligible_workers(MODEL, django_settings.KV_BLOCK_SIZE)
+    assert live_worker in first
+
+    # when: the next read is made, as the background does once the read ages
+    read = await dispatch._read_again(MODEL)
+
+    # then: the request that asks next finds the answer worked out, reports included
+    def asked_again(_read):
+        raise AssertionError("worked out in the request's path")
+
+    eligible = read.derived(("eligible", django_settings.KV_BLOCK_SIZE, ""), asked_again)
+    assert eligible is not first and live_worker in eligible
+    assert "reports" in vars(eligible) and live_worker in eligible.reports

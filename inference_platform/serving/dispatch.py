@@ -10,10 +10,13 @@ about either (migrate, replan, answer) is the request's owner's call: `served.Se
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 import redis
 from django.conf import settings
@@ -45,6 +48,8 @@ from routing.observe import telemetry
 from routing.state.redis_keys import async_client, redact_text, sync_client
 
 logger = logging.getLogger("inference_platform.dispatch")
+
+T = TypeVar("T")
 
 # How often the frontend looks at the worker's heartbeat while it waits for the next event.
 _POLL_MS = 1000
@@ -120,13 +125,94 @@ def _eligibility(
     return None
 
 
+class EligibleWorkers(dict[str, Heartbeat]):
+    """The workers that may take a request, by name, from one read of the fleet, with what a
+    decision tells the router about them: worked out once per read (`FleetRead`), not once per
+    request, which at a thousand workers cost more than the decision itself."""
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self))
+
+    @functools.cached_property
+    def reports(self) -> Mapping[str, WorkerReport]:
+        # Read-only: the router packs it once per read (routing.kv.router, `_packed`).
+        return MappingProxyType({name: worker_report(beat) for name, beat in self.items()})
+
+    @functools.cached_property
+    def approximate(self) -> frozenset[str]:
+        """Workers that publish no KV events (the router credits what it sends them)."""
+        return frozenset(name for name, beat in self.items() if not beat.publishes_events)
+
+    @functools.cached_property
+    def instances(self) -> dict[str, str]:
+        return {name: beat.instance for name, beat in self.items()}
+
+    def prepare(self) -> None:
+        """Works out now what a decision reads, and has the router pack it (a fleet read being
+        made in the background calls this, not a request)."""
+        policy = frontend().policy().routing
+        frontend().router().pack_workers(self.names, self.reports, self.approximate, policy)
+        self.instances  # noqa: B018 (worked out now, not by a request)
+
+
+@dataclass(eq=False)
+class FleetRead:
+    """One read of the fleet by this frontend: the operator's rows (under their generation) and
+    the live heartbeats, and what was worked out from them, by question.
+
+    A frontend reads a model's pool again when the rows' generation moves (checked per request:
+    one GET, so a drain or a disable still reaches the next request) or when the read is older
+    than FLEET_VIEW_MAX_AGE_SECS; in between, a request's eligibility is a lookup, whatever the
+    number of workers. A heartbeat that lapsed since the read may be chosen meanwhile: the
+    request then finds the worker gone (`follow_task`) and moves on, as when it dies mid-request.
+    One read per model: no other model's worker keys are read for a request.
+    """
+
+    generation: bytes
+    every_row: tuple[WorkerRow, ...]  # every model's, as kept (`kept_rows`): the same object while current
+    rows: tuple[WorkerRow, ...]  # the model's
+    alive: dict[str, Heartbeat]
+    read_at: float
+    _derived: dict[Hashable, Any] = field(default_factory=dict)
+    _builders: dict[Hashable, Callable[[FleetRead], Any]] = field(default_factory=dict)
+
+    def derived(self, key: Hashable, build: Callable[[FleetRead], T]) -> T:
+        found = self._derived.get(key)
+        if found is None:
+            found = self._derived[key] = build(self)
+            self._builders[key] = build
+        return found
+
+    def prepare_like(self, previous: FleetRead) -> None:
+        """Works out what the previous read was asked, from this one (in the background, so the
+        request that next asks finds it done): eligibility, reports and packed arguments."""
+        for key, build in list(previous._builders.items()):
+            found = self.derived(key, build)
+            if isinstance(key, tuple) and key[0] == "eligible":  # the router packs one fleet at a time
+                found.prepare()
+
+
+_last_reads: dict[str, FleetRead] = {}  # by model
+
+
 async def worker_states(
     model: str, block_size: int, *, encoders: bool = False, fingerprint: str = ""
 ) -> list[WorkerState]:
     """The model's registered workers with whether each may take a request for it (or, with
     `encoders`, its images' encoding), and if not why. With `fingerprint`, the model's: a worker
     announcing another is not eligible."""
-    rows, alive = await _rows_and_heartbeats(model)
+    read = await _fleet_read(model)
+    return read.derived(
+        ("states", block_size, encoders, fingerprint),
+        lambda r: _states(r, model, block_size, encoders, fingerprint),
+    )
+
+
+def _states(
+    read: FleetRead, model: str, block_size: int, encoders: bool, fingerprint: str
+) -> list[WorkerState]:
+    alive = read.alive
     return [
         WorkerState(
             row.name,
@@ -135,20 +221,71 @@ async def worker_states(
                 row.enabled, row.draining, alive.get(row.name), model, block_size, encoders, fingerprint
             ),
         )
-        for row in rows
+        for row in read.rows
     ]
 
 
-async def _rows_and_heartbeats(model: str) -> tuple[tuple[WorkerRow, ...], dict[str, Heartbeat]]:
-    """The operator's rows of the model's workers (kept under their generation,
-    routing.fleet.worker_rows) and their live heartbeats: one Redis round trip, and no query,
-    while the rows kept are current; no other model's worker keys are read."""
+async def _fleet_read(model: str) -> FleetRead:
+    """This frontend's read of the model's pool, read again if the rows moved or it is too old.
+
+    A read past its age but not twice its age still serves while a fresh one is made in the
+    background: under load every request finds a read at hand and none pays for reading a
+    thousand heartbeats; when requests are rare a read that old is not trusted, and the request
+    that finds it waits for a fresh one."""
+    read, kept = _last_reads.get(model), kept_rows().get()
+    max_age = settings.FLEET_VIEW_MAX_AGE_SECS
+    if read is not None and kept is not None and kept[1] is read.every_row:
+        age = time.monotonic() - read.read_at
+        if age < 2 * max_age:
+            generation = await asyncio.to_thread(
+                current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+            )
+            if generation == read.generation:
+                if age >= max_age:
+                    _read_again_in_background(model)
+                return read
+    return await _read_again(model)
+
+
+def forget_fleet_read() -> None:
+    """The next request reads the fleet again (tests)."""
+    _last_reads.clear()
+
+
+async def _read_again(model: str) -> FleetRead:
+    previous = _last_reads.get(model)
+    generation, every, rows, alive = await _rows_and_heartbeats(model)
+    read = FleetRead(generation, every, rows, alive, time.monotonic())
+    if previous is not None:
+        # Off the event loop: a thousand workers' eligibility and packing take milliseconds.
+        await asyncio.to_thread(read.prepare_like, previous)
+    _last_reads[model] = read
+    return read
+
+
+_readings: dict[str, asyncio.Task] = {}  # by model
+
+
+def _read_again_in_background(model: str) -> None:
+    loop = asyncio.get_running_loop()
+    reading = _readings.get(model)
+    if reading is None or reading.done() or reading.get_loop() is not loop:
+        _readings[model] = loop.create_task(_read_again(model))
+
+
+async def _rows_and_heartbeats(
+    model: str,
+) -> tuple[bytes, tuple[WorkerRow, ...], tuple[WorkerRow, ...], dict[str, Heartbeat]]:
+    """The rows' generation, every operator's row (kept under their generation,
+    routing.fleet.worker_rows), the model's, and the live heartbeats of the model's workers: one
+    Redis round trip, and no query, while the rows kept are current; no other model's worker
+    keys are read."""
     kept = kept_rows().get()
     if kept is not None:
         generation, rows = kept[0], _of_model(kept[1], model)
         alive = await asyncio.to_thread(_heartbeats_if_current, generation, rows)
         if alive is not None:
-            return rows, alive
+            return generation, kept[1], rows, alive
     # Read before the database: a change committed after this read moves past it, so the rows
     # read below are never kept under a generation that already knew better.
     generation = await asyncio.to_thread(
@@ -159,7 +296,7 @@ async def _rows_and_heartbeats(model: str) -> tuple[tuple[WorkerRow, ...], dict[
     kept_rows().put(generation, every)
     rows = _of_model(every, model)
     alive = await asyncio.to_thread(_heartbeats, rows)
-    return rows, alive
+    return generation, every, rows, alive
 
 
 def _of_model(rows: tuple[WorkerRow, ...], model: str) -> tuple[WorkerRow, ...]:
@@ -183,23 +320,33 @@ def _heartbeats(rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat]:
     return alive
 
 
-async def eligible_workers(model: str, block_size: int, fingerprint: str = "") -> dict[str, Heartbeat]:
+async def eligible_workers(model: str, block_size: int, fingerprint: str = "") -> EligibleWorkers:
     """Workers an operator allows (enabled, not draining) that are live and serve this model
     (with `fingerprint`: announce the model's own routing files)."""
-    return {
-        state.name: state.heartbeat
-        for state in await worker_states(model, block_size, fingerprint=fingerprint)
-        if state.ineligible_because is None and state.heartbeat is not None
-    }
+    read = await _fleet_read(model)
+    return read.derived(
+        ("eligible", block_size, fingerprint), lambda r: _eligible(r, model, block_size, False, fingerprint)
+    )
 
 
-async def eligible_encoders(model: str, block_size: int) -> dict[str, Heartbeat]:
+async def eligible_encoders(model: str, block_size: int) -> EligibleWorkers:
     """Encode workers an operator allows that are live and serve this model (E/PD)."""
-    return {
-        state.name: state.heartbeat
-        for state in await worker_states(model, block_size, encoders=True)
+    read = await _fleet_read(model)
+    return read.derived(("encoders", block_size), lambda r: _eligible(r, model, block_size, True, ""))
+
+
+def _eligible(
+    read: FleetRead, model: str, block_size: int, encoders: bool, fingerprint: str
+) -> EligibleWorkers:
+    states = read.derived(
+        ("states", block_size, encoders, fingerprint),
+        lambda r: _states(r, model, block_size, encoders, fingerprint),
+    )
+    return EligibleWorkers(
+        (state.name, state.heartbeat)
+        for state in states
         if state.ineligible_because is None and state.heartbeat is not None
-    }
+    )
 
 
 def _mark_followed(follow_id: str) -> None:

@@ -57,7 +57,7 @@ class Frontend:
         with self._lock:
             self._built.clear()
         forget_cached_policy()
-        kept_rows().clear()
+        kept_rows().clear()  # and with them the fleet read made under them (serving.dispatch)
 
     def router(self) -> KvRouter:
         """The KV router over the shared index, load and affinity in Redis."""

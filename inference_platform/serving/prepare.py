@@ -20,8 +20,8 @@ from django.conf import settings
 
 from inference_platform.serving.chat import ChatRequest, ImagePart, VideoPart
 from inference_platform.serving.dispatch import (
+    EligibleWorkers,
     lease_ttl_s,
-    worker_report,
     worker_states,
 )
 from inference_platform.serving.encoding import describe_encoding
@@ -424,38 +424,39 @@ def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None
         )
 
 
-def _decision_inputs(prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None):
+def _decision_inputs(prepared: PreparedRequest, workers: Mapping[str, Heartbeat], scope_key: str | None):
     view = prepared.view
     policy = prepared.policy.over(frontend().policy())
-    args = (view.block_hashes, view.prompt_tokens, view.block_size, sorted(workers), policy.routing)
+    # What the fleet read already worked out of these workers, or the same from a plain mapping.
+    eligible = workers if isinstance(workers, EligibleWorkers) else EligibleWorkers(workers)
+    args = (view.block_hashes, view.prompt_tokens, view.block_size, eligible.names, policy.routing)
     options = {
         "session_key": scope_key,
         "affinity_enabled": policy.session_affinity,
-        "approximate_workers": {name for name, beat in workers.items() if not beat.publishes_events},
-        "reports": {name: worker_report(beat) for name, beat in workers.items()},
+        "approximate_workers": eligible.approximate,
+        "reports": eligible.reports,
         "mode": policy.mode,
     }
-    return args, options
+    return args, options, eligible
 
 
 def preview_worker(
-    prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None
+    prepared: PreparedRequest, workers: Mapping[str, Heartbeat], scope_key: str | None
 ) -> RoutingDecision:
     """The decision the router would make now, reserving nothing (`/v1/route`, inspect_request)."""
-    args, options = _decision_inputs(prepared, workers, scope_key)
+    args, options, _ = _decision_inputs(prepared, workers, scope_key)
     return frontend().router().route(*args, **options)
 
 
 def reserve_worker(
-    prepared: PreparedRequest, workers: dict[str, Heartbeat], scope_key: str | None, request_id: str
+    prepared: PreparedRequest, workers: Mapping[str, Heartbeat], scope_key: str | None, request_id: str
 ) -> RequestLease:
     """Decide and reserve in one atomic step (the baselines, round robin and random, too)."""
-    args, options = _decision_inputs(prepared, workers, scope_key)
-    instances = {name: beat.instance for name, beat in workers.items()}
+    args, options, eligible = _decision_inputs(prepared, workers, scope_key)
     return (
         frontend()
         .router()
-        .decide(request_id, *args, instances=instances, reservation_ttl_s=lease_ttl_s(), **options)
+        .decide(request_id, *args, instances=eligible.instances, reservation_ttl_s=lease_ttl_s(), **options)
     )
 
 

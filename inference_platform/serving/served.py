@@ -248,9 +248,8 @@ class ServedRequest:
         view = prepared.view
         if workers is None:
             workers = await eligible_workers(prepared.model.name, view.block_size, prepared.fingerprint)
-        workers = dict(workers)
-        for tried in self.tried:
-            workers.pop(tried, None)
+        if self.tried:  # a copy without them (the fleet read's own mapping is shared)
+            workers = {name: beat for name, beat in workers.items() if name not in self.tried}
         if not workers:
             raise NoWorker
         started = time.perf_counter()

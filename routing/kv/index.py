@@ -38,6 +38,12 @@ BLOCK_FAMILY = "kv:blk:"
 WORKER_FAMILY = "kv:w:"
 APPROXIMATE_FAMILY = "kv:approx:"
 APPROXIMATE_KEY = "kv:approximate"
+# `kv:pred:<hash>`: the worker the router last sent a prompt holding this block to, for the
+# predicted TTL; only every PREDICTED_STRIDE-th block of a prompt is marked. A decision over a
+# large fleet reads candidates, not every worker (KvIndex.prefix_holders), and finds by these
+# marks the worker a sibling was just sent to, before that worker's events arrive.
+PREDICTED_FAMILY = "kv:pred:"
+PREDICTED_STRIDE = 8
 # A random token set by whoever first finds it missing. Redis restarted without its data (or
 # flushed) loses it with the index: a worker that sees it change re-announces its blocks.
 EPOCH_KEY = "kv:epoch"
@@ -51,6 +57,8 @@ _U64_MAX = (1 << 64) - 1
 # scripts because a prompt's blocks are only known there; the deployment is a single Redis, not a
 # cluster.
 INDEX_LUA_FUNCTIONS = lua_constants(
+    PREDICTED_FAMILY=PREDICTED_FAMILY,
+    PREDICTED_STRIDE=str(PREDICTED_STRIDE),
     BLOCK_FAMILY=BLOCK_FAMILY,
     WORKER_FAMILY=WORKER_FAMILY,
     APPROXIMATE_FAMILY=APPROXIMATE_FAMILY,
@@ -71,6 +79,9 @@ _PURGE_LUA = lua_script(__package__, "index_purge.lua", INDEX_LUA_FUNCTIONS)
 _RECORD_ROUTED_LUA = lua_script(__package__, "index_record_routed.lua", INDEX_LUA_FUNCTIONS)
 _WORKER_BLOCKS_LUA = lua_script(__package__, "index_worker_blocks.lua", INDEX_LUA_FUNCTIONS)
 _BLOCK_COUNTS_LUA = lua_script(__package__, "index_block_counts.lua", INDEX_LUA_FUNCTIONS)
+_PREFIX_HOLDERS_LUA = lua_script(
+    __package__, "index_candidates.lua", INDEX_LUA_FUNCTIONS, OVERLAPS_LUA_FUNCTIONS
+)
 
 
 def pack_hashes(block_hashes: Sequence[int]) -> bytes:
@@ -122,6 +133,7 @@ class KvIndex:
             ),
         )
         self._worker_blocks = LuaScript(client, _WORKER_BLOCKS_LUA)
+        self._prefix_holders = LuaScript(client, _PREFIX_HOLDERS_LUA)
         self._block_counts = LuaScript(client, _BLOCK_COUNTS_LUA)
 
     @property
@@ -173,6 +185,13 @@ class KvIndex:
             return {}
         counts = self._block_counts(self._namespace, *map(check_worker_name, workers))
         return dict(zip(workers, map(int, counts), strict=True))
+
+    def prefix_holders(self, block_hashes: Sequence[int], cap: int) -> list[str]:
+        """Workers holding the request's longest cached prefixes, deepest first, at most `cap` per
+        prefix length, and those a sibling prompt was just routed to (`kv:pred:`); repeats
+        possible. Bounded by the prefix lengths present, never by the number of workers."""
+        reply = self._prefix_holders(self._namespace, pack_hashes(block_hashes), cap)
+        return [name.decode() if isinstance(name, bytes) else name for name in reply]
 
     def overlaps(self, block_hashes: Sequence[int], workers: Sequence[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of the request it holds (one round trip)."""

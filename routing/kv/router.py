@@ -30,6 +30,8 @@ import math
 import random
 import struct
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import redis
 
@@ -51,6 +53,12 @@ from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
 from routing.state.lua import LuaScript, lua_script
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
+# Above this many eligible workers a decision weighs candidates, not the whole fleet
+# (KvRouter._candidates): at most HOLDERS_PER_PREFIX holders per cached prefix length, and
+# LOAD_SAMPLE workers drawn at random. At or below it, every worker, exactly as before.
+CANDIDATES_ABOVE = 64
+HOLDERS_PER_PREFIX = 16
+LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 
 
@@ -93,6 +101,8 @@ class KvRouter:
         self._approximate_ttl_ms = max(int(approximate_ttl_s * 1000), 1)
         self._predicted_ttl_ms = max(int(predicted_ttl_s * 1000), 0)
         self._rng = random.Random()
+        self._last_packed: _PackedWorkers | None = None
+        self.candidates_above = CANDIDATES_ABOVE
 
     @property
     def index(self) -> KvIndex:
@@ -198,7 +208,8 @@ class KvRouter:
         rng: random.Random | None,
         reservation_ttl_ms: int | None = None,
     ) -> RoutingDecision:
-        eligible = list(dict.fromkeys(workers))
+        packed = self._packed(workers, reports, approximate_workers, policy)
+        eligible = packed.eligible
         if not eligible:
             raise NoEligibleWorker("no eligible worker")
         if mode not in MODES:
@@ -208,8 +219,7 @@ class KvRouter:
         total_blocks = -(-isl // block_size)
         use_affinity = bool(affinity_enabled and session_key and self._affinity is not None and mode == "kv")
         affinity_key = self._affinity.key(session_key) if use_affinity else ""  # type: ignore[union-attr, arg-type]
-        approximate = set(approximate_workers)
-        reports = reports or {}
+        approximate = packed.approximate
         args: list[object] = [
             self._namespace,
             pack_hashes(block_hashes),
@@ -232,22 +242,17 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
-        checks_busy = policy.busy_max_requests > 0 or policy.busy_kv_fraction > 0
-        approximate_at = (
-            [j for j, name in enumerate(eligible, start=1) if name in approximate] if approximate else []
-        )
-        args += [
-            _busy_facts(eligible, reports) if checks_busy else b"",
-            "\n".join(checked_workers(eligible)),
-            int(policy.load_bound_gap),
-            repr(float(policy.load_bound_ratio)),
-            _prefill_rates(eligible, reports) if policy.prefill_drain and reports else b"",
-            struct.pack(f">{len(approximate_at)}i", *approximate_at),
-            _schedules(eligible, reports, policy.shortest_first_queues),
-        ]
-        # A reserving decision must run once: it only goes again if Redis lost the script, in
-        # which case the first attempt did nothing.
-        chosen_at, reason, best_overlap, *packed_columns, busy_at = self._decision(*args)
+        full = packed
+        if mode == "kv" and len(eligible) > self.candidates_above:
+            # A large fleet: the script reads candidates, not every worker (`_candidates`); only
+            # when every one of them is busy does it look at the whole fleet.
+            packed = self._candidates(block_hashes, full, reports, affinity_key, rng)
+        reply = self._decide_over(args, packed, policy)
+        if not reply[0] and packed is not full:
+            packed = full
+            reply = self._decide_over(args, packed, policy)
+        eligible = packed.eligible
+        chosen_at, reason, best_overlap, *packed_columns, busy_at = reply
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
         busy = tuple(eligible[j - 1] for j in busy_at)
         if not chosen_at:
@@ -282,6 +287,89 @@ class KvRouter:
             self._log(decision, policy)
         return decision
 
+    def _decide_over(self, common: list[object], packed: _PackedWorkers, policy: RoutingPolicy) -> list:
+        """The decision script over these workers. A reserving decision must run once: it only
+        goes again if Redis lost the script, in which case the first attempt did nothing."""
+        return self._decision(
+            *common,
+            packed.busy_facts,
+            packed.names,
+            int(policy.load_bound_gap),
+            repr(float(policy.load_bound_ratio)),
+            packed.prefill_rates,
+            packed.approximate_at,
+            packed.schedules,
+        )
+
+    def _candidates(
+        self,
+        block_hashes: Sequence[int],
+        fleet: _PackedWorkers,
+        reports: Mapping[str, WorkerReport] | None,
+        affinity_key: str,
+        rng: random.Random | None,
+    ) -> _PackedWorkers:
+        """The workers a decision over a large fleet weighs: those holding the request's
+        longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix length, and those a
+        sibling prompt was just sent to), the session's last worker, and LOAD_SAMPLE drawn at
+        random from the rest. Whatever the fleet's size, that is a few dozen workers.
+
+        Why that is enough: a worker's cost grows with its load and falls with its overlap, so
+        among workers of one overlap only the least loaded can win; the holders stand for each
+        overlap present, and for overlap 0 the least loaded of LOAD_SAMPLE random workers is
+        close to the least loaded of all (the power of d choices: with d random choices the
+        heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
+        reservations made by every frontend move the next draw's choice elsewhere."""
+        eligible = fleet.eligible_set
+        names = self._index.prefix_holders(block_hashes, HOLDERS_PER_PREFIX)
+        if affinity_key:
+            sticky = self._client.get(affinity_key)
+            if sticky is not None:
+                names.append(sticky.decode() if isinstance(sticky, bytes) else sticky)
+        chosen = dict.fromkeys(name for name in names if name in eligible)
+        draw = (rng or self._rng).sample(fleet.eligible, min(LOAD_SAMPLE, len(fleet.eligible)))
+        chosen.update(dict.fromkeys(draw))
+        return _PackedWorkers.pack(tuple(chosen), reports, fleet.approximate, fleet.key)
+
+    def pack_workers(
+        self,
+        workers: tuple[str, ...],
+        reports: Mapping[str, WorkerReport] | None,
+        approximate: frozenset[str],
+        policy: RoutingPolicy,
+    ) -> None:
+        """Packs these workers' arguments now, for the decisions that will pass the same objects
+        (a frontend's fleet read, prepared in the background)."""
+        self._packed(workers, reports, approximate, policy)
+
+    def _packed(
+        self,
+        workers: Sequence[str],
+        reports: Mapping[str, WorkerReport] | None,
+        approximate: Collection[str],
+        policy: RoutingPolicy,
+    ) -> _PackedWorkers:
+        """The per-worker arguments of the decision, packed; reused while a frontend decides on
+        the same read of the fleet (the same immutable objects: a tuple of names, a read-only
+        mapping of reports, a frozenset), so a decision's Python side does not grow with the
+        fleet. Mutable arguments are packed every time."""
+        key = (
+            policy.busy_max_requests > 0 or policy.busy_kv_fraction > 0,
+            bool(policy.prefill_drain),
+            bool(policy.shortest_first_queues),
+        )
+        last = self._last_packed
+        if last is not None and last.made_of(workers, reports, approximate, key):
+            return last
+        packed = _PackedWorkers.pack(workers, reports, approximate, key)
+        if (
+            isinstance(workers, tuple)
+            and isinstance(reports, MappingProxyType | None)
+            and isinstance(approximate, frozenset)
+        ):
+            self._last_packed = packed
+        return packed
+
     def _log(self, decision: RoutingDecision, policy: RoutingPolicy) -> None:
         total_blocks = decision.total_blocks
         for s in decision.scores:
@@ -310,6 +398,60 @@ class KvRouter:
 
 
 _I32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class _PackedWorkers:
+    """The decision script's per-worker arguments (ARGV 21, 22, 25, 26, 27), from the objects
+    they were made of (kept to tell whether the next decision's are the same ones)."""
+
+    sources: tuple[object, object, object]
+    key: tuple[bool, bool, bool]  # checks busy, drains prefill, assumes shortest first
+    eligible: list[str]
+    eligible_set: frozenset[str]
+    approximate: frozenset[str]
+    busy_facts: bytes
+    names: str
+    prefill_rates: bytes
+    approximate_at: bytes
+    schedules: bytes
+
+    def made_of(
+        self, workers: object, reports: object, approximate: object, key: tuple[bool, bool, bool]
+    ) -> bool:
+        return key == self.key and all(
+            a is b for a, b in zip(self.sources, (workers, reports, approximate), strict=True)
+        )
+
+    @classmethod
+    def pack(
+        cls,
+        workers: Sequence[str],
+        reports: Mapping[str, WorkerReport] | None,
+        approximate: Collection[str],
+        key: tuple[bool, bool, bool],
+    ) -> _PackedWorkers:
+        checks_busy, drains, assumed = key
+        eligible = list(dict.fromkeys(workers))
+        approximate_set = frozenset(approximate)
+        found = reports or {}
+        approximate_at = (
+            [j for j, name in enumerate(eligible, start=1) if name in approximate_set]
+            if approximate_set
+            else []
+        )
+        return cls(
+            sources=(workers, reports, approximate),
+            key=key,
+            eligible=eligible,
+            eligible_set=frozenset(eligible),
+            approximate=approximate_set,
+            busy_facts=_busy_facts(eligible, found) if checks_busy else b"",
+            names="\n".join(checked_workers(eligible)),
+            prefill_rates=_prefill_rates(eligible, found) if drains and found else b"",
+            approximate_at=struct.pack(f">{len(approximate_at)}i", *approximate_at),
+            schedules=_schedules(eligible, found, assumed),
+        )
 
 
 def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:

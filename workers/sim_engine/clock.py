@@ -45,6 +45,7 @@ class SimClock:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._virtual_in_step: set[int] = set()  # engines whose planned step the virtual clock ends
 
     @property
     def virtual(self) -> bool:
@@ -73,22 +74,29 @@ class SimClock:
         return engine.begin_step()
 
     # --- virtual time ---------------------------------------------------------------------------------
+    def run_next(self) -> bool:
+        """Virtual time: ends the earliest step and plans that engine's next; False when no engine
+        has work. A caller may submit between calls (a closed-loop client, say)."""
+        if self.speedup is not None:
+            raise RuntimeError("run_next is for a virtual clock")
+        if not self._heap:
+            return False
+        due, _, engine = heapq.heappop(self._heap)
+        self._virtual_now = max(self._virtual_now, due)
+        key = id(engine)
+        seconds = self._step(engine, key in self._virtual_in_step)
+        if seconds is None:
+            self._virtual_in_step.discard(key)
+            self._scheduled.discard(key)
+        else:
+            self._virtual_in_step.add(key)
+            heapq.heappush(self._heap, (self._virtual_now + seconds, next(self._tie), engine))
+        return True
+
     def run_until_idle(self) -> float:
         """Virtual time: steps every engine until none has work; returns the simulated time then."""
-        if self.speedup is not None:
-            raise RuntimeError("run_until_idle is for a virtual clock")
-        in_step: set[int] = set()
-        while self._heap:
-            due, _, engine = heapq.heappop(self._heap)
-            self._virtual_now = max(self._virtual_now, due)
-            key = id(engine)
-            seconds = self._step(engine, key in in_step)
-            if seconds is None:
-                in_step.discard(key)
-                self._scheduled.discard(key)
-            else:
-                in_step.add(key)
-                heapq.heappush(self._heap, (self._virtual_now + seconds, next(self._tie), engine))
+        while self.run_next():
+            pass
         return self._virtual_now
 
     # --- scaled real time -----------------------------------------------------------------------------

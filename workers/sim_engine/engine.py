@@ -170,15 +170,16 @@ class SimEngine(FollowsSubmitted):
                     # Cannot happen for a request that fits an empty pool; never spin on it.
                     self._fail(scheduler.waiting[0], RuntimeError("the KV pool cannot hold this request"))
                 return self.profile.step_seconds(0, 0) if scheduler.has_work() else None
-            prefill_tokens = decodes = images = 0
+            prefill_tokens = decodes = images = context = 0
             for chunk in plan.chunks:
                 sequence = chunk.sequence
                 if chunk.start >= sequence.prompt_len:
                     decodes += 1
+                    context += chunk.start
                     continue
                 prefill_tokens += min(chunk.start + chunk.count, sequence.prompt_len) - chunk.start
                 images += self._images_to_encode(sequence)
-            seconds = self.profile.step_seconds(prefill_tokens, decodes, images)
+            seconds = self.profile.step_seconds(prefill_tokens, decodes, images, context)
             self.counters.forward_passes += 1
             if prefill_tokens >= RATE_MIN_PROMPT_TOKENS:
                 self.counters.note_prefill_rate(prefill_tokens, seconds)

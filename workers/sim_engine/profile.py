@@ -1,10 +1,11 @@
 """A simulated engine's timing model and scheduler limits, read from a profile file.
 
 A step's time is linear in what it computes, as a serving engine's is to first order: a fixed
-cost per step (kernel launches, sampling, Python), a cost per prompt token prefilled and a cost
-per sequence decoding; an image costs one encode the first time its request prefills past it.
-What it leaves out, on purpose: attention's growth with context length (small next to the weights'
-cost at the prompt lengths this platform routes), and any overlap of encoding with the step.
+cost per step (kernel launches, sampling, Python), a cost per prompt token prefilled, a cost per
+sequence decoding and one per thousand tokens of context those sequences attend to (their KV
+read); an image costs one encode the first time its request prefills past it. What it leaves
+out: attention's growth with context inside a prefill chunk, and any overlap of encoding with
+the step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class SimProfile:
     image_encode_ms: float  # per image encoded (once per request, when it first prefills past it)
     max_batch_tokens: int
     max_running: int
+    decode_context_ms: float = 0.0  # per 1,000 tokens of context of the decoding sequences
     schedule_policy: str = "shortest_first"
     prefill_join_tokens: int = 64
     kv_capacity_blocks: int = 4096
@@ -34,12 +36,16 @@ class SimProfile:
     source: dict[str, Any] = field(default_factory=dict)
     reference: dict[str, Any] = field(default_factory=dict)
 
-    def step_seconds(self, prefill_tokens: int, decode_sequences: int, images: int = 0) -> float:
-        """The modelled time of one step, its images' encoding included."""
+    def step_seconds(
+        self, prefill_tokens: int, decode_sequences: int, images: int = 0, decode_context: int = 0
+    ) -> float:
+        """The modelled time of one step, its images' encoding included; `decode_context` is the
+        decoding sequences' tokens so far, summed."""
         ms = (
             self.step_base_ms
             + self.prefill_token_ms * prefill_tokens
             + self.decode_sequence_ms * decode_sequences
+            + self.decode_context_ms * decode_context / 1000
             + self.image_encode_ms * images
         )
         return ms / 1000.0
@@ -54,6 +60,7 @@ class SimProfile:
             prefill_token_ms=float(timing["prefill_token_ms"]),
             decode_sequence_ms=float(timing["decode_sequence_ms"]),
             image_encode_ms=float(timing["image_encode_ms"]),
+            decode_context_ms=float(timing.get("decode_context_ms", 0.0)),
             max_batch_tokens=int(scheduler["max_batch_tokens"]),
             max_running=int(scheduler["max_running"]),
             schedule_policy=str(scheduler.get("policy", "shortest_first")),

@@ -66,15 +66,25 @@ local overlaps = kv_overlaps(ns, packed, names, position)
 -- Each worker's running sums (routing.kv.load, `load:totals`), read whole: HMGET would scan the
 -- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
 local done_at = {}
+-- Unless many more workers have load than are weighed here (candidates of a large fleet): then
+-- theirs alone, so the cost follows the candidates, not the fleet's load.
 do
-  local flat = redis.call('HGETALL', ns .. TOTALS_KEY)
   local unpack_totals = struct.unpack
-  for i = 1, #flat, 2 do
-    local j = position[flat[i]]
-    if j then
-      local p, b, r, d = unpack_totals(TOTALS_FORMAT, flat[i + 1])
-      prefill[j], decode[j], requests[j] = p, b, r
-      if d > 0 then done_at[j] = d end
+  local function take(j, raw)
+    local p, b, r, d = unpack_totals(TOTALS_FORMAT, raw)
+    prefill[j], decode[j], requests[j] = p, b, r
+    if d > 0 then done_at[j] = d end
+  end
+  if redis.call('HLEN', ns .. TOTALS_KEY) > 4 * n then
+    local raw = redis.call('HMGET', ns .. TOTALS_KEY, unpack(names))
+    for j = 1, n do
+      if raw[j] then take(j, raw[j]) end
+    end
+  else
+    local flat = redis.call('HGETALL', ns .. TOTALS_KEY)
+    for i = 1, #flat, 2 do
+      local j = position[flat[i]]
+      if j then take(j, flat[i + 1]) end
     end
   end
 end

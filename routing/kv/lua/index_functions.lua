@@ -27,7 +27,14 @@ local function kv_purge(ns, worker)
   for _, h in ipairs(held) do
     redis.call('HDEL', ns .. BLOCK_FAMILY .. h, worker)
   end
-  redis.call('DEL', worker_key, ns .. APPROXIMATE_FAMILY .. worker)
+  -- Its predicted marks (kv_predict) go with its predicted blocks: a purged worker is no
+  -- candidate (rare: only the marks among those blocks that still name it).
+  local approximate = ns .. APPROXIMATE_FAMILY .. worker
+  for _, h in ipairs(redis.call('ZRANGE', approximate, 0, -1)) do
+    local mark = ns .. PREDICTED_FAMILY .. h
+    if redis.call('GET', mark) == worker then redis.call('DEL', mark) end
+  end
+  redis.call('DEL', worker_key, approximate)
   redis.call('SREM', ns .. APPROXIMATE_KEY, worker)
   return #held
 end
@@ -69,4 +76,11 @@ local function kv_predict(ns, worker, packed, now, ttl)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
   redis.call('SADD', ns .. APPROXIMATE_KEY, worker)
+  -- Every PREDICTED_STRIDE-th block marks the worker for the same TTL: a decision that reads
+  -- only candidates finds, by those marks, the worker that a sibling sharing this prefix was
+  -- just sent to, before that worker's own events arrive (kv_prefix_holders).
+  local stride = tonumber(PREDICTED_STRIDE)
+  for b = stride, #packed / 8, stride do
+    redis.call('SET', ns .. PREDICTED_FAMILY .. string.sub(packed, b * 8 - 7, b * 8), worker, 'PX', ttl)
+  end
 end

@@ -1,0 +1,242 @@
+"""Routing at fleet scale: the decision's cost (eligibility + decide-and-reserve) at 16, 64, 256
+and 1,024 workers, on the real Redis and the frontend's own code.
+
+For each size the bench registers the workers as run_worker does (Worker rows in a database of
+its own, heartbeats with an engine report), fills the index with their cached prompts (a shared
+system prompt of S, one of I images, a question: Zipf-popular, as bench/routing.py's), then
+decides R requests through the frontend's path: `eligible_workers` (the registry as the frontend
+reads it per request), then `reserve_worker` (the router's atomic decide-and-reserve), and frees
+each lease. It prints, per size: decision p50/p99 split into eligibility and decide, Redis-side
+µs per decision (INFO commandstats around each decision: every command eligibility and the
+decide-and-reserve ran; the lease's release is not the decision's),
+decisions per second one Redis core sustains at that cost, Redis memory per (block, worker) entry
+(used-memory delta over entries), and the hit rate against the oracle (the chosen worker's
+overlap over the best overlap any worker had).
+
+Usage: .venv/bin/python bench/fleet.py   (FLEET_SIZES, default 16,64,256,1024; FLEET_DECISIONS,
+default 1000). It starts a redis-server of its own (so that INFO counts its commands alone) and
+stops it. Figures from a shared machine move from run to run. The last line:
+workers=1024 decision_p50_us=… decision_p99_us=… decisions_per_s=… bytes_per_entry=… hit_over_oracle=…
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+import types
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+_TMP = tempfile.mkdtemp(prefix="bench-fleet-")
+# A redis-server of the bench's own: INFO commandstats then counts this bench's commands alone,
+# not those of whatever else shares the machine's Redis.
+from tests.platform_harness import PrivateRedis  # noqa: E402
+
+_REDIS = PrivateRedis(_TMP)
+os.environ["REDIS_URL"] = _REDIS.url
+os.environ["REDIS_KEY_PREFIX"] = f"bench:fleet:{uuid.uuid4().hex[:8]}:"
+os.environ["DATABASE_URL"] = f"sqlite:///{_TMP}/db.sqlite3"
+os.environ["DJANGO_SETTINGS_MODULE"] = "inference_platform.settings"
+os.environ.setdefault("LOG_LEVELS", "routing=warning")
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.conf import settings  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+
+from routing.contract.kv_events import KvEvent  # noqa: E402
+from routing.fleet.registry import Heartbeat, WorkerRegistry  # noqa: E402
+from routing.kv.events import KvEventPublisher  # noqa: E402
+from routing.kv.index import KvIndex  # noqa: E402
+from routing.models import Worker  # noqa: E402
+from routing.prompt.hashing import MediaPlacement, block_hashes  # noqa: E402
+from routing.state.redis_keys import sync_client  # noqa: E402
+
+SIZES = tuple(int(n) for n in os.environ.get("FLEET_SIZES", "16,64,256,1024").split(","))
+DECISIONS = int(os.environ.get("FLEET_DECISIONS", "1000"))
+BLOCK_SIZE = 16
+MODEL = "bench-model"
+SYSTEM_TOKENS, IMAGE_TOKENS, PROMPT_TOKENS = 320, 256, 1_000  # 62 full blocks a prompt
+N_SYSTEMS, N_IMAGES = 8, 400
+PROMPTS_PER_WORKER = int(os.environ.get("FLEET_PROMPTS_PER_WORKER", "40"))
+VOCAB, IMAGE_PAD = 4_096, 4_000
+
+
+def zipf(rng: random.Random, n: int, s: float = 1.1) -> int:
+    weights = [1 / (k + 1) ** s for k in range(n)]
+    return rng.choices(range(n), weights=weights, k=1)[0]
+
+
+def prompt_hashes(rng: random.Random, system: list[int], image: int) -> list[int]:
+    tokens = [*system, 3, *([IMAGE_PAD] * IMAGE_TOKENS), 4]
+    media = [MediaPlacement(routing_hash=image, start=len(system) + 1, length=IMAGE_TOKENS)]
+    tokens += [rng.randrange(5, VOCAB - 100) for _ in range(PROMPT_TOKENS - len(tokens))]
+    return block_hashes(tokens, BLOCK_SIZE, media)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def redis_side_usec(client) -> float:
+    """µs Redis spent on every command so far but INFO itself (INFO commandstats)."""
+    return sum(
+        stats["usec"]
+        for name, stats in client.info("commandstats").items()
+        if name.startswith("cmdstat_") and name != "cmdstat_info"
+    )
+
+
+def register(n: int, rng: random.Random) -> list[str]:
+    names = [f"sim-{i}" for i in range(n)]
+    Worker.objects.all().delete()
+    Worker.objects.bulk_create([Worker(name=name, model_name=MODEL, block_size=BLOCK_SIZE) for name in names])
+    beats = [
+        Heartbeat(
+            name=name,
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            device="sim",
+            kv_capacity_blocks=60_000,
+            running=rng.randrange(0, 8),
+            max_running=256,
+            kv_blocks_used=rng.randrange(0, 5_000),
+            kv_blocks_free=50_000,
+            prefill_tokens_per_s=20_000.0,
+            schedule_policy="shortest_first",
+        )
+        for name in names
+    ]
+    WorkerRegistry(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX).beat_many(beats, ttl_s=3_600)
+    return names
+
+
+def run_size(n: int) -> dict[str, float]:
+    from inference_platform.serving.dispatch import eligible_workers
+    from inference_platform.serving.frontend import frontend
+    from inference_platform.serving.prepare import reserve_worker
+
+    rng = random.Random(20261203 + n)
+    client = sync_client(settings.REDIS_URL)
+    namespace = settings.REDIS_KEY_PREFIX
+    for key in client.scan_iter(match=f"{namespace}*", count=5_000):
+        client.unlink(key)
+    frontend().reset()
+    names = register(n, rng)
+    systems = [[rng.randrange(5, VOCAB - 100) for _ in range(SYSTEM_TOKENS)] for _ in range(N_SYSTEMS)]
+    images = [rng.getrandbits(64) for _ in range(N_IMAGES)]
+    # Each worker caches prompts about the images routed to it: an image lives on a few workers.
+    index = KvIndex(client, namespace)
+    publisher = KvEventPublisher(client, namespace, index=index)
+    before = client.info("memory")["used_memory"]
+    entries = 0
+    held: dict[int, list[int]] = {}  # image -> one of its cached prompts' hashes
+    for w, name in enumerate(names):
+        for _ in range(PROMPTS_PER_WORKER):
+            image = (zipf(rng, N_IMAGES) + w) % N_IMAGES
+            hashes = prompt_hashes(rng, systems[image % N_SYSTEMS], images[image])
+            held.setdefault(image, hashes)
+            publisher.publish([KvEvent("stored", name, tuple(hashes))])
+            entries += len(hashes)
+    bytes_per_entry = (client.info("memory")["used_memory"] - before) / entries
+
+    requests = []
+    for _ in range(DECISIONS):
+        image = zipf(rng, N_IMAGES)
+        cached = held.get(image)
+        # a repeat of a cached prompt's image with a new question: its prefix is somewhere
+        requests.append(cached[:40] + prompt_hashes(rng, [7] * SYSTEM_TOKENS, 1)[40:] if cached else cached)
+    requests = [r for r in requests if r]
+
+    async def decide_all() -> tuple[list[float], list[float], float, int, int]:
+        eligibility, decide, redis_us, chosen, oracle = [], [], 0.0, 0, 0
+        everyone = list(names)
+        for k, hashes in enumerate(requests):
+            sampled = k % 10 == 0
+            if sampled:  # the oracle (before the decision predicts its blocks somewhere), untimed
+                overlaps = index.overlaps(hashes, everyone)
+                oracle_best = max(overlaps.values()) if overlaps else 0
+            usec0 = redis_side_usec(client)
+            t0 = time.perf_counter()
+            workers = await eligible_workers(MODEL, BLOCK_SIZE)
+            t1 = time.perf_counter()
+            prepared = types.SimpleNamespace(
+                view=types.SimpleNamespace(
+                    block_hashes=hashes, prompt_tokens=PROMPT_TOKENS, block_size=BLOCK_SIZE
+                )
+            )
+            lease = await asyncio.to_thread(reserve_worker, prepared, workers, None, f"bench-{k}")
+            t2 = time.perf_counter()
+            redis_us += redis_side_usec(client) - usec0
+            eligibility.append((t1 - t0) * 1e6)
+            decide.append((t2 - t1) * 1e6)
+            if sampled:
+                chosen += lease.decision.overlap
+                oracle += oracle_best
+            lease.release("done")
+        return eligibility, decide, redis_us, chosen, oracle
+
+    asyncio.run(_warm(eligible_workers))
+    eligibility, decide, redis_total, chosen, oracle = asyncio.run(decide_all())
+    redis_us = redis_total / len(requests)
+    total = [e + d for e, d in zip(eligibility, decide, strict=True)]
+    return {
+        "workers": n,
+        "entries": entries,
+        "eligibility_p50": percentile(eligibility, 0.5),
+        "decide_p50": percentile(decide, 0.5),
+        "p50": percentile(total, 0.5),
+        "p99": percentile(total, 0.99),
+        "redis_us": redis_us,
+        "decisions_per_s": 1e6 / redis_us,
+        "bytes_per_entry": bytes_per_entry,
+        "hit_over_oracle": chosen / oracle if oracle else 1.0,
+    }
+
+
+async def _warm(eligible_workers) -> None:
+    for _ in range(3):
+        await eligible_workers(MODEL, BLOCK_SIZE)
+
+
+def main() -> None:
+    call_command("migrate", verbosity=0)
+    print("one frontend (in process), one Redis; a shared machine: figures move from run to run")
+    print(
+        f"{'workers':>8}{'entries':>11}{'elig p50':>10}{'decide p50':>12}{'p50 us':>9}{'p99 us':>9}"
+        f"{'redis us':>10}{'decisions/s':>13}{'B/entry':>9}{'hit/oracle':>12}"
+    )
+    rows = []
+    try:
+        for n in SIZES:
+            row = run_size(n)
+            rows.append(row)
+            print(
+                f"{row['workers']:>8}{row['entries']:>11,}{row['eligibility_p50']:>10.0f}{row['decide_p50']:>12.0f}"
+                f"{row['p50']:>9.0f}{row['p99']:>9.0f}{row['redis_us']:>10.0f}{row['decisions_per_s']:>13,.0f}"
+                f"{row['bytes_per_entry']:>9.1f}{row['hit_over_oracle']:>12.3f}"
+            )
+    finally:
+        _REDIS.stop()
+    by = {row["workers"]: row for row in rows}
+    if 64 in by and max(by) > 64:
+        print(f"p50 at {max(by)} workers over p50 at 64: {by[max(by)]['p50'] / by[64]['p50']:.2f}x")
+    last = rows[-1]
+    print(
+        f"workers={last['workers']} decision_p50_us={last['p50']:.0f} decision_p99_us={last['p99']:.0f} "
+        f"decisions_per_s={last['decisions_per_s']:.0f} bytes_per_entry={last['bytes_per_entry']:.1f} "
+        f"hit_over_oracle={last['hit_over_oracle']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

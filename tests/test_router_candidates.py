@@ -1,0 +1,79 @@
+"""A decision over a large fleet weighs candidates, not every worker (KvRouter._candidates): the
+holders of the request's longest cached prefixes, the workers its siblings were just sent to,
+and a random draw for load. It still finds the cached prefix, still spreads cold requests, and
+still keeps a burst of siblings together; it reads a bounded number of workers."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import redis
+
+from routing.contract.kv_events import KvEvent
+from routing.kv.events import KvEventPublisher
+from routing.kv.index import KvIndex
+from routing.kv.router import HOLDERS_PER_PREFIX, LOAD_SAMPLE
+from routing.kv.selection import RoutingPolicy
+from routing.prompt.hashing import block_hashes
+from tests.test_router import BS, _router, _tokens
+
+FLEET = tuple(f"w{i:03d}" for i in range(300))  # past CANDIDATES_ABOVE
+
+
+@pytest.fixture
+def router(redis_client: redis.Redis, key_namespace: str):
+    return _router(redis_client, key_namespace)
+
+
+@pytest.fixture
+def publisher(redis_client: redis.Redis, key_namespace: str) -> KvEventPublisher:
+    return KvEventPublisher(redis_client, key_namespace, index=KvIndex(redis_client, key_namespace))
+
+
+def test_a_large_fleet_decision_finds_the_one_worker_holding_the_prefix_among_few_candidates(
+    router, publisher
+):
+    # given: a shared system prompt every worker holds, and one worker that also holds the image
+    tokens = _tokens(7, 1_000)
+    hashes = block_hashes(tokens, BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
+    publisher.publish([KvEvent("stored", "w137", tuple(hashes[:50]))])
+    # when
+    decision = router.route(hashes, len(tokens), BS, FLEET, RoutingPolicy(), rng=random.Random(1))
+    # then
+    assert decision.worker == "w137" and decision.overlap == 50 == decision.best_overlap
+    assert len(decision.scores) <= 2 * HOLDERS_PER_PREFIX + LOAD_SAMPLE < len(FLEET)
+
+
+def test_a_large_fleet_spreads_cold_requests_by_load_over_random_draws(router):
+    # when: 120 distinct cold prompts, each reserved and held
+    rng = random.Random(2)
+    leases = [
+        router.decide(
+            f"r{n}", block_hashes(_tokens(100 + n, 320), BS), 320, BS, FLEET, RoutingPolicy(), rng=rng
+        )
+        for n in range(120)
+    ]
+    # then: no worker got more than two of them (the least loaded of each draw went)
+    per_worker = Counter(lease.worker for lease in leases)
+    assert max(per_worker.values()) <= 2
+    for lease in leases:
+        lease.release("done")
+
+
+def test_a_large_fleet_keeps_a_burst_of_siblings_on_the_worker_the_first_went_to(router):
+    # given: a new picture's prompt sent somewhere, whose worker has announced nothing yet
+    rng = random.Random(3)
+    tokens = _tokens(9, 800)
+    first = router.decide("first", block_hashes(tokens, BS), len(tokens), BS, FLEET, RoutingPolicy(), rng=rng)
+    sibling = tokens[:600] + _tokens(10, 200)  # the same picture, another question: 37 blocks shared
+    # when: the sibling comes while the first is in flight
+    while_busy = router.route(block_hashes(sibling, BS), len(sibling), BS, FLEET, RoutingPolicy(), rng=rng)
+    # then the first's worker is weighed, credited with the shared prefix (its load may outweigh it)
+    assert while_busy.best_overlap == 37
+    # and once that worker is free again, the sibling goes there
+    first.release("done")
+    second = router.route(block_hashes(sibling, BS), len(sibling), BS, FLEET, RoutingPolicy(), rng=rng)
+    assert second.worker == first.worker and second.overlap == 37
