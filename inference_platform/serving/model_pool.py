@@ -35,6 +35,11 @@ from routing.prompt.model_view import ModelView, model_view
 from routing.state.expiring import ExpiringLru
 from routing.state.redis_keys import sync_client
 
+# The generation read only saves work (without it the rows are read from the database), so it
+# waits briefly: a frozen Redis costs the request this, not a whole timeout, before the one
+# of the call that needs Redis (tenants.keys does the same).
+_GENERATION_TIMEOUT_S = 0.25
+
 
 @dataclass(frozen=True)
 class ModelRow:
@@ -94,7 +99,8 @@ class ModelPool:
     def catalogue(self) -> Catalogue:
         """The rows and aliases, read again when the workers' generation has moved."""
         try:
-            generation = current_generation(sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX)
+            client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
+            generation = current_generation(client, settings.REDIS_KEY_PREFIX)
         except redis.RedisError:
             generation = None  # the rows are read, not kept: the request fails where it needs Redis
         kept = self._rows.get(None)
