@@ -68,7 +68,8 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ("name",)
     fields = (
         "name", "share_prefix_cache", "requests_per_minute", "prompt_tokens_per_minute",
-        "max_concurrent_requests", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
+        "max_concurrent_requests", "queue_weight", "default_priority", "max_priority",
+        "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
         "usage_completion_tokens", "usage_refused", "created_at",
     )  # fmt: skip
     readonly_fields = (

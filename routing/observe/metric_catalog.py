@@ -112,6 +112,26 @@ REQUEST_DURATION = declare(
         LATENCY_BUCKETS,
     )
 )
+# The admission queue (routing.admission): how long requests waited for a worker, and those it
+# turned away. Its depth is read from the queue itself at each scrape (inference_platform.metrics).
+QUEUE_WAIT = declare(
+    Metric(
+        "queue_wait_seconds",
+        "histogram",
+        "Time a request waited in the admission queue for a worker (dispatched, shed or abandoned).",
+        ("model", "priority"),
+        LATENCY_BUCKETS,
+    )
+)
+REQUESTS_SHED = declare(
+    Metric(
+        "requests_shed",
+        "counter",
+        "Requests turned away for want of a worker, by cause: all_workers_busy (queue off),"
+        " queue_full, tenant_queue_full, queue_timeout, queue_lost.",
+        ("cause",),
+    )
+)
 ROUTING_DECISION = declare(
     Metric(
         "routing_decision_seconds",
