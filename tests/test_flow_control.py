@@ -43,7 +43,7 @@ def tasks_sent(worker: ScriptedWorker) -> int:
     return int(redis.Redis.from_url(django_settings.REDIS_URL).llen(worker.queue))
 
 
-async def until(condition, what: str, timeout_s: float = 10.0) -> None:
+async def until(condition, what: str, timeout_s: float = 60.0) -> None:
     """Wait for a state of Redis this test's own process brings about."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not await asyncio.to_thread(condition):
@@ -74,7 +74,7 @@ async def test_a_request_no_worker_can_take_waits_holding_no_slot_and_goes_when_
 
     # and when the worker frees, it is sent there, once, with its slot taken
     await asyncio.to_thread(free, worker)
-    await asyncio.wait_for(opening, 10)
+    await asyncio.wait_for(opening, 60)
     task = await worker.next_task()
     assert task.request_id == request.request_id and tasks_sent(worker) == 0
     assert queued(served_demo_model) == 0
@@ -169,3 +169,33 @@ async def test_a_priority_above_the_tenants_maximum_is_refused_and_a_lower_one_i
     await lower.open(chat_request(served_demo_model), {"X-Priority": "0"})
     assert lower.priority == 0
     await lower.close(499)
+
+
+async def test_a_higher_priority_leaves_the_queue_first_and_its_task_carries_it_to_the_engine(
+    served_demo_model, make_api_key, busy_at_one
+):
+    # given a batch request waiting for the only worker, then an interactive one
+    batch = await caller_of(make_api_key, "batch-tenant")
+    interactive = await caller_of(make_api_key, "interactive-tenant", default_priority=9, max_priority=9)
+    worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model, running=1)
+    first = ServedRequest(new_request_id(), batch)
+    second = ServedRequest(new_request_id(), interactive)
+    opening_first = asyncio.ensure_future(first.open(chat_request(served_demo_model), {}))
+    await until(lambda: queued(served_demo_model) == 1, "the batch request never queued")
+    opening_second = asyncio.ensure_future(second.open(chat_request(served_demo_model), {}))
+    await until(lambda: queued(served_demo_model) == 2, "the interactive request never queued")
+
+    # when the worker frees for one request
+    await asyncio.to_thread(free, worker)
+    await asyncio.wait_for(opening_second, 60)
+    busy = dataclasses.replace(worker.heartbeat, running=1)
+    worker.heartbeat = busy
+    await asyncio.to_thread(worker.beat)
+
+    # then the interactive one went first, its priority in its task; the batch one still waits
+    task = await worker.next_task()
+    assert (task.request_id, task.priority) == (second.request_id, 9)
+    assert not opening_first.done() and queued(served_demo_model) == 1
+    await second.close(499)
+    opening_first.cancel()
+    await asyncio.gather(opening_first, return_exceptions=True)

@@ -200,6 +200,7 @@ class WorkerRuntime:
                 videos=_video_inputs(VideoInput, task.videos, self.media),
                 expected_block_hashes=task.block_hashes,
                 continued_token_ids=list(task.continued_token_ids),
+                priority=task.priority or 0,
             )
             receipts: list[Any] = []
             await_features = None

@@ -402,6 +402,7 @@ class ServedRequest:
                 prepared.generate_task(task_id, self.scope_key, image_refs, video_refs),
                 follow_id=self.request_id,
                 processed=processed,
+                priority=self.priority,
             )
             # E/PD: with live encode workers, images the chosen worker's cached prefix does not
             # cover are encoded apart, and the task names them (the aggregated path when none).

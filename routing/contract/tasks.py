@@ -209,6 +209,10 @@ class GenerateTask:
     # left of the budget); a worker that ignored them would repeat the answer from its start:
     # hence contract version 6.
     continued_token_ids: tuple[int, ...] = ()
+    # The request's priority (routing.admission: 0 to MAX_PRIORITY, higher first; None: not said).
+    # The engine's scheduler computes the waiting prompts of a higher priority first; a worker
+    # that ignores it still answers correctly, only in its own order: no version change.
+    priority: int | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:

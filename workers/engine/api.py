@@ -62,6 +62,8 @@ class GenerationRequest:
     # An answer continued after a migration: the tokens another worker already generated and the
     # client has. They follow the prompt, and generation goes on after them.
     continued_token_ids: list[int] = field(default_factory=list)
+    # Its priority (GenerateTask.priority): the scheduler computes higher ones' prompts first.
+    priority: int = 0
 
 
 @dataclass
