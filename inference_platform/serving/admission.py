@@ -103,6 +103,21 @@ def queue_timeout(model: str, request_id: str, waited_s: float, retry_after_s: i
     )
 
 
+class WaitingHere:
+    """This process's waiting requests by model, tenant and priority, as the
+    `admission_queue_depth` gauge (every frontend's gauges add up to the queue's depth)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str, str], int] = {}
+
+    def add(self, model: str, tenant: str, priority: int, n: int) -> None:
+        key = (model, tenant, str(priority))
+        count = self._counts[key] = self._counts.get(key, 0) + n
+        telemetry.set_gauge(
+            "admission_queue_depth", count, labels={"model": model, "tenant": tenant, "priority": key[2]}
+        )
+
+
 class Wakeups:
     """This process's signal, per model, that a worker may have freed (one per event loop)."""
 
@@ -128,7 +143,12 @@ class Wakeups:
 
 
 _wakeups = Wakeups()
+_waiting_here = WaitingHere()
 
 
 def wakeups() -> Wakeups:
     return _wakeups
+
+
+def waiting_here() -> WaitingHere:
+    return _waiting_here

@@ -44,6 +44,7 @@ from inference_platform.serving.admission import (
     queue_timeout,
     request_priority,
     shed,
+    waiting_here,
     wakeups,
 )
 from inference_platform.serving.chat import ChatRequest
@@ -313,6 +314,7 @@ class ServedRequest:
             )
         except QueueFull as full:
             raise queue_full(model, full) from None
+        waiting_here().add(model, queued.tenant, queued.priority, 1)
         started = time.monotonic()
         deadline = started + settings.ROUTER_QUEUE_MAX_WAIT_SECS
         dispatched = False
@@ -346,8 +348,9 @@ class ServedRequest:
                     await asyncio.sleep(pause_s)
         finally:
             await asyncio.shield(asyncio.to_thread(queue.leave, ticket, dispatched=dispatched))
+            waiting_here().add(model, queued.tenant, queued.priority, -1)
             telemetry.observe(
-                "queue_wait_seconds",
+                "admission_queue_wait_seconds",
                 time.monotonic() - started,
                 labels={"model": model, "priority": str(queued.priority)},
             )

@@ -112,11 +112,20 @@ REQUEST_DURATION = declare(
         LATENCY_BUCKETS,
     )
 )
-# The admission queue (routing.admission): how long requests waited for a worker, and those it
-# turned away. Its depth is read from the queue itself at each scrape (inference_platform.metrics).
+# The admission queue (routing.admission): what waits for a worker (each frontend process counts
+# its own waiting requests; the processes' gauges add up to the queue), how long requests
+# waited, and those it turned away.
+QUEUE_DEPTH = declare(
+    Metric(
+        "admission_queue_depth",
+        "gauge",
+        "Requests waiting in the admission queue for a worker, by model, tenant (id) and priority.",
+        ("model", "tenant", "priority"),
+    )
+)
 QUEUE_WAIT = declare(
     Metric(
-        "queue_wait_seconds",
+        "admission_queue_wait_seconds",
         "histogram",
         "Time a request waited in the admission queue for a worker (dispatched, shed or abandoned).",
         ("model", "priority"),
