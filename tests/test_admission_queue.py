@@ -129,3 +129,11 @@ def test_retry_after_follows_the_drain_rate():
     assert wait_estimate_s(ahead=9, drain_per_s=2.0, fallback_s=30) == 5
     assert wait_estimate_s(ahead=0, drain_per_s=100.0, fallback_s=30) == 1
     assert wait_estimate_s(ahead=9, drain_per_s=0.0, fallback_s=2.5) == 3
+
+
+def test_a_full_queue_is_seen_before_joining_it(make_queue):
+    queue = make_queue()
+    join(queue, "r1", "A")
+    assert queue.full_for("demo", "A", max_depth=10, max_tenant_depth=2) is None
+    assert queue.full_for("demo", "A", max_depth=10, max_tenant_depth=1).cause == "tenant"
+    assert queue.full_for("demo", "B", max_depth=1, max_tenant_depth=5).cause == "total"

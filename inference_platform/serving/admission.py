@@ -27,7 +27,7 @@ PRIORITY_HEADER = "x-priority"
 HEAD_POLL_MIN_S = 0.01
 HEAD_POLL_MAX_S = 0.2
 BEHIND_POLL_S = 0.02
-BEHIND_POLL_MAX_S = 1.0
+BEHIND_POLL_MAX_S = 2.0
 # The requests this near the front wake on this process's releases.
 WOKEN_AHEAD = 2
 
@@ -60,10 +60,11 @@ def request_priority(asked: int | None, headers: Mapping[str, str], caller: Call
 
 
 def poll_interval_s(ahead: int, head_poll_s: float) -> float:
-    """How long a waiting request sleeps before it looks at its place again."""
+    """How long a waiting request sleeps before it looks at its place again: at most a third of
+    its frontend's liveness TTL, since the polls are what renew it."""
     if ahead <= 0:
         return head_poll_s
-    return min(BEHIND_POLL_S * ahead, BEHIND_POLL_MAX_S)
+    return min(BEHIND_POLL_S * ahead, BEHIND_POLL_MAX_S, settings.ROUTER_QUEUE_FRONTEND_TTL_SECS / 3)
 
 
 def shed(status: int, message: str, code: str, retry_after_s: int) -> ApiError:

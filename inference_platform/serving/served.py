@@ -28,7 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import redis
@@ -156,6 +156,8 @@ class ServedRequest:
             self.scope_key = session_scope_hash(headers, self.caller)
             self.priority = request_priority(chat.priority, headers, self.caller)
             await self._admit()
+            if settings.ROUTER_QUEUE_ENABLED:
+                await self._shed_if_full(chat.model)
             salt = self.caller.cache_salt(chat.cache_salt)
             prepared = await asyncio.to_thread(
                 prepare, chat, salt, sizes=frontend().image_sizes(), scope_key=self.scope_key
@@ -269,6 +271,24 @@ class ServedRequest:
 
     # -- waiting in the admission queue -------------------------------------------------------
 
+    async def _shed_if_full(self, model: str) -> None:
+        """Refuse at once, before any preparation, a request that would find the queue full: a
+        flood costs the frontend one read per request, not a prompt's preparation."""
+        full = await asyncio.to_thread(
+            frontend().admission_queue().full_for,
+            model,
+            self._queue_tenant,
+            max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
+            max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+        )
+        if full is not None:
+            raise queue_full(model, full)
+
+    @property
+    def _queue_tenant(self) -> str:
+        """The caller's tenant as the admission queue names it."""
+        return "anonymous" if self.caller.tenant_id is None else str(self.caller.tenant_id)
+
     async def _send_now(self, prepared: PreparedRequest, workers: Mapping[str, Heartbeat]) -> None:
         """With the queue off: decide and send now, or the 503 of every worker busy (counted)."""
         try:
@@ -300,7 +320,7 @@ class ServedRequest:
         queued = QueuedRequest(
             request_id=self.request_id,
             model=model,
-            tenant="anonymous" if caller.tenant_id is None else str(caller.tenant_id),
+            tenant=self._queue_tenant,
             priority=self.priority or 0,
             weight=caller.queue_weight if settings.ROUTER_QUEUE_ORDER == "fair" else 0.0,
         )
@@ -325,15 +345,14 @@ class ServedRequest:
                 if ahead is None:  # swept: this frontend was taken for dead (Redis unreachable)
                     raise shed(503, f"Request {self.request_id} lost its place in line.", "queue_lost", 1)
                 if ahead == 0:
-                    await self._take_slot()
                     try:
-                        await self._decide_and_send(prepared, self.request_id)
+                        # The tenant's slot is taken once a worker is reserved, before the send.
+                        await self._decide_and_send(prepared, self.request_id, on_reserved=self._take_slot)
                         dispatched = True
                         return
                     except ApiError as refused:
                         if refused.code != "all_workers_busy":
                             raise
-                    await self._free_slot()
                     head_poll_s = min(head_poll_s * 2, HEAD_POLL_MAX_S)
                 left_s = deadline - time.monotonic()
                 if left_s <= 0:
@@ -366,6 +385,7 @@ class ServedRequest:
         *,
         resend: GenerateTask | None = None,
         workers: Mapping[str, Heartbeat] | None = None,
+        on_reserved: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Choose among the eligible workers not tried yet, reserve there, and send `task_id`.
 
@@ -374,6 +394,8 @@ class ServedRequest:
         send that fails leaves one lease to release, by `close`. `resend` is a task already
         built (a migration: its media are stored, its encoder chosen); else the task is built
         from `prepared`, its media stored. `workers`: the eligible workers, when just looked up.
+        `on_reserved`: awaited once a worker is reserved, before anything is sent (a refusal there
+        leaves the reservation to the lease, which `close` releases).
         """
         view = prepared.view
         if workers is None:
@@ -399,6 +421,8 @@ class ServedRequest:
             await asyncio.to_thread(self.lease.reassign, lease.decision, lease.instance)
         self.task_id = task_id
         self.tried.append(lease.worker)
+        if on_reserved is not None:
+            await on_reserved()
         if resend is None:
             image_refs, video_refs, processed = await store_media(prepared, self.request_id, self.media)
             task = dataclasses.replace(

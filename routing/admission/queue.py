@@ -165,6 +165,19 @@ class AdmissionQueue:
         """Whether any request of `model` is queued (a new one then joins behind them)."""
         return bool(self._client.exists(f"{self._namespace}{BANDS_FAMILY}{model}"))
 
+    def full_for(self, model: str, tenant: str, *, max_depth: int, max_tenant_depth: int) -> QueueFull | None:
+        """Whether a request of `tenant` would find the queue full (a look, without a sweep), so a
+        flood is shed before the work of preparing it: a tenant with requests queued has every
+        new one queued behind them. The drain rate is the model's dispatches kept for the window
+        (trimmed by the last join or leave)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hget(f"{self._namespace}{TENANT_DEPTH_KEY}", tenant)
+        pipe.get(f"{self._namespace}{TOTAL_KEY}")
+        pipe.zcard(f"{self._namespace}{DRAINED_FAMILY}{model}")
+        mine, total, drained = (int(n or 0) for n in pipe.execute())
+        cause = "tenant" if mine >= max_tenant_depth else "total" if total >= max_depth else None
+        return None if cause is None else QueueFull(cause, total, drained / DRAIN_WINDOW_S)
+
     def depths(self) -> list[QueueDepth]:
         """What is queued, by model, tenant and priority (dead frontends' entries swept first)."""
         flat = self._depths(self._namespace)
