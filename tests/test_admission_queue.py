@@ -137,3 +137,12 @@ def test_a_full_queue_is_seen_before_joining_it(make_queue):
     assert queue.full_for("demo", "A", max_depth=10, max_tenant_depth=2) is None
     assert queue.full_for("demo", "A", max_depth=10, max_tenant_depth=1).cause == "tenant"
     assert queue.full_for("demo", "B", max_depth=1, max_tenant_depth=5).cause == "total"
+
+
+def test_the_front_is_the_first_entries_across_bands_in_order(make_queue):
+    queue = make_queue()
+    low = join(queue, "low", "A", priority=0)
+    high = join(queue, "high", "B", priority=5)
+    join(queue, "low2", "A", priority=0)
+    assert queue.front("demo", 2) == [high.member, low.member]
+    assert queue.front("other", 2) == []

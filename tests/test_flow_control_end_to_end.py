@@ -37,6 +37,12 @@ def until(condition, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def counted(platform: PlatformProcesses) -> dict:
+    """Every request status the frontends counted, by worker (for a failure's message)."""
+    totals = telemetry.read_totals(platform.redis, platform.statistics_namespace)
+    return dict(totals["requests"].values) if "requests" in totals else {}
+
+
 def answered_without_a_worker(platform: PlatformProcesses, status: int) -> int:
     """Requests the frontends closed with `status` before any worker was chosen for them."""
     totals = telemetry.read_totals(platform.redis, platform.statistics_namespace)
@@ -195,10 +201,11 @@ def test_a_client_gone_while_queued_never_reaches_a_worker_and_shed_requests_get
     held.join()
     # and each of the three was closed with no worker ever chosen for it (the frontend counts
     # them as it closes them; its counts reach Redis at its next flush)
-    until(
-        lambda: [answered_without_a_worker(platform, status) for status in (499, 429, 503)] == [1, 1, 1],
-        "the three requests counted as closed without a worker",
-    )
+    closed = lambda: [answered_without_a_worker(platform, status) for status in (499, 429, 503)]  # noqa: E731
+    try:
+        until(lambda: closed() == [1, 1, 1], "the three requests counted as closed without a worker")
+    except AssertionError:
+        raise AssertionError(f"counted: {counted(platform)}") from None
 
 
 def test_a_killed_frontend_leaves_no_request_in_the_queue_past_its_liveness_ttl(platform_processes):

@@ -1,35 +1,35 @@
 """The frontend's side of the admission queue (routing.admission): which priority a request runs
-at, what a shed request answers, and this process's wake-ups of its waiting requests.
+at, what a shed request answers, and this process's watch over the front of the queue.
 
-A waiting request polls its place (`AdmissionQueue.turn`) with a backoff; what happens in this
-process that may let the first in line go (a request dispatched or finished here) wakes the
-few requests nearest the front at once, so a freed worker is taken without waiting out a poll.
-Another frontend's release reaches them by their next poll (at most `HEAD_POLL_MAX_S`).
+One loop per model in each frontend process (`Turns`) looks at who is first in line, for all the
+requests the process has waiting, in one Redis call (which also renews the process's liveness
+mark and sweeps dead frontends' entries); when the first is one of its own, it wakes that request,
+which decides and sends. It looks again at once when something in this process may have freed a
+worker (a request dispatched or finished here), else with a backoff from HEAD_POLL_MIN_S to
+HEAD_POLL_MAX_S; another frontend's release reaches it by that poll. So the queue costs Redis a
+few calls per frontend per second, however many requests wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 
+import redis
 from django.conf import settings
 
 from inference_platform.serving.errors import ApiError
-from routing.admission.queue import MAX_PRIORITY, QueueFull, wait_estimate_s
+from routing.admission.queue import MAX_PRIORITY, AdmissionQueue, QueueFull, wait_estimate_s
 from routing.observe import telemetry
 from tenants.keys import Caller
 
 # The request's priority as a header, for clients that cannot add a body field.
 PRIORITY_HEADER = "x-priority"
 
-# The first in line polls from HEAD_POLL_MIN_S, doubling to HEAD_POLL_MAX_S while no worker frees;
-# those behind it poll less often the further back they are (at most BEHIND_POLL_MAX_S apart).
+# The watch polls from HEAD_POLL_MIN_S, doubling to HEAD_POLL_MAX_S while the first in line stays.
 HEAD_POLL_MIN_S = 0.01
 HEAD_POLL_MAX_S = 0.2
-BEHIND_POLL_S = 0.02
-BEHIND_POLL_MAX_S = 2.0
-# The requests this near the front wake on this process's releases.
-WOKEN_AHEAD = 2
 
 
 def request_priority(asked: int | None, headers: Mapping[str, str], caller: Caller) -> int:
@@ -57,14 +57,6 @@ def request_priority(asked: int | None, headers: Mapping[str, str], caller: Call
     if not settings.REQUEST_PRIORITIES:
         return caller.default_priority
     return caller.default_priority if asked is None else asked
-
-
-def poll_interval_s(ahead: int, head_poll_s: float) -> float:
-    """How long a waiting request sleeps before it looks at its place again: at most a third of
-    its frontend's liveness TTL, since the polls are what renew it."""
-    if ahead <= 0:
-        return head_poll_s
-    return min(BEHIND_POLL_S * ahead, BEHIND_POLL_MAX_S, settings.ROUTER_QUEUE_FRONTEND_TTL_SECS / 3)
 
 
 def shed(status: int, message: str, code: str, retry_after_s: int) -> ApiError:
@@ -119,36 +111,65 @@ class WaitingHere:
         )
 
 
-class Wakeups:
-    """This process's signal, per model, that a worker may have freed (one per event loop)."""
+class Turns:
+    """This process's requests waiting in the admission queue, by model and member, and the one
+    watch per model that wakes the request first in line (see the module)."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._waiting: dict[str, dict[str, asyncio.Future[None]]] = {}
+        self._watches: dict[str, asyncio.Task[None]] = {}
+        self._nudges: dict[str, asyncio.Event] = {}
 
-    async def wait(self, model: str, timeout_s: float) -> None:
-        """Until the next `notify(model)`, or `timeout_s`."""
-        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiting = self._waiting.setdefault(model, set())
-        waiting.add(woken)
+    async def wait(self, queue: AdmissionQueue, model: str, member: str, timeout_s: float) -> bool:
+        """Until `member` is first in line (True), or `timeout_s` (False)."""
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        waiting = self._waiting.setdefault(model, {})
+        waiting[member] = turn
+        watch = self._watches.get(model)
+        if watch is None or watch.done() or watch.get_loop() is not loop:
+            self._nudges[model] = asyncio.Event()
+            self._watches[model] = loop.create_task(self._watch(queue, model))
         try:
-            await asyncio.wait_for(woken, timeout_s)
+            await asyncio.wait_for(turn, timeout_s)
+            return True
         except TimeoutError:
-            pass
+            return False
         finally:
-            waiting.discard(woken)
+            if waiting.get(member) is turn:
+                del waiting[member]
 
     def notify(self, model: str) -> None:
-        for woken in self._waiting.pop(model, ()):
-            if not woken.done() and not woken.get_loop().is_closed():
-                woken.set_result(None)
+        """Something here may have freed a worker of `model`: the watch looks again now."""
+        nudge = self._nudges.get(model)
+        if nudge is not None:
+            nudge.set()
+
+    async def _watch(self, queue: AdmissionQueue, model: str) -> None:
+        poll_s, last_first = HEAD_POLL_MIN_S, None
+        nudge = self._nudges[model]
+        while self._waiting.get(model):
+            try:
+                front = await asyncio.to_thread(queue.front, model, 1)
+            except redis.RedisError:
+                front = []  # the waiting requests time out if Redis stays away
+            first = front[0] if front else None
+            turn = self._waiting.get(model, {}).get(first) if first is not None else None
+            if turn is not None and not turn.done():
+                turn.set_result(None)
+            poll_s = HEAD_POLL_MIN_S if first != last_first else min(poll_s * 2, HEAD_POLL_MAX_S)
+            last_first = first
+            nudge.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(nudge.wait(), poll_s)
 
 
-_wakeups = Wakeups()
+_turns = Turns()
 _waiting_here = WaitingHere()
 
 
-def wakeups() -> Wakeups:
-    return _wakeups
+def turns() -> Turns:
+    return _turns
 
 
 def waiting_here() -> WaitingHere:

@@ -36,16 +36,12 @@ from django.conf import settings
 
 from inference_platform.fleet_status import no_worker_error
 from inference_platform.serving.admission import (
-    HEAD_POLL_MAX_S,
-    HEAD_POLL_MIN_S,
-    WOKEN_AHEAD,
-    poll_interval_s,
     queue_full,
     queue_timeout,
     request_priority,
     shed,
+    turns,
     waiting_here,
-    wakeups,
 )
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
@@ -303,9 +299,9 @@ class ServedRequest:
         in the admission queue (routing.admission) and decide and send when the request is first
         in line and a worker frees, or shed it past ROUTER_QUEUE_MAX_WAIT_SECS.
 
-        Only this frontend dispatches its own entry, and only when the queue says it is first:
-        requests of every frontend leave in one order, each once. The entry is left however the
-        wait ends (dispatched, timed out, the client gone), at once.
+        Only this frontend dispatches its own entry, and only when the queue says it is first
+        (its watch, `admission.Turns`): requests of every frontend leave in one order, each once.
+        The entry is left however the wait ends (dispatched, timed out, the client gone), at once.
         """
         model = prepared.model.name
         queue = frontend().admission_queue()
@@ -338,33 +334,27 @@ class ServedRequest:
         started = time.monotonic()
         deadline = started + settings.ROUTER_QUEUE_MAX_WAIT_SECS
         dispatched = False
-        head_poll_s = HEAD_POLL_MIN_S
         try:
             while True:
-                ahead = await asyncio.to_thread(queue.turn, ticket)
-                if ahead is None:  # swept: this frontend was taken for dead (Redis unreachable)
-                    raise shed(503, f"Request {self.request_id} lost its place in line.", "queue_lost", 1)
-                if ahead == 0:
-                    try:
-                        # The tenant's slot is taken once a worker is reserved, before the send.
-                        await self._decide_and_send(prepared, self.request_id, on_reserved=self._take_slot)
-                        dispatched = True
-                        return
-                    except ApiError as refused:
-                        if refused.code != "all_workers_busy":
-                            raise
-                    head_poll_s = min(head_poll_s * 2, HEAD_POLL_MAX_S)
                 left_s = deadline - time.monotonic()
                 if left_s <= 0:
+                    ahead = await asyncio.to_thread(queue.turn, ticket)
+                    if ahead is None:  # swept: this frontend was taken for dead (Redis unreachable)
+                        raise shed(503, f"Request {self.request_id} lost its place in line.", "queue_lost", 1)
                     retry_after = wait_estimate_s(
                         ahead, ticket.drain_per_s, settings.ROUTER_BUSY_RETRY_AFTER_SECS
                     )
                     raise queue_timeout(model, self.request_id, time.monotonic() - started, retry_after)
-                pause_s = min(poll_interval_s(ahead, head_poll_s), left_s)
-                if ahead <= WOKEN_AHEAD:
-                    await wakeups().wait(model, pause_s)
-                else:
-                    await asyncio.sleep(pause_s)
+                if not await turns().wait(queue, model, ticket.member, left_s):
+                    continue
+                try:
+                    # The tenant's slot is taken once a worker is reserved, before the send.
+                    await self._decide_and_send(prepared, self.request_id, on_reserved=self._take_slot)
+                    dispatched = True
+                    return
+                except ApiError as refused:
+                    if refused.code != "all_workers_busy":
+                        raise
         finally:
             await asyncio.shield(asyncio.to_thread(queue.leave, ticket, dispatched=dispatched))
             waiting_here().add(model, queued.tenant, queued.priority, -1)
@@ -374,7 +364,7 @@ class ServedRequest:
                 labels={"model": model, "priority": str(queued.priority)},
             )
             if dispatched:
-                wakeups().notify(model)  # the next in line may find a worker too
+                turns().notify(model)  # the next in line may find a worker too
 
     # -- decide and send: the one routine of the first send, a migration and a replan ---------
 
@@ -654,7 +644,7 @@ class ServedRequest:
                     "could not free the load of request %s on worker %s", self.request_id, self.worker
                 )
             if self.prepared is not None:
-                wakeups().notify(self.prepared.model.name)  # a request of this process may go now
+                turns().notify(self.prepared.model.name)  # a request of this process may go now
         self.clock.finish(status, self.worker, done)
         if self._admitted:
             await asyncio.shield(self._end_for_tenant(done))

@@ -125,6 +125,7 @@ class AdmissionQueue:
         self._turn = LuaScript(client, lua_script(__package__, "turn.lua", _FUNCTIONS))
         self._leave = LuaScript(client, lua_script(__package__, "leave.lua", _FUNCTIONS))
         self._depths = LuaScript(client, lua_script(__package__, "depths.lua", _FUNCTIONS))
+        self._front = LuaScript(client, lua_script(__package__, "front.lua", _FUNCTIONS))
         self._client = client
 
     def join(self, request: QueuedRequest, *, max_depth: int, max_tenant_depth: int) -> Ticket:
@@ -156,6 +157,12 @@ class AdmissionQueue:
         """Entries ahead of the ticket (0: its turn), or None if it is no longer queued."""
         ahead = int(self._turn(self._namespace, ticket.member, self.frontend, self._ttl_ms))
         return None if ahead < 0 else ahead
+
+    def front(self, model: str, count: int) -> list[str]:
+        """The members of the first `count` entries of `model`'s order, first in line first; it
+        renews this frontend's liveness mark (one call per frontend, for all its waiting requests)."""
+        members = self._front(self._namespace, model, self.frontend, self._ttl_ms, int(count))
+        return [m.decode() if isinstance(m, bytes) else m for m in members]
 
     def leave(self, ticket: Ticket, *, dispatched: bool) -> bool:
         """Take the ticket's entry out (at most once: False if it had gone already)."""
