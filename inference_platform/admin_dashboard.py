@@ -134,6 +134,8 @@ NUMBERS: tuple[tuple[str, str, str], ...] = (
     ("hit_local_image", "Local image hit rate", ""),
     ("hit_shared_image", "Shared image hit rate", ""),
     ("overlap_given_up", "Overlap given up", ""),
+    ("queue_wait_p90", "Admission wait p90", "How long requests waited in the admission queue for a worker."),
+    ("shed", "Shed", "Requests the admission queue turned away (full, or waited too long)."),
 )
 # (key, title, unit, note): the charts; dashboard.js draws each from the snapshot.
 CHARTS: tuple[tuple[str, str, str, str], ...] = (
@@ -152,6 +154,14 @@ CHARTS: tuple[tuple[str, str, str, str], ...] = (
         "requests waiting",
         "Requests each worker's engine accepted and has not started: the mean of its samples each minute.",
     ),
+    (
+        "admission",
+        "Admission queue",
+        "requests",
+        "Requests waiting for a worker in the router's queue, on average (the time they waited each "
+        "minute over the minute), and those it turned away each minute.",
+    ),
+    ("admission_wait", "Admission queue wait", "ms", "How long requests waited in the router's queue."),
     (
         "kv_usage",
         "KV cache use per worker",
@@ -193,6 +203,8 @@ def big_numbers(snapshot: Snapshot) -> list[dict[str, str]]:
         "inter_token_p50": milliseconds(totals["inter_token"]["p50"]),
         **{f"hit_{cache}": percent(window["caches"][cache]["hit_rate"]) for cache in CACHES},
         "overlap_given_up": overlap_text(given_up, totals["overlap_given_up_share"]),
+        "queue_wait_p90": milliseconds(totals["queue_wait"]["p90"]),
+        "shed": str(totals["shed"]),
     }
     return [{"key": key, "label": label, "value": values[key], "note": note} for key, label, note in NUMBERS]
 

@@ -225,11 +225,35 @@ ROUTER_LOAD_BOUND_RATIO = env_float("ROUTER_LOAD_BOUND_RATIO", 1.5, minimum=1.0)
 # Reserved prefill drains at each worker's measured prefill rate (its heartbeat carries it), so
 # a prompt half done weighs half; off: a prompt counts in full until its first token (Dynamo's).
 ROUTER_PREFILL_DRAIN = env_bool("ROUTER_PREFILL_DRAIN", True)
-# Busy thresholds: a worker at or past one takes no new request; when all are, 503 + Retry-After.
-ROUTER_BUSY_MAX_REQUESTS = env_int("ROUTER_BUSY_MAX_REQUESTS", 32, minimum=0)  # running + waiting; 0: off
+# Busy thresholds: a worker at or past one takes no new request; when all are, the request waits
+# in the admission queue (503 + Retry-After with the queue off). By default a worker is busy when
+# its engine holds as many requests as it accepts (a full batch and its waiting slots): past
+# that, a request would only wait first come first served in the worker's Celery queue, where
+# neither fairness nor priority can reach it.
+ROUTER_BUSY_MAX_REQUESTS = env_int(
+    "ROUTER_BUSY_MAX_REQUESTS", ENGINE_MAX_RUNNING + ENGINE_WAITING_SLOTS, minimum=0
+)  # running + waiting; 0: off
 ROUTER_BUSY_KV_FRACTION = env_float("ROUTER_BUSY_KV_FRACTION", 0.0, minimum=0.0)  # of capacity; 0: off
 # At least a heartbeat interval: the engine's report may count a finished request that long.
 ROUTER_BUSY_RETRY_AFTER_SECS = env_float("ROUTER_BUSY_RETRY_AFTER_SECS", 2.0, positive=True)
+# The admission queue (routing.admission): when no worker of the model can take a request now,
+# it waits in an order shared by every frontend (priority bands, then fair between tenants by
+# weight, then arrival) for at most ROUTER_QUEUE_MAX_WAIT_SECS. Off: today's 503 at once.
+ROUTER_QUEUE_ENABLED = env_bool("ROUTER_QUEUE_ENABLED", True)
+ROUTER_QUEUE_MAX_WAIT_SECS = env_float("ROUTER_QUEUE_MAX_WAIT_SECS", 30.0, positive=True)
+ROUTER_QUEUE_MAX_DEPTH = env_int("ROUTER_QUEUE_MAX_DEPTH", 2048, minimum=1)  # every tenant's, together
+ROUTER_QUEUE_MAX_TENANT_DEPTH = env_int("ROUTER_QUEUE_MAX_TENANT_DEPTH", 512, minimum=1)
+# Ordering within a band: "fair" (start-time fair queuing by tenant weight) or "fifo" (arrival
+# order, the fairness baseline).
+ROUTER_QUEUE_ORDER = (env_str("ROUTER_QUEUE_ORDER") or "fair").lower()
+if ROUTER_QUEUE_ORDER not in ("fair", "fifo"):
+    raise ValueError(f"ROUTER_QUEUE_ORDER={ROUTER_QUEUE_ORDER!r} must be fair or fifo")
+# Requests' priorities (their tenant's default, or the lower one they ask for) order the queue's
+# bands and the engines' waiting prompts; off, every request runs at its tenant's default.
+REQUEST_PRIORITIES = env_bool("REQUEST_PRIORITIES", True)
+# A frontend's queued requests stay while its liveness mark does (renewed by every waiting
+# request's poll, at most a second apart): a frontend killed mid-wait leaves none behind past it.
+ROUTER_QUEUE_FRONTEND_TTL_SECS = env_float("ROUTER_QUEUE_FRONTEND_TTL_SECS", 5.0, minimum=2.0)
 
 # --- Media (names and defaults from Dynamo's documentation) ------------------------------------
 DYN_MM_FRONTEND_DECODING = env_bool("DYN_MM_FRONTEND_DECODING", False)

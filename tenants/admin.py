@@ -68,8 +68,9 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ("name",)
     fields = (
         "name", "share_prefix_cache", "requests_per_minute", "prompt_tokens_per_minute",
-        "max_concurrent_requests", "allowed_models", "usage_requests", "usage_prompt_tokens",
-        "usage_cached_tokens", "usage_completion_tokens", "usage_refused", "created_at",
+        "max_concurrent_requests", "allowed_models", "queue_weight", "default_priority",
+        "max_priority", "usage_requests", "usage_prompt_tokens", "usage_cached_tokens",
+        "usage_completion_tokens", "usage_refused", "created_at",
     )  # fmt: skip
     readonly_fields = (
         "usage_requests", "usage_prompt_tokens", "usage_cached_tokens", "usage_completion_tokens",

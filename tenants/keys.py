@@ -35,7 +35,7 @@ from routing.prompt.hashing import cache_salt
 from routing.state.expiring import ExpiringLru
 from routing.state.redis_keys import read_generation, renew_generation, sync_client
 from tenants.key_use import note_key_used
-from tenants.models import ApiKey, Tenant
+from tenants.models import DEFAULT_PRIORITY, ApiKey, Tenant
 
 logger = logging.getLogger("tenants.keys")
 
@@ -60,6 +60,9 @@ class Caller:
     prompt_tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
     usage_id: str | None = None  # keys the tenant's usage counters (tenants.usage)
+    queue_weight: float = 1.0  # its share of a busy platform within a priority band
+    default_priority: int = DEFAULT_PRIORITY  # a request's priority when it names none
+    max_priority: int = DEFAULT_PRIORITY  # the highest a request may ask for
     allowed_models: frozenset[str] | None = None  # the models it may use; None: every model
 
     def may_use(self, model: str) -> bool:
@@ -157,6 +160,9 @@ def _tenant_caller(tenant: Tenant, *, key_prefix: str | None, staff: bool) -> Ca
         prompt_tokens_per_minute=tenant.prompt_tokens_per_minute,
         max_concurrent_requests=tenant.max_concurrent_requests,
         usage_id=str(tenant.usage_id),
+        queue_weight=tenant.queue_weight,
+        default_priority=tenant.default_priority,
+        max_priority=tenant.max_priority,
         allowed_models=tenant.allowed_model_names,
     )
 

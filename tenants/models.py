@@ -9,8 +9,12 @@ from __future__ import annotations
 import secrets
 import uuid
 
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
+
+from routing.admission.queue import DEFAULT_PRIORITY, MAX_PRIORITY
 
 
 def new_cache_salt() -> str:
@@ -42,6 +46,23 @@ class Tenant(models.Model):
         null=True, blank=True, help_text="Empty: no limit."
     )
     max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True, help_text="Empty: no limit.")
+    # Flow control (routing.admission): while no worker can take a request, the queue serves
+    # priority bands strictly and, within one, each tenant in proportion to its weight.
+    queue_weight = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(0.01), MaxValueValidator(1000.0)],
+        help_text="The tenant's share of a busy platform against the others in a priority band (1: equal).",
+    )
+    default_priority = models.PositiveSmallIntegerField(
+        default=DEFAULT_PRIORITY,
+        validators=[MaxValueValidator(MAX_PRIORITY)],
+        help_text=f"Priority of a request that names none (0-{MAX_PRIORITY}; higher waits less).",
+    )
+    max_priority = models.PositiveSmallIntegerField(
+        default=DEFAULT_PRIORITY,
+        validators=[MaxValueValidator(MAX_PRIORITY)],
+        help_text="The highest priority a request may ask for (it may always ask for a lower one).",
+    )
     # Names, not a relation: read with the tenant's row when a key is verified (no query more per
     # key), and a tenant may be limited to a model before its first worker announces it.
     allowed_models = models.TextField(
@@ -53,6 +74,11 @@ class Tenant(models.Model):
 
     class Meta:
         ordering = ["name"]
+
+    def clean(self) -> None:
+        low, high = self.default_priority, self.max_priority
+        if low is not None and high is not None and low > high:
+            raise ValidationError({"default_priority": "The default may not exceed the maximum priority."})
 
     def __str__(self) -> str:
         return self.name

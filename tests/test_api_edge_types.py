@@ -140,6 +140,7 @@ SITES: dict[str, dict[str, Any]] = {
     "modalities": {"modalities": ["text"]},
     "modalities[]": {"modalities": ["text"]},
     "cache_salt": {"cache_salt": "salt"},
+    "priority": {"priority": 0},
     "user": {"user": "user-1"},
 }
 BASE: dict[str, Any] = {

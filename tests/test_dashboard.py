@@ -672,3 +672,31 @@ def test_the_epd_table_shows_the_embeddings_a_both_worker_holds_not_the_routers_
     # then
     held = {entry["name"]: entry["cached_entries"] for entry in section["workers"]}
     assert held == {"gpu0": 6, "enc0": 2}
+
+
+def test_the_admission_queue_over_time_comes_from_the_frontends_waits_and_sheds(
+    redis_client: redis.Redis, key_namespace: str
+) -> None:
+    # given: two frontends whose requests waited in the admission queue 30 s and 15 s this minute
+    # (one request waiting all the time, and another half of it, on average), and a request shed
+    now = away_from_a_minute_boundary()
+    labels = {"model": "demo", "priority": "4"}
+    for source, waits in (("web:a", (20.0, 10.0)), ("web:b", (0.2, 14.8))):
+        frontend = MetricsRecorder(
+            redis_client, key_namespace, source=source, clock=lambda: now, flush_interval=3600
+        )
+        for waited in waits:
+            frontend.observe("admission_queue_wait_seconds", waited, labels=labels)
+        if source == "web:a":
+            frontend.inc("requests_shed", labels={"cause": "queue_timeout"})
+        frontend.flush()
+
+    # when
+    window = DashboardReader(redis_client, key_namespace).snapshot(ROWS, minutes=3, now=now)["window"]
+
+    # then: the minute's mean depth over both frontends, the waits' quantiles, the shed count
+    minute = window["per_minute"][-1]
+    assert minute["queued"] == pytest.approx(45 / 60)
+    assert minute["queue_wait"]["p50"] <= 10 < minute["queue_wait"]["p90"] <= 30
+    assert minute["shed"] == 1 and window["totals"]["shed"] == 1
+    assert window["per_minute"][0]["queued"] is None

@@ -180,9 +180,16 @@ def test_dashboard_in_a_browser_shows_what_was_sent_follows_a_drain_and_fits_800
     assert number(driver, "hit_kv") not in ("—", "0.0%"), "repeated images hit the KV prefix cache"
     assert number(driver, "overlap_given_up").endswith("%)"), "the router's overlap figures reached the page"
     charts = driver.find_elements(By.CSS_SELECTOR, "#charts .chart")
-    assert len(driver.find_elements(By.CSS_SELECTOR, "#charts .uplot")) == len(charts) == 13, (
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#charts .uplot")) == len(charts) == 15, (
         "every chart drew"
     )
+    # the admission queue's charts and figures: nothing waited for a worker, nothing was shed
+    admission = until(
+        lambda: chart_table(driver, "admission"), lambda t: set(t) == {"waiting", "shed"}, what="admission"
+    )
+    assert not any(cell.isdigit() and int(cell) for cell in admission["shed"]), admission
+    assert set(chart_table(driver, "admission_wait")) == {"p50", "p90", "p99"}
+    assert number(driver, "shed") == "0"
     # 5xx apart from 4xx and 429: the wrong key is a client error, and nothing is red
     until(
         lambda: number(driver, "client_errors"),

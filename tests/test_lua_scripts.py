@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from routing.admission.queue import AdmissionQueue
 from routing.fleet import registry
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
@@ -54,6 +55,7 @@ def composed_scripts(redis_client: redis.Redis, key_namespace: str) -> dict[str,
     for owner_name, owner in {
         "media": MediaStore(redis_client, key_namespace),
         "limits": TenantLimiter(redis_client, key_namespace),
+        "admission": AdmissionQueue(redis_client, key_namespace, "frontend", frontend_ttl_s=5.0),
     }.items():
         for name, source in _sources(owner).items():
             scripts[f"{owner_name}.{name}"] = source

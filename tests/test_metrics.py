@@ -211,3 +211,30 @@ def test_refusals_at_the_edge_401_and_415_appear_in_metrics(shared_platform) -> 
         time.sleep(0.3)
     assert seen == expected
     assert (chat_401, chat_415) == (2, 1)
+
+
+@pytest.mark.django_db
+def test_the_admission_queue_depth_adds_up_over_frontends_with_its_waits_and_shed_requests(
+    deployment: float,
+) -> None:
+    # given: two frontend processes with requests waiting, waits recorded and a request shed
+    labels = {"model": "demo", "tenant": "7", "priority": "4"}
+    for source, waiting in (("web:a", 2), ("web:b", 1)):
+        recorder = MetricsRecorder(
+            sync_client(live_settings.REDIS_URL), statistics_namespace(), source=source
+        )
+        recorder.set_gauge("admission_queue_depth", waiting, labels=labels)
+        recorder.observe("admission_queue_wait_seconds", 1.5, labels={"model": "demo", "priority": "4"})
+        recorder.inc("requests_shed", labels={"cause": "queue_timeout"})
+        recorder.close()
+
+    # when: scraped
+    samples, families = scrape()
+
+    # then: the queue's depth by model, tenant and priority, its wait histogram, shed by cause
+    assert families["mmr_admission_queue_depth"].type == "gauge"
+    assert value(samples, "mmr_admission_queue_depth", **labels) == 3
+    wait = {"model": "demo", "priority": "4"}
+    assert value(samples, "mmr_admission_queue_wait_seconds_bucket", **wait, le="2.5") == 2
+    assert value(samples, "mmr_admission_queue_wait_seconds_bucket", **wait, le="1.0") == 0
+    assert value(samples, "mmr_requests_shed_total", cause="queue_timeout") == 2

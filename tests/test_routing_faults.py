@@ -248,12 +248,16 @@ def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pla
 
 
 def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_processes):
-    # given: one worker that counts as busy with one request in flight, and that request held
+    # given: no admission queue (its baseline: refused at once), one worker that counts as busy
+    # with one request in flight, and that request held
     # in flight: the worker is frozen before it is sent, so the request cannot finish before the
     # second one has been answered, however fast or loaded the machine (its heartbeat outlives
     # the hold)
     platform = platform_processes(
-        ROUTER_BUSY_MAX_REQUESTS="1", ROUTER_BUSY_RETRY_AFTER_SECS="2", WORKER_HEARTBEAT_TTL_SECS="60"
+        ROUTER_BUSY_MAX_REQUESTS="1",
+        ROUTER_BUSY_RETRY_AFTER_SECS="2",
+        WORKER_HEARTBEAT_TTL_SECS="60",
+        ROUTER_QUEUE_ENABLED="0",
     )
     platform.start_worker("solo", *SIMULATED)
     platform.wait_for_workers("solo")

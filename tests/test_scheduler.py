@@ -227,3 +227,24 @@ def test_a_prompt_computes_a_shared_prefix_itself_when_its_sibling_is_gone() -> 
     first.cancelled = True  # the client left mid-prefill
     scheduler.drop_cancelled()
     assert step(scheduler) == {"second": 8}  # the two cached blocks reused, the rest its own
+
+
+@pytest.mark.parametrize("policy", ["shortest_first", "fcfs"])
+def test_waiting_prompts_of_a_higher_priority_start_first_whatever_came_before(policy) -> None:
+    # given room for two of four waiting prompts: two of a batch job's first, then two urgent
+    scheduler = Scheduler(
+        KvPool(capacity_blocks=64, block_size=BLOCK, worker="w"),
+        max_batch_tokens=100,
+        max_running=2,
+        policy=policy,
+    )
+    for n in range(2):
+        scheduler.add(sequence(f"batch{n}", [n] * 5))
+    for n in range(2):
+        urgent = sequence(f"urgent{n}", [10 + n] * 5)
+        urgent.priority = 9
+        scheduler.add(urgent)
+
+    # then the urgent ones run, the batch job's wait
+    assert set(step(scheduler)) == {"urgent0", "urgent1"}
+    assert [s.request_id for s in scheduler.waiting] == ["batch0", "batch1"]

@@ -449,8 +449,9 @@ async def test_a_picture_changed_at_its_origin_fault_injected_is_planned_again_r
 async def test_every_worker_busy_answers_503_and_releases_the_slot_and_clock_once(
     served_demo_model, tenant_caller, releases, settings
 ):
-    # given the only worker past the busy threshold
+    # given the only worker past the busy threshold, and no admission queue to wait in
     settings.ROUTER_BUSY_MAX_REQUESTS = 1
+    settings.ROUTER_QUEUE_ENABLED = False
     await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model, running=1)
     request = ServedRequest(new_request_id(), tenant_caller)
 

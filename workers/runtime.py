@@ -208,6 +208,7 @@ class WorkerRuntime:
                 continued_token_ids=list(task.continued_token_ids),
                 prompt_tokens=task.prompt_tokens,
                 image_ends=task.image_ends,
+                priority=task.priority or 0,
             )
             receipts: list[Any] = []
             await_features = None

@@ -11,6 +11,10 @@ token budget and a cap on running requests. Which prompts go first is the policy
 - `fcfs`: running prompts, then waiting ones, in arrival order, packed into the budget (the
   engine before; what the scheduling benchmark measures against).
 
+Under either policy, a prompt of a higher priority (its request's, routing.admission) goes before
+every prompt of a lower one, and the policy orders prompts of one priority: a queue in the router
+cannot help an interactive request already waiting in a worker behind a batch job's prompts.
+
 Under either policy, a prompt whose next blocks another running prompt is computing right now
 waits for them to be cached instead of computing them again: siblings of a burst about one new
 picture arrive together on purpose (the router's predicted blocks send them to one worker), and
@@ -66,6 +70,7 @@ class SequenceState:
     cancelled: bool = False
     # A cached block to copy into the request's last prompt block before the step runs.
     copy_from: int | None = None
+    priority: int = 0  # its request's (GenerateTask.priority): higher prompts go first
 
     @property
     def pending(self) -> int:
@@ -141,10 +146,11 @@ class Scheduler:
         running = [s for s in self.running if s.pending > 1]
         waiting = [s for s in self.waiting if not s.cancelled]
         if self.policy == FCFS:
-            return running + waiting
+            return sorted(running + waiting, key=lambda s: -s.priority)  # stable: arrival within one
         return sorted(
             running + waiting,
             key=lambda s: (
+                -s.priority,
                 -1 if s.preemptions and not s.block_ids else 0,
                 self.prefill_left(s) - s.passed_over * self.max_batch_tokens,
                 s.arrival,

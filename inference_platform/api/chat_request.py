@@ -28,6 +28,7 @@ from typing import Any
 
 from inference_platform.api.errors import ApiError
 from inference_platform.serving.chat import ChatRequest, ImagePart, VideoPart
+from routing.admission.queue import MAX_PRIORITY
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 MAX_STOP_SEQUENCES = 4
@@ -334,6 +335,10 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         if not logprobs:
             raise _invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
 
+    priority = body.get("priority")
+    if priority is not None:
+        _integer(priority, "priority", 0, MAX_PRIORITY)
+
     return ChatRequest(
         model=model,
         messages=messages,
@@ -352,6 +357,7 @@ def parse_chat_request(body: dict[str, Any], *, max_tokens_limit: int) -> ChatRe
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body.get("logit_bias")),
+        priority=priority,
     )
 
 

@@ -35,6 +35,7 @@ from inference_platform.api.chat_request import (
     ROLES,
 )
 from inference_platform.serving.prepare import served_model
+from routing.admission.queue import MAX_PRIORITY
 
 _JSON = "application/json"
 
@@ -102,7 +103,7 @@ _ERRORS = {
     "429": _error_response(
         "`rate_limit_exceeded`: over one of the tenant's limits (requests or prompt tokens per minute, "
         "concurrent requests); `request_too_large`: the prompt alone is over the tenant's tokens per "
-        "minute.",
+        "minute; `tenant_queue_full`: too many of the tenant's own requests wait for a worker already.",
         {
             "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}},
             **{
@@ -116,8 +117,10 @@ _ERRORS = {
         "`worker_error`, `worker_vanished`: the worker failed or stopped while answering."
     ),
     "503": _error_response(
-        "`no_live_worker`, `all_workers_busy` (with `Retry-After`), `model_unavailable`, "
-        "`state_unavailable`, `broker_unavailable`: the platform cannot take the request now.",
+        "`no_live_worker`, `all_workers_busy` (the admission queue off), `queue_full`, `queue_timeout` "
+        "(waited `ROUTER_QUEUE_MAX_WAIT_SECS` for a worker), `model_unavailable`, `state_unavailable`, "
+        "`broker_unavailable`: the platform cannot take the request now. `Retry-After`, where given, is "
+        "the queue's wait at its recent drain rate.",
         {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}},
     ),
     "504": _error_response("`worker_timeout`: the worker did not answer in time."),
@@ -335,6 +338,16 @@ def _schemas(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                     "minLength": 1,
                     "maxLength": MAX_CACHE_SALT_LENGTH,
                     "description": "Narrows the caller's cache partition further (as vLLM's `cache_salt`).",
+                },
+                "priority": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "maximum": MAX_PRIORITY,
+                    "description": "Higher waits less: while every worker is busy, requests wait in "
+                    "priority bands (each band fair between tenants), and a worker's engine starts "
+                    "waiting prompts of a higher priority first. At most the tenant's maximum (a 400 "
+                    "above it); absent: the tenant's default. The `x-priority` header says the same "
+                    "for clients that cannot add a field.",
                 },
             },
             "example": {
@@ -598,6 +611,16 @@ def openapi_document(model_name: str, max_tokens_limit: int) -> dict[str, Any]:
                 "post": {
                     "operationId": "createChatCompletion",
                     "summary": "A chat completion, whole or streamed (server-sent events)",
+                    "parameters": [
+                        {
+                            "name": "x-priority",
+                            "in": "header",
+                            "required": False,
+                            "description": "The request's priority when its body names none "
+                            "(see `priority`).",
+                            "schema": {"type": "integer", "minimum": 0, "maximum": MAX_PRIORITY},
+                        }
+                    ],
                     "requestBody": {
                         "required": True,
                         "content": {_JSON: {"schema": _ref("ChatCompletionRequest")}},
@@ -743,6 +766,14 @@ def _limits() -> list[tuple[str, str]]:
             "requests and prompt tokens per minute and concurrent requests, as an operator sets them: a "
             "429 with `Retry-After`; answers carry `x-ratelimit-*` headers where a tenant has per-minute "
             "limits.",
+        ),
+        (
+            "queue",
+            "while no worker can take a request it waits, at most "
+            f"{settings.ROUTER_QUEUE_MAX_WAIT_SECS:g} s (`ROUTER_QUEUE_MAX_WAIT_SECS`), behind at most "
+            f"{settings.ROUTER_QUEUE_MAX_DEPTH} others (`ROUTER_QUEUE_MAX_DEPTH`), "
+            f"{settings.ROUTER_QUEUE_MAX_TENANT_DEPTH} of them its tenant's "
+            "(`ROUTER_QUEUE_MAX_TENANT_DEPTH`); a streamed answer sends nothing until it has a worker.",
         ),
     ]
 

@@ -43,3 +43,4 @@ class ChatRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias (ids checked in serving)
+    priority: int | None = None  # as the client asked (None: its tenant's default); checked in serving

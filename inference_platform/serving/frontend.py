@@ -10,13 +10,17 @@ the live policy, the worker rows), for tests that must not see another test's st
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import uuid
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 from django.conf import settings
 
 from inference_platform.serving.model_pool import ModelPool
+from routing.admission.queue import AdmissionQueue
 from routing.deployment import statistics_namespace
 from routing.fleet.encoders import EncoderPool
 from routing.fleet.registry import WorkerRegistry
@@ -44,6 +48,9 @@ class Frontend:
     def __init__(self) -> None:
         self._built: dict[tuple[str, Hashable], Any] = {}
         self._lock = threading.Lock()
+        # This process among the frontends, as the admission queue knows it (host, pid, and a
+        # nonce: a pid reused after a restart is another frontend).
+        self.frontend_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
     def _get(self, name: str, key: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
@@ -83,6 +90,20 @@ class Frontend:
             )
 
         return self._get("router", key, build)
+
+    def admission_queue(self) -> AdmissionQueue:
+        """The admission queue every frontend shares (routing.admission), as this process's."""
+        key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX, settings.ROUTER_QUEUE_FRONTEND_TTL_SECS)
+        return self._get(
+            "admission_queue",
+            key,
+            lambda: AdmissionQueue(
+                sync_client(settings.REDIS_URL),
+                settings.REDIS_KEY_PREFIX,
+                self.frontend_id,
+                frontend_ttl_s=settings.ROUTER_QUEUE_FRONTEND_TTL_SECS,
+            ),
+        )
 
     def registry(self) -> WorkerRegistry:
         key = (settings.REDIS_URL, settings.REDIS_KEY_PREFIX)

@@ -2,8 +2,9 @@
 last byte (as vLLM's `AsyncLLM.generate` owns a request and aborts it on cancel).
 
 - `open`: admit (the tenant's slot), prepare (prompt, images, token view), charge the prompt's
-  tokens, then decide and send (`_decide_and_send`). A router queue would wait between prepare
-  and decide; nothing after prepare depends on it happening at once.
+  tokens, then decide and send (`_decide_and_send`); when no worker can take it now, it waits in
+  the admission queue between charge and decide (`_send_in_turn`): the worker is chosen when it
+  leaves the queue, and a queued request holds no tenant slot.
 - `events()`: the worker's tokens, then its `DoneEvent`. A worker that vanishes makes the request
   move to another worker (`_migrate`), before or after its first token: after it, the new worker
   continues from the tokens already read, so the client sees one uninterrupted answer. A worker
@@ -17,7 +18,8 @@ What the request holds is freed in exactly one place each:
   by `RequestLease.release`, which `close` calls): the load reservation itself, the media blobs,
   the liveness mark, and the worker-side cancel of a task the worker did not end;
 - what precedes the lease is freed by `close` itself: the tenant's concurrency slot (with its
-  usage) and the metrics clock.
+  usage) and the metrics clock;
+- a place in the admission queue is left by `_send_in_turn` itself, whatever ends its wait.
 """
 
 from __future__ import annotations
@@ -26,13 +28,21 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import redis
 from django.conf import settings
 
 from inference_platform.fleet_status import no_worker_error
+from inference_platform.serving.admission import (
+    queue_full,
+    queue_timeout,
+    request_priority,
+    shed,
+    turns,
+    waiting_here,
+)
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.dispatch import (
@@ -58,6 +68,7 @@ from inference_platform.serving.prepare import (
     reserve_worker,
     session_scope_hash,
 )
+from routing.admission.queue import QueuedRequest, QueueFull, wait_estimate_s
 from routing.contract.responses import cancel_key, live_key
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, GenerateTask, TokenEvent
 from routing.fleet.registry import Heartbeat
@@ -116,6 +127,7 @@ class ServedRequest:
         self._continued_logprobs = 0  # continuation: what its worker's done does not repeat
         self._closed = False
         self.status: int | None = None
+        self.priority: int | None = None  # as the tenant allows it (admission.request_priority)
 
     # -- what the API reports --------------------------------------------------------------
 
@@ -139,9 +151,12 @@ class ServedRequest:
         self.chat = chat
         try:
             self.scope_key = session_scope_hash(headers, self.caller)
+            self.priority = request_priority(chat.priority, headers, self.caller)
             if not self.caller.may_use(chat.model):  # as if it did not exist: a tenant sees its own
                 raise model_not_found(chat.model)
             await self._admit()
+            if settings.ROUTER_QUEUE_ENABLED:
+                await self._shed_if_full(chat.model)
             salt = self.caller.cache_salt(chat.cache_salt)
             prepared = await asyncio.to_thread(
                 prepare, chat, salt, sizes=frontend().image_sizes(), scope_key=self.scope_key
@@ -155,8 +170,10 @@ class ServedRequest:
                 # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
                 check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
                 await self._charge(view.prompt_tokens)
-                # A router queue would wait here: the request is prepared and charged, not decided.
-                await self._decide_and_send(prepared, self.request_id, workers=workers)
+                if settings.ROUTER_QUEUE_ENABLED:
+                    await self._send_in_turn(prepared, workers)
+                else:
+                    await self._send_now(prepared, workers)
             except NoWorker:
                 # Why none, naming the workers, with Retry-After (drained, disabled, down).
                 raise await no_worker_error(model.name, view.block_size, self.request_id) from None
@@ -193,6 +210,30 @@ class ServedRequest:
         if budget is not None:
             self.rate_limit_headers.update(budget.headers())
 
+    async def _take_slot(self) -> None:
+        """Take the tenant's concurrency slot again when a queued request leaves the queue (its
+        requests per minute were counted on arrival), or 429."""
+        caller = self.caller
+        if caller.tenant_id is None or not caller.max_concurrent_requests:
+            return
+        try:
+            await asyncio.to_thread(
+                frontend().limiter().admit,
+                caller.tenant_id,
+                self.request_id,
+                requests_per_minute=None,
+                max_concurrent=caller.max_concurrent_requests,
+            )
+        except LimitExceeded as exceeded:
+            raise await self._over_limit(exceeded) from None
+
+    async def _free_slot(self) -> None:
+        """A request that waits holds no concurrency slot of its tenant: the tenant's running
+        requests are what the limit bounds, not its place in line."""
+        caller = self.caller
+        if caller.tenant_id is not None and caller.max_concurrent_requests:
+            await asyncio.to_thread(frontend().limiter().release, caller.tenant_id, self.request_id)
+
     async def _charge(self, prompt_tokens: int) -> None:
         """Take the prompt's tokens from its tenant's per-minute budget, or 429; keeps the
         `x-ratelimit-*-tokens` headers (none without a prompt-tokens-per-minute limit)."""
@@ -227,6 +268,107 @@ class ServedRequest:
             headers=headers,
         )
 
+    # -- waiting in the admission queue -------------------------------------------------------
+
+    async def _shed_if_full(self, model: str) -> None:
+        """Refuse at once, before any preparation, a request that would find the queue full: a
+        flood costs the frontend one read per request, not a prompt's preparation."""
+        full = await asyncio.to_thread(
+            frontend().admission_queue().full_for,
+            model,
+            self._queue_tenant,
+            max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
+            max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+        )
+        if full is not None:
+            raise queue_full(model, full)
+
+    @property
+    def _queue_tenant(self) -> str:
+        """The caller's tenant as the admission queue names it."""
+        return "anonymous" if self.caller.tenant_id is None else str(self.caller.tenant_id)
+
+    async def _send_now(self, prepared: PreparedRequest, workers: Mapping[str, Heartbeat]) -> None:
+        """With the queue off: decide and send now, or the 503 of every worker busy (counted)."""
+        try:
+            await self._decide_and_send(prepared, self.request_id, workers=workers)
+        except ApiError as refused:
+            if refused.code == "all_workers_busy":
+                telemetry.inc("requests_shed", labels={"cause": refused.code})
+            raise
+
+    async def _send_in_turn(self, prepared: PreparedRequest, workers: Mapping[str, Heartbeat]) -> None:
+        """Decide and send now if nothing of the model waits and a worker can take it; else wait
+        in the admission queue (routing.admission) and decide and send when the request is first
+        in line and a worker frees, or shed it past ROUTER_QUEUE_MAX_WAIT_SECS.
+
+        Only this frontend dispatches its own entry, and only when the queue says it is first
+        (its watch, `admission.Turns`): requests of every frontend leave in one order, each once.
+        The entry is left however the wait ends (dispatched, timed out, the client gone), at once.
+        """
+        model = prepared.model.name
+        queue = frontend().admission_queue()
+        if not await asyncio.to_thread(queue.waiting, model):
+            try:
+                await self._decide_and_send(prepared, self.request_id, workers=workers)
+                return
+            except ApiError as refused:
+                if refused.code != "all_workers_busy":
+                    raise
+        caller = self.caller
+        queued = QueuedRequest(
+            request_id=self.request_id,
+            model=model,
+            tenant=self._queue_tenant,
+            priority=self.priority or 0,
+            weight=caller.queue_weight if settings.ROUTER_QUEUE_ORDER == "fair" else 0.0,
+        )
+        await self._free_slot()
+        try:
+            ticket = await asyncio.to_thread(
+                queue.join,
+                queued,
+                max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
+                max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+            )
+        except QueueFull as full:
+            raise queue_full(model, full) from None
+        waiting_here().add(model, queued.tenant, queued.priority, 1)
+        started = time.monotonic()
+        deadline = started + settings.ROUTER_QUEUE_MAX_WAIT_SECS
+        dispatched = False
+        try:
+            while True:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    ahead = await asyncio.to_thread(queue.turn, ticket)
+                    if ahead is None:  # swept: this frontend was taken for dead (Redis unreachable)
+                        raise shed(503, f"Request {self.request_id} lost its place in line.", "queue_lost", 1)
+                    retry_after = wait_estimate_s(
+                        ahead, ticket.drain_per_s, settings.ROUTER_BUSY_RETRY_AFTER_SECS
+                    )
+                    raise queue_timeout(model, self.request_id, time.monotonic() - started, retry_after)
+                if not await turns().wait(queue, model, ticket.member, left_s):
+                    continue
+                try:
+                    # The tenant's slot is taken once a worker is reserved, before the send.
+                    await self._decide_and_send(prepared, self.request_id, on_reserved=self._take_slot)
+                    dispatched = True
+                    return
+                except ApiError as refused:
+                    if refused.code != "all_workers_busy":
+                        raise
+        finally:
+            await asyncio.shield(asyncio.to_thread(queue.leave, ticket, dispatched=dispatched))
+            waiting_here().add(model, queued.tenant, queued.priority, -1)
+            telemetry.observe(
+                "admission_queue_wait_seconds",
+                time.monotonic() - started,
+                labels={"model": model, "priority": str(queued.priority)},
+            )
+            if dispatched:
+                turns().notify(model)  # the next in line may find a worker too
+
     # -- decide and send: the one routine of the first send, a migration and a replan ---------
 
     async def _decide_and_send(
@@ -236,6 +378,7 @@ class ServedRequest:
         *,
         resend: GenerateTask | None = None,
         workers: Mapping[str, Heartbeat] | None = None,
+        on_reserved: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Choose among the eligible workers not tried yet, reserve there, and send `task_id`.
 
@@ -244,6 +387,8 @@ class ServedRequest:
         send that fails leaves one lease to release, by `close`. `resend` is a task already
         built (a migration: its media are stored, its encoder chosen); else the task is built
         from `prepared`, its media stored. `workers`: the eligible workers, when just looked up.
+        `on_reserved`: awaited once a worker is reserved, before anything is sent (a refusal there
+        leaves the reservation to the lease, which `close` releases).
         """
         view = prepared.view
         if workers is None:
@@ -268,12 +413,15 @@ class ServedRequest:
             await asyncio.to_thread(self.lease.reassign, lease.decision, lease.instance)
         self.task_id = task_id
         self.tried.append(lease.worker)
+        if on_reserved is not None:
+            await on_reserved()
         if resend is None:
             image_refs, video_refs, processed = await store_media(prepared, self.request_id, self.media)
             task = dataclasses.replace(
                 prepared.generate_task(task_id, self.scope_key, image_refs, video_refs),
                 follow_id=self.request_id,
                 processed=processed,
+                priority=self.priority,
             )
             # E/PD: with live encode workers, images the chosen worker's cached prefix does not
             # cover are encoded apart, and the task names them (the aggregated path when none).
@@ -497,6 +645,8 @@ class ServedRequest:
                 logger.warning(
                     "could not free the load of request %s on worker %s", self.request_id, self.worker
                 )
+            if self.prepared is not None:
+                turns().notify(self.prepared.model.name)  # a request of this process may go now
         model = self.prepared.model.name if self.prepared is not None else None
         self.clock.finish(status, self.worker, done, model)
         if self._admitted:

@@ -216,6 +216,10 @@ class GenerateTask:
     # themselves ignore them, hence no new version.
     prompt_tokens: int = 0
     image_ends: tuple[int, ...] = ()
+    # The request's priority (routing.admission: 0 to MAX_PRIORITY, higher first; None: not said).
+    # The engine's scheduler computes the waiting prompts of a higher priority first; a worker
+    # that ignores it still answers correctly, only in its own order: no version change.
+    priority: int | None = None
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:

@@ -378,6 +378,8 @@ def _window_figures(parsed: telemetry.Parsed, minutes: int) -> dict[str, Any]:
     ttft_metric = telemetry.CATALOG["ttft_seconds"]
     duration_metric = telemetry.CATALOG["request_duration_seconds"]
     inter_token_metric = telemetry.CATALOG["inter_token_seconds"]
+    queue_wait_metric = telemetry.CATALOG["admission_queue_wait_seconds"]
+    queue_wait = telemetry.histogram_merged(parsed, "admission_queue_wait_seconds")
     given_up = telemetry.counter_sum(parsed, "routing_overlap_given_up_blocks")
     best = telemetry.counter_sum(parsed, "routing_best_overlap_blocks")
     return {
@@ -410,11 +412,26 @@ def _window_figures(parsed: telemetry.Parsed, minutes: int) -> dict[str, Any]:
         # Levels (mean of the per-second samples, summed over workers; None: none reported).
         "engine_waiting": telemetry.gauge_mean(parsed, "engine_waiting_requests"),
         "engine_running": telemetry.gauge_mean(parsed, "engine_running_requests"),
+        # The admission queue: requests waiting on average (Little's law: the time they spent
+        # waiting over the window's time, so every frontend's waits add up; None: no request
+        # waited), how long they waited, and how many it turned away.
+        "queued": _waited_seconds(parsed) / seconds if queue_wait_metric.name in parsed else None,
+        "queue_wait": {
+            f"p{round(q * 100)}": telemetry.histogram_quantile(queue_wait_metric, queue_wait, q)
+            for q in QUANTILES
+        },
+        "shed": int(telemetry.counter_sum(parsed, "requests_shed")),
         # Recorded by the router once it computes it (None: nothing recorded in the window).
         "overlap_given_up_blocks": int(given_up) if best or given_up else None,
         "best_overlap_blocks": int(best) if best or given_up else None,
         "overlap_given_up_share": given_up / best if best else None,
     }
+
+
+def _waited_seconds(parsed: telemetry.Parsed) -> float:
+    """Seconds requests spent in the admission queue, summed over the waits that ended."""
+    series = parsed.get("admission_queue_wait_seconds")
+    return sum(total for _, total, _ in series.histograms.values()) if series is not None else 0.0
 
 
 def _worker_window(

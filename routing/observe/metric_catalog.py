@@ -116,6 +116,35 @@ REQUEST_DURATION = declare(
         LATENCY_BUCKETS,
     )
 )
+# The admission queue (routing.admission): what waits for a worker (each frontend process counts
+# its own waiting requests; the processes' gauges add up to the queue), how long requests
+# waited, and those it turned away.
+QUEUE_DEPTH = declare(
+    Metric(
+        "admission_queue_depth",
+        "gauge",
+        "Requests waiting in the admission queue for a worker, by model, tenant (id) and priority.",
+        ("model", "tenant", "priority"),
+    )
+)
+QUEUE_WAIT = declare(
+    Metric(
+        "admission_queue_wait_seconds",
+        "histogram",
+        "Time a request waited in the admission queue for a worker (dispatched, shed or abandoned).",
+        ("model", "priority"),
+        LATENCY_BUCKETS,
+    )
+)
+REQUESTS_SHED = declare(
+    Metric(
+        "requests_shed",
+        "counter",
+        "Requests turned away for want of a worker, by cause: all_workers_busy (queue off),"
+        " queue_full, tenant_queue_full, queue_timeout, queue_lost.",
+        ("cause",),
+    )
+)
 ROUTING_DECISION = declare(
     Metric(
         "routing_decision_seconds",

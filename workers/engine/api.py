@@ -67,6 +67,8 @@ class GenerationRequest:
     # sent. Engines that lay the prompt out themselves ignore them.
     prompt_tokens: int = 0
     image_ends: tuple[int, ...] = ()
+    # Its priority (GenerateTask.priority): the scheduler computes higher ones' prompts first.
+    priority: int = 0
 
 
 @dataclass

@@ -192,6 +192,7 @@ class InputProcessor:
             sequence_hashes=sequence_hashes,
             local_hashes=local_hashes,
             payload=state,
+            priority=request.priority,
         )
 
     def prompt(self, request: GenerationRequest) -> tuple[list[int], list[PromptImage]]:

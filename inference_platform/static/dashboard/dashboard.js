@@ -35,6 +35,8 @@
       ttft_p99: ms(t.ttft.p99),
       latency_p50: ms(t.latency.p50),
       inter_token_p50: ms(t.inter_token.p50),
+      queue_wait_p90: ms(t.queue_wait.p90),
+      shed: String(t.shed),
       overlap_given_up: t.overlap_given_up_blocks === null ? "—"
         : t.overlap_given_up_blocks + " blocks" + (t.overlap_given_up_share === null ? "" : " (" + percent(t.overlap_given_up_share) + ")"),
     };
@@ -65,6 +67,13 @@
           ["requests/s", minutes.map((m) => m.requests_per_s)],
           ["requests", minutes.map((m) => m.requests)],
         ];
+      case "admission":
+        return [
+          ["waiting", minutes.map((m) => m.queued)],
+          ["shed", minutes.map((m) => m.shed)],
+        ];
+      case "admission_wait":
+        return ["p50", "p90", "p99"].map((q) => [q, minutes.map((m) => msOrNull(m.queue_wait[q]))]);
       case "queue":
         return w.workers.map((name) => [name, w.per_worker[name].engine_waiting]);
       case "kv_usage":
