@@ -145,8 +145,8 @@ class Model(models.Model):
 
 class ModelAlias(models.Model):
     """Another name clients may send as `model`, standing for one model or several: a request
-    naming it goes to one of its models, chosen at random in proportion to their weights (a
-    canary: 9 to the current version, 1 to the next)."""
+    naming it goes to one of its models in proportion to their weights, in a smooth rotation (a
+    canary: 9 of every 10 requests to the current version, 1 to the next)."""
 
     name = models.CharField(max_length=200, help_text="The name clients send; never a model's own name.")
     model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="aliases")

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +16,7 @@ import httpx
 from PIL import Image
 
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO, PlatformProcesses
+from tests.platform_harness import PlatformProcesses
 
 ADMIN_USER = "observer"
 ADMIN_PASSWORD = "observer-pw-5d1e"  # a throwaway login in the test's own SQLite file
@@ -115,16 +112,7 @@ class ObservedPlatform:
 
     def staff_session(self) -> httpx.Client:
         """An HTTP client logged into the admin, as the browser is."""
-        client = httpx.Client(base_url=self.base_url, timeout=30)
-        page = client.get("/admin/login/")
-        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
-        assert token, "the login page has a CSRF token"
-        answer = client.post(
-            "/admin/login/?next=/admin/",
-            data={"username": ADMIN_USER, "password": ADMIN_PASSWORD, "csrfmiddlewaretoken": token[1]},
-        )
-        assert answer.status_code == 302, answer.text[:500]
-        return client
+        return self.processes.staff_session(ADMIN_USER, ADMIN_PASSWORD, self.base_url)
 
     def manage(self, *args: str) -> str:
         """A management command run as an operator would, against this platform."""
@@ -141,23 +129,6 @@ def stream_usage(events: str) -> dict:
 def start_observed_platform(processes: PlatformProcesses, origin: ImageServer) -> ObservedPlatform:
     for name in WORKERS:
         processes.start_worker(name)
-    env = {**processes.env, "DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD}
-    subprocess.run(
-        [
-            sys.executable,
-            "manage.py",
-            "createsuperuser",
-            "--noinput",
-            "--username",
-            ADMIN_USER,
-            "--email",
-            "",
-        ],
-        cwd=REPO,
-        env=env,
-        check=True,
-        timeout=60,
-        capture_output=True,
-    )
+    processes.make_superuser(ADMIN_USER, ADMIN_PASSWORD)
     processes.wait_for_workers(*WORKERS)
     return ObservedPlatform(processes, processes.start_server(), origin)

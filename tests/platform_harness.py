@@ -307,6 +307,27 @@ class PlatformProcesses:
         assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stderr}"
         return done.stdout
 
+    def make_superuser(self, username: str, password: str) -> None:
+        """An admin login in the platform's database, made as an operator makes one."""
+        self.manage(
+            "createsuperuser", "--noinput", "--username", username, "--email", "",
+            env={**self.env, "DJANGO_SUPERUSER_PASSWORD": password},
+        )  # fmt: skip
+
+    def staff_session(self, username: str, password: str, base_url: str = "") -> httpx.Client:
+        """An HTTP client logged into a frontend's admin (the first frontend's unless `base_url`
+        says), as a browser is."""
+        client = httpx.Client(base_url=base_url or self.base_url, timeout=30)
+        page = client.get("/admin/login/")
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert token, "the login page has a CSRF token"
+        answer = client.post(
+            "/admin/login/?next=/admin/",
+            data={"username": username, "password": password, "csrfmiddlewaretoken": token[1]},
+        )
+        assert answer.status_code == 302, answer.text[:500]
+        return client
+
     def _spawn(self, label: str, args: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
         log = self.tmp / f"{label}.log"
         self._logs.append(log)

@@ -14,7 +14,6 @@ frontend has it and no row says otherwise, as before models were rows.
 from __future__ import annotations
 
 import dataclasses
-import random
 import shutil
 import tempfile
 import threading
@@ -82,6 +81,27 @@ def model_not_found(name: str, why: str = "does not exist") -> ApiError:
     return ApiError(404, f"The model '{name}' {why}.", code="model_not_found", param="model")
 
 
+class WeightedRotation:
+    """Smooth weighted round robin (nginx's): over every run of as many picks as the weights
+    sum to, each target is picked exactly its weight's times, spread evenly (3 to 1: a, a, b, a).
+    A canary then gets its share from the first requests on, not on average; each frontend
+    process rotates on its own."""
+
+    def __init__(self, targets: tuple[tuple[str, int], ...]) -> None:
+        self.targets = targets
+        self._total = sum(weight for _, weight in targets)
+        self._credit = [0] * len(targets)
+        self._lock = threading.Lock()
+
+    def pick(self) -> str:
+        with self._lock:
+            for i, (_, weight) in enumerate(self.targets):
+                self._credit[i] += weight
+            best = max(range(len(self.targets)), key=self._credit.__getitem__)
+            self._credit[best] -= self._total
+            return self.targets[best][0]
+
+
 class ModelPool:
     """This process's model rows and loaded views."""
 
@@ -90,7 +110,7 @@ class ModelPool:
         self._views: OrderedDict[tuple[str, str], ModelView] = OrderedDict()
         self._lock = threading.Lock()
         self._local_cards: dict[Path, ModelCard | None] = {}
-        self._random = random.Random()
+        self._rotations: dict[str, WeightedRotation] = {}  # by alias
 
     def rows(self) -> dict[str, ModelRow]:
         """Every model row by name."""
@@ -121,7 +141,7 @@ class ModelPool:
         ]
         targets = [(model, weight) for model, weight in targets if catalogue.models[model].enabled]
         if name not in catalogue.models and targets:
-            (name,) = self._random.choices([m for m, _ in targets], weights=[w for _, w in targets])
+            name = self._rotation(name, tuple(targets)).pick()
         row = catalogue.models.get(name)
         local = self.local_model()
         if row is None:
@@ -139,6 +159,14 @@ class ModelPool:
                 code="model_unavailable",
             )
         return ServedModel(self._view(name, row.fingerprint), row.fingerprint, row.policy)
+
+    def _rotation(self, alias: str, targets: tuple[tuple[str, int], ...]) -> WeightedRotation:
+        """The alias's rotation over its targets (a new one when an operator changed them)."""
+        with self._lock:
+            rotation = self._rotations.get(alias)
+            if rotation is None or rotation.targets != targets:
+                rotation = self._rotations[alias] = WeightedRotation(targets)
+            return rotation
 
     def local_model(self) -> ServedModel | None:
         """The deployment's own model from its directory, if this frontend has the directory."""
