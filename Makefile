@@ -25,10 +25,14 @@ install: $(STAMP)
 run: install
 	@bash scripts/run_platform.sh
 
+# The whole suite but vLLM's, in two runs: the tests that start no process in two test processes,
+# as `make check` runs them; then, one at a time, those that start the platform's processes or a
+# browser (they share a session pool of workers, and wait on what crosses processes).
 test: install lint
 	@bash scripts/ensure_redis.sh
 	@bash scripts/ensure_chromium.sh
-	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not integration and not browser and not vllm" -n 2 --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -m "(integration or browser) and not vllm" $(PYTEST_ARGS)
 
 # The tiers are markers the fixtures a test uses apply (tests/conftest.py). Two test processes,
 # since the inner loop is CPU-bound and starts no worker process; a module's tests stay in one
