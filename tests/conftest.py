@@ -350,11 +350,14 @@ def _no_keys_verified_by_another_test():
 def _no_worker_rows_kept_from_another_test():
     """Worker rows one test read are not another's: the database under them is emptied between
     tests, which tells nobody (and the session's generation in Redis does not move)."""
+    from inference_platform.serving.dispatch import forget_fleet_read
     from routing.fleet.worker_rows import kept_rows
 
     kept_rows().clear()
+    forget_fleet_read()  # nor the fleet reads made from them (a refresh starts from the last read)
     yield
     kept_rows().clear()
+    forget_fleet_read()
 
 
 @pytest.fixture(autouse=True)

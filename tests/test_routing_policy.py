@@ -16,7 +16,10 @@ from routing.models import RoutingPolicySettings
 from routing.policy import REFRESH_S, current_policy, forget_cached_policy
 from tests.platform_harness import REPO
 
-pytestmark = pytest.mark.django_db
+# Committed at once: an admin page's fleet banner reads the fleet, whose refresh works out the live
+# policy in a thread of its own (serving.dispatch, `prepare_like`), with a database connection of
+# its own, which a save left uncommitted in the test's transaction locks out of the table.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
