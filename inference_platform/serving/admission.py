@@ -131,10 +131,10 @@ class Turns:
             self._nudges[model] = asyncio.Event()
             self._watches[model] = loop.create_task(self._watch(queue, model))
         try:
-            await asyncio.wait_for(turn, timeout_s)
-            return True
-        except TimeoutError:
-            return False
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for loses a cancellation that comes
+            # as the turn is set (the client's disconnect: the request would wait on unheard).
+            done, _ = await asyncio.wait({turn}, timeout=timeout_s)
+            return bool(done)
         finally:
             if waiting.get(member) is turn:
                 del waiting[member]
