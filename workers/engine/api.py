@@ -227,6 +227,49 @@ class FollowsSubmitted:
         )
 
 
+class OnTheNativeScheduler:
+    """What an engine built on the native scheduler (workers.scheduler) and prefix pool
+    (workers.kv_cache.KvPool) reports of itself: the native and the simulated engine hold the same
+    three parts (`scheduler`, `kv_pool`, `counters`), so their load and cache answers are written
+    once. `_queued_outside_the_scheduler` counts what was submitted but not yet handed to it."""
+
+    scheduler: Any
+    kv_pool: Any
+    counters: Any
+
+    @property
+    def schedule_policy(self) -> str:
+        return self.scheduler.policy
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    def _queued_outside_the_scheduler(self) -> int:
+        raise NotImplementedError
+
+    def load_report(self) -> EngineLoad:
+        scheduler, counters = self.scheduler, self.counters
+        return EngineLoad(
+            running=len(scheduler.running),
+            running_peak=counters.running_peak,
+            waiting=len(scheduler.waiting) + self._queued_outside_the_scheduler(),
+            kv_blocks_used=self.kv_pool.held_blocks,
+            kv_blocks_free=self.kv_pool.free_blocks,
+            kv_blocks_cached=len(self.kv_pool),
+            forward_passes=counters.forward_passes,
+            generated_tokens=counters.generated_tokens,
+            preemptions=counters.preemptions,
+            prefill_tokens_per_s=counters.prefill_tokens_per_s,
+        )
+
+    def kv_block_hashes(self) -> set[int]:
+        return self.kv_pool.block_hashes()
+
+    def clear_kv_cache(self) -> int:
+        return self.kv_pool.clear()
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """The engine a generating worker serves its tasks with.

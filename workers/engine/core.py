@@ -22,9 +22,9 @@ from PIL import Image
 
 from workers.embedding_cache import EmbeddingCache
 from workers.engine.api import (
-    EngineLoad,
     FollowsSubmitted,
     GenerationRequest,
+    OnTheNativeScheduler,
     RequestHandle,
 )
 from workers.engine.counters import EngineCounters
@@ -66,7 +66,7 @@ def _let_engine_steps_finish() -> None:
         thread.join(timeout=5)
 
 
-class Engine(FollowsSubmitted):
+class Engine(OnTheNativeScheduler, FollowsSubmitted):
     """A loaded model with its processor, paged KV pool (the prefix cache) and embedding cache.
     Implements `workers.engine.api.InferenceEngine`."""
 
@@ -175,14 +175,6 @@ class Engine(FollowsSubmitted):
         return load_engine(cls, model_dir, **options)
 
     # --- the protocol (workers.engine.api.InferenceEngine) -------------------------------------------
-    @property
-    def schedule_policy(self) -> str:
-        return self.scheduler.policy
-
-    @property
-    def max_running(self) -> int:
-        return self.scheduler.max_running
-
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Lays out the prompt and queues the request; its images load here, outside the model
         thread, and only those the cached prefix does not cover. Bad requests raise PromptError."""
@@ -209,26 +201,8 @@ class Engine(FollowsSubmitted):
 
         return RequestHandle(request.request_id, state.events, cancel, features_arrived)
 
-    def load_report(self) -> EngineLoad:
-        scheduler, counters = self.scheduler, self.counters
-        return EngineLoad(
-            running=len(scheduler.running),
-            running_peak=counters.running_peak,
-            waiting=len(scheduler.waiting) + len(self._inbox) + len(self._staged),
-            kv_blocks_used=self.kv_pool.held_blocks,
-            kv_blocks_free=self.kv_pool.free_blocks,
-            kv_blocks_cached=len(self.kv_pool),
-            forward_passes=counters.forward_passes,
-            generated_tokens=counters.generated_tokens,
-            preemptions=counters.preemptions,
-            prefill_tokens_per_s=counters.prefill_tokens_per_s,
-        )
-
-    def clear_kv_cache(self) -> int:
-        return self.kv_pool.clear()
-
-    def kv_block_hashes(self) -> set[int]:
-        return self.kv_pool.block_hashes()
+    def _queued_outside_the_scheduler(self) -> int:
+        return len(self._inbox) + len(self._staged)
 
     def close(self, timeout: float = 30.0) -> None:
         """Waits for the engine thread to finish what it holds (a process about to exit)."""

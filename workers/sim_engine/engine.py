@@ -13,10 +13,10 @@ from workers.engine.api import (
     ERROR,
     FIRST,
     TOKEN,
-    EngineLoad,
     FollowsSubmitted,
     GenerationRequest,
     GenerationResult,
+    OnTheNativeScheduler,
     RequestHandle,
 )
 from workers.engine.counters import RATE_MIN_PROMPT_TOKENS, EngineCounters
@@ -44,7 +44,7 @@ class _SimRequest:
     tokens: list[int] = field(default_factory=list)
 
 
-class SimEngine(FollowsSubmitted):
+class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
     """Serves requests in modelled time. Implements `workers.engine.api.InferenceEngine`.
 
     A request's prompt is `prompt_tokens` long (the router's count) and its full blocks are the
@@ -83,14 +83,6 @@ class SimEngine(FollowsSubmitted):
         pool.clear()
 
     # --- the protocol (workers.engine.api.InferenceEngine) -------------------------------------------
-    @property
-    def schedule_policy(self) -> str:
-        return self.scheduler.policy
-
-    @property
-    def max_running(self) -> int:
-        return self.scheduler.max_running
-
     def submit(self, request: GenerationRequest) -> RequestHandle:
         bs = self.block_size
         hashes = list(request.expected_block_hashes)
@@ -123,26 +115,8 @@ class SimEngine(FollowsSubmitted):
 
         return RequestHandle(request.request_id, state.events, cancel)
 
-    def load_report(self) -> EngineLoad:
-        scheduler, counters = self.scheduler, self.counters
-        return EngineLoad(
-            running=len(scheduler.running),
-            running_peak=counters.running_peak,
-            waiting=len(scheduler.waiting) + len(self._inbox),
-            kv_blocks_used=self.kv_pool.held_blocks,
-            kv_blocks_free=self.kv_pool.free_blocks,
-            kv_blocks_cached=len(self.kv_pool),
-            forward_passes=counters.forward_passes,
-            generated_tokens=counters.generated_tokens,
-            preemptions=counters.preemptions,
-            prefill_tokens_per_s=counters.prefill_tokens_per_s,
-        )
-
-    def kv_block_hashes(self) -> set[int]:
-        return self.kv_pool.block_hashes()
-
-    def clear_kv_cache(self) -> int:
-        return self.kv_pool.clear()
+    def _queued_outside_the_scheduler(self) -> int:
+        return len(self._inbox)
 
     def warm_up(self) -> float:
         return 0.0  # nothing to warm: no model
