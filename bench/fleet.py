@@ -57,6 +57,7 @@ from routing.fleet.registry import Heartbeat, WorkerRegistry  # noqa: E402
 from routing.kv.events import KvEventPublisher  # noqa: E402
 from routing.kv.index import KvIndex  # noqa: E402
 from routing.models import Worker  # noqa: E402
+from routing.policy import DEPLOYMENT_POLICY  # noqa: E402
 from routing.prompt.hashing import MediaPlacement, block_hashes  # noqa: E402
 from routing.state.redis_keys import sync_client  # noqa: E402
 
@@ -172,7 +173,8 @@ def run_size(n: int) -> dict[str, float]:
             prepared = types.SimpleNamespace(
                 view=types.SimpleNamespace(
                     block_hashes=hashes, prompt_tokens=PROMPT_TOKENS, block_size=BLOCK_SIZE
-                )
+                ),
+                policy=DEPLOYMENT_POLICY,
             )
             lease = await asyncio.to_thread(reserve_worker, prepared, workers, None, f"bench-{k}")
             t2 = time.perf_counter()

@@ -77,3 +77,30 @@ def test_a_large_fleet_keeps_a_burst_of_siblings_on_the_worker_the_first_went_to
     first.release("done")
     second = router.route(block_hashes(sibling, BS), len(sibling), BS, FLEET, RoutingPolicy(), rng=rng)
     assert second.worker == first.worker and second.overlap == 37
+
+
+def test_every_candidate_comes_with_its_exact_overlap_even_where_holders_were_drawn(
+    redis_client: redis.Redis, key_namespace: str, publisher
+):
+    # given: nested prefixes of 10, 25, 40 and 50 blocks, each held by more workers than are
+    # drawn per prefix length (so a worker first met at a shallow length may hold a deeper one),
+    # and an approximate worker credited with 30 blocks by a route
+    index = KvIndex(redis_client, key_namespace)
+    tokens = _tokens(11, 1_000)
+    hashes = block_hashes(tokens, BS)
+    rng = random.Random(5)
+    shuffled = rng.sample(FLEET, len(FLEET))
+    depth = {name: (10, 25, 40, 50)[k % 4] for k, name in enumerate(shuffled[:200])}
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:d])) for name, d in depth.items()])
+    index.record_routed("w299", hashes[:30])
+    sample = rng.sample(FLEET, LOAD_SAMPLE)
+
+    # when
+    found = index.candidates(hashes, HOLDERS_PER_PREFIX, sample)
+
+    # then: each overlap is the one the whole-fleet query gives; the draw is bounded per length
+    exact = index.overlaps(hashes, list(found))
+    assert found == exact
+    assert set(sample) <= set(found)
+    assert len(found) <= 4 * HOLDERS_PER_PREFIX + LOAD_SAMPLE
+    assert {found[name] for name in found if name in depth} == {10, 25, 40, 50}

@@ -94,10 +94,16 @@ class NameInUse(RuntimeError):
 _REMOVE_OWN_LUA = lua_text(__package__, "remove_own_heartbeat.lua")
 
 
+# The most heartbeat keys one MGET reads (WorkerRegistry._read).
+READ_CHUNK = 128
+
+
 class WorkerRegistry:
     def __init__(self, client: redis.Redis, namespace: str) -> None:
         self._client = client
         self._namespace = namespace
+        # name -> (the heartbeat's bytes as last read, their parse): see _beats.
+        self._parsed: dict[str, tuple[bytes | str, Heartbeat]] = {}
 
     def _key(self, name: str) -> str:
         return heartbeat_key(self._namespace, name)
@@ -145,13 +151,41 @@ class WorkerRegistry:
         names = list(names)
         if not names:
             return {}
-        return _beats(names, self._client.mget([self._key(n) for n in names]))
+        return self._beats(names, self._read([self._key(n) for n in names]))
 
     def alive_and_get(self, names: Iterable[str], key: str) -> tuple[bytes | None, dict[str, Heartbeat]]:
-        """`alive(names)`, and the value of one more key of the namespace, in one round trip."""
+        """`alive(names)`, and the value of one more key of the namespace, read first."""
         names = list(names)
-        first, *raw = self._client.mget([f"{self._namespace}{key}", *(self._key(n) for n in names)])
-        return first, _beats(names, raw)
+        first, *raw = self._read([f"{self._namespace}{key}", *(self._key(n) for n in names)])
+        return first, self._beats(names, raw)
+
+    def _read(self, keys: list[str]) -> list:
+        """MGETs of at most READ_CHUNK keys, one after the other: a fleet's heartbeats in one
+        MGET are a reply of hundreds of kilobytes that holds Redis (single-threaded) for
+        milliseconds, every other client's command waiting behind it."""
+        if len(keys) <= READ_CHUNK:
+            return self._client.mget(keys)
+        out: list = []
+        for at in range(0, len(keys), READ_CHUNK):
+            out += self._client.mget(keys[at : at + READ_CHUNK])
+        return out
+
+    def _beats(self, names: list[str], raw: list) -> dict[str, Heartbeat]:
+        """The heartbeats of `names`' values, by name (a missing one: not live). A value read
+        before is not parsed again: between two beats a frontend reads the same bytes several
+        times, and parsing a thousand of them holds the interpreter for milliseconds."""
+        parsed, out = self._parsed, {}
+        if len(parsed) > 2 * len(names) + 1024:  # names no read asks about any more
+            self._parsed = parsed = {name: parsed[name] for name in names if name in parsed}
+        for name, value in zip(names, raw, strict=True):
+            if value is None:
+                parsed.pop(name, None)
+                continue
+            known = parsed.get(name)
+            if known is None or known[0] != value:
+                known = parsed[name] = (value, Heartbeat.from_json(value))
+            out[name] = known[1]
+        return out
 
     def all_alive(self) -> dict[str, Heartbeat]:
         prefix = self._key("")
@@ -160,8 +194,3 @@ class WorkerRegistry:
 
     def next_round_robin(self) -> int:
         return int(self._client.incr(f"{self._namespace}{ROUND_ROBIN_KEY}"))
-
-
-def _beats(names: list[str], raw: list) -> dict[str, Heartbeat]:
-    """The heartbeats of an MGET of `names`' keys, by name (a missing one: not live)."""
-    return {n: Heartbeat.from_json(r) for n, r in zip(names, raw, strict=True) if r is not None}

@@ -43,7 +43,7 @@ APPROXIMATE_KEY = "kv:approximate"
 # large fleet reads candidates, not every worker (KvIndex.prefix_holders), and finds by these
 # marks the worker a sibling was just sent to, before that worker's events arrive.
 PREDICTED_FAMILY = "kv:pred:"
-PREDICTED_STRIDE = 8
+PREDICTED_STRIDE = 16
 # A random token set by whoever first finds it missing. Redis restarted without its data (or
 # flushed) loses it with the index: a worker that sees it change re-announces its blocks.
 EPOCH_KEY = "kv:epoch"
@@ -79,9 +79,7 @@ _PURGE_LUA = lua_script(__package__, "index_purge.lua", INDEX_LUA_FUNCTIONS)
 _RECORD_ROUTED_LUA = lua_script(__package__, "index_record_routed.lua", INDEX_LUA_FUNCTIONS)
 _WORKER_BLOCKS_LUA = lua_script(__package__, "index_worker_blocks.lua", INDEX_LUA_FUNCTIONS)
 _BLOCK_COUNTS_LUA = lua_script(__package__, "index_block_counts.lua", INDEX_LUA_FUNCTIONS)
-_PREFIX_HOLDERS_LUA = lua_script(
-    __package__, "index_candidates.lua", INDEX_LUA_FUNCTIONS, OVERLAPS_LUA_FUNCTIONS
-)
+_CANDIDATES_LUA = lua_script(__package__, "index_candidates.lua", INDEX_LUA_FUNCTIONS, OVERLAPS_LUA_FUNCTIONS)
 
 
 def pack_hashes(block_hashes: Sequence[int]) -> bytes:
@@ -133,7 +131,7 @@ class KvIndex:
             ),
         )
         self._worker_blocks = LuaScript(client, _WORKER_BLOCKS_LUA)
-        self._prefix_holders = LuaScript(client, _PREFIX_HOLDERS_LUA)
+        self._candidates = LuaScript(client, _CANDIDATES_LUA)
         self._block_counts = LuaScript(client, _BLOCK_COUNTS_LUA)
 
     @property
@@ -186,12 +184,23 @@ class KvIndex:
         counts = self._block_counts(self._namespace, *map(check_worker_name, workers))
         return dict(zip(workers, map(int, counts), strict=True))
 
-    def prefix_holders(self, block_hashes: Sequence[int], cap: int) -> list[str]:
-        """Workers holding the request's longest cached prefixes, deepest first, at most `cap` per
-        prefix length, and those a sibling prompt was just routed to (`kv:pred:`); repeats
-        possible. Bounded by the prefix lengths present, never by the number of workers."""
-        reply = self._prefix_holders(self._namespace, pack_hashes(block_hashes), cap)
-        return [name.decode() if isinstance(name, bytes) else name for name in reply]
+    def candidates(
+        self, block_hashes: Sequence[int], cap: int, sample: Sequence[str], affinity_key: str = ""
+    ) -> dict[str, int]:
+        """The workers holding the request's longest cached prefixes (at most `cap` per prefix
+        length), those a sibling prompt was just routed to (`kv:pred:`), those of `sample` and
+        the worker `affinity_key` names, each with its overlap in blocks. One round trip, bounded
+        by the prefix lengths present and the sample, never by the number of workers."""
+        names, overlaps = self._candidates(
+            self._namespace, pack_hashes(block_hashes), cap, "\n".join(checked_workers(sample)), affinity_key
+        )
+        if isinstance(overlaps, str):
+            overlaps = overlaps.encode("latin-1")
+        found = struct.unpack(f">{len(overlaps) // 4}i", overlaps)
+        return {
+            (name.decode() if isinstance(name, bytes) else name): overlap
+            for name, overlap in zip(names, found, strict=True)
+        }
 
     def overlaps(self, block_hashes: Sequence[int], workers: Sequence[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of the request it holds (one round trip)."""

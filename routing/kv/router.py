@@ -24,6 +24,7 @@ ones it chose by.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -299,6 +300,7 @@ class KvRouter:
             packed.prefill_rates,
             packed.approximate_at,
             packed.schedules,
+            packed.overlaps,
         )
 
     def _candidates(
@@ -312,7 +314,10 @@ class KvRouter:
         """The workers a decision over a large fleet weighs: those holding the request's
         longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix length, and those a
         sibling prompt was just sent to), the session's last worker, and LOAD_SAMPLE drawn at
-        random from the rest. Whatever the fleet's size, that is a few dozen workers.
+        random from the rest. Whatever the fleet's size, that is a few dozen workers. Their
+        overlaps come with them (KvIndex.candidates, exact), so the decision script that follows
+        reads only their load: the index is read a moment before the atomic decide-and-reserve,
+        as it would be by a frontend a moment slower, and never inside it.
 
         Why that is enough: a worker's cost grows with its load and falls with its overlap, so
         among workers of one overlap only the least loaded can win; the holders stand for each
@@ -321,15 +326,12 @@ class KvRouter:
         heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
         reservations made by every frontend move the next draw's choice elsewhere."""
         eligible = fleet.eligible_set
-        names = self._index.prefix_holders(block_hashes, HOLDERS_PER_PREFIX)
-        if affinity_key:
-            sticky = self._client.get(affinity_key)
-            if sticky is not None:
-                names.append(sticky.decode() if isinstance(sticky, bytes) else sticky)
-        chosen = dict.fromkeys(name for name in names if name in eligible)
-        draw = (rng or self._rng).sample(fleet.eligible, min(LOAD_SAMPLE, len(fleet.eligible)))
-        chosen.update(dict.fromkeys(draw))
-        return _PackedWorkers.pack(tuple(chosen), reports, fleet.approximate, fleet.key)
+        sample = (rng or self._rng).sample(fleet.eligible, min(LOAD_SAMPLE, len(fleet.eligible)))
+        found = self._index.candidates(block_hashes, HOLDERS_PER_PREFIX, sample, affinity_key)
+        chosen = {name: overlap for name, overlap in found.items() if name in eligible}
+        packed = _PackedWorkers.pack(tuple(chosen), reports, fleet.approximate, fleet.key)
+        overlaps = list(chosen.values())
+        return dataclasses.replace(packed, overlaps=struct.pack(f">{len(overlaps)}i", *overlaps))
 
     def pack_workers(
         self,
@@ -415,6 +417,9 @@ class _PackedWorkers:
     prefill_rates: bytes
     approximate_at: bytes
     schedules: bytes
+    # Each worker's overlap (big-endian i32s) when these are a large fleet's candidates, read with
+    # them (KvIndex.candidates); empty for a whole fleet, whose overlaps the decision reads itself.
+    overlaps: bytes = b""
 
     def made_of(
         self, workers: object, reports: object, approximate: object, key: tuple[bool, bool, bool]

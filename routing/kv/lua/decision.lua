@@ -17,6 +17,8 @@
 -- approximate workers' indexes, one i32 each. 27 one byte per worker in order, '1' where its
 -- engine schedules prompts shortest first (the load bound's queue condition then charges a
 -- prompt only what it would wait for there), '0' where it computes them in arrival order.
+-- 28 each worker's overlap in blocks, one big-endian i32 each in order, when the caller read them
+-- a moment ago (a large fleet's candidates, KvIndex.candidates); '' to read them here.
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
 local ns, packed = ARGV[1], ARGV[2]
@@ -62,7 +64,13 @@ local approximate_at = ARGV[26]
 for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_at, at)] = true end
 
 load_sweep(ns)
-local overlaps = kv_overlaps(ns, packed, names, position)
+local overlaps
+if ARGV[28] ~= '' then
+  overlaps = {struct.unpack('>' .. string.rep('i4', #ARGV[28] / 4), ARGV[28])}
+  overlaps[#overlaps] = nil  -- struct.unpack's last value is the position after the data
+else
+  overlaps = kv_overlaps(ns, packed, names, position)
+end
 -- Each worker's running sums (routing.kv.load, `load:totals`), read whole: HMGET would scan the
 -- small listpack once per asked worker. Idle workers have no field: 0 everywhere.
 local done_at = {}
@@ -297,7 +305,7 @@ if request_id ~= '' then
   -- Predicted blocks: siblings arriving before the worker's own events credit it with this
   -- prompt for a short while (approximate workers: for the approximate TTL, their only credit).
   local ttl = approximate[chosen] and tonumber(ARGV[18]) or tonumber(ARGV[17])
-  if ttl > 0 and #packed > 0 then kv_predict(ns, worker, packed, now, ttl) end
+  if ttl > 0 and #packed > 0 then kv_predict(ns, worker, packed, now, ttl, approximate[chosen]) end
   if ARGV[3] ~= '' then redis.call('SET', ARGV[3], worker, 'PX', tonumber(ARGV[19])) end
 end
 return reply(chosen, reason)

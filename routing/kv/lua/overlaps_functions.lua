@@ -40,6 +40,47 @@ local function kv_overlap_list(workers, overlap)
   return out
 end
 
+-- The approximate workers among `workers` (those in `kv:approximate`): each one's overlap in
+-- `out` (by position) raised to its approximate records' longest prefix, searched per worker
+-- (a route records a whole chain, so they are a prefix too).
+local function kv_approximate_overlaps(ns, packed, workers, out)
+  local n, m = #packed / 8, #workers
+  if n > 0 and m > 0 and redis.call('EXISTS', ns .. APPROXIMATE_KEY) == 1 then
+    local flags = redis.call('SMISMEMBER', ns .. APPROXIMATE_KEY, unpack(workers))
+    local now = nil
+    for j = 1, m do
+      if flags[j] == 1 then
+        now = now or server_time_ms()
+        local key = ns .. APPROXIMATE_FAMILY .. workers[j]
+        local function held(b)
+          local expiry = redis.call('ZSCORE', key, string.sub(packed, b * 8 - 7, b * 8))
+          return expiry and tonumber(expiry) > now
+        end
+        local best = out[j]
+        if best < n and held(best + 1) then
+          -- Largest k with block k held: the last block first, then bisection.
+          local lo, hi = best + 1, n
+          if held(hi) then lo = hi end
+          while lo < hi do
+            local mid = math.floor((lo + hi + 1) / 2)
+            if held(mid) then lo = mid else hi = mid - 1 end
+          end
+          out[j] = lo
+        end
+      end
+    end
+  end
+end
+
+-- Each worker's overlap in `out` (by `position`, a name's place) raised to what the predicted
+-- marks on the request's blocks credit it with (kv_predicted_marks).
+local function kv_marked_overlaps(ns, packed, position, out)
+  for _, mark in ipairs(kv_predicted_marks(ns, packed)) do
+    local j = position[mark[2]]
+    if j and out[j] < mark[1] then out[j] = mark[1] end
+  end
+end
+
 -- Exact walk, block by block in prompt order, asking only the workers that matched every
 -- block so far and stopping when none is left. Cost: the sum over blocks of workers alive.
 -- `position` goes unused: it is in the signature because the decision script calls whichever
@@ -54,7 +95,13 @@ local function kv_overlaps_linear(ns, packed, workers, position)
     for _, worker in ipairs(yes) do overlap[worker] = b end
     alive = yes
   end
-  return kv_overlap_list(workers, overlap)
+  local out = kv_overlap_list(workers, overlap)
+  if not position then
+    position = {}
+    for i = 1, #workers do position[workers[i]] = i end
+  end
+  kv_marked_overlaps(ns, packed, position, out)
+  return out
 end
 
 -- Change points of the holder count. When every worker's blocks are prefix-closed (holding
@@ -150,63 +197,74 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
       if unassigned == 0 then break end
     end
   end
-  if n > 0 and m > 0 and redis.call('EXISTS', ns .. APPROXIMATE_KEY) == 1 then
-    local flags = redis.call('SMISMEMBER', ns .. APPROXIMATE_KEY, unpack(workers))
-    local now = nil
-    for j = 1, m do
-      if flags[j] == 1 then
-        now = now or server_time_ms()
-        local key = ns .. APPROXIMATE_FAMILY .. workers[j]
-        local function held(b)
-          local expiry = redis.call('ZSCORE', key, string.sub(packed, b * 8 - 7, b * 8))
-          return expiry and tonumber(expiry) > now
-        end
-        local best = out[j]
-        if best < n and held(best + 1) then
-          -- Largest k with block k held: the last block first, then bisection.
-          local lo, hi = best + 1, n
-          if held(hi) then lo = hi end
-          while lo < hi do
-            local mid = math.floor((lo + hi + 1) / 2)
-            if held(mid) then lo = mid else hi = mid - 1 end
-          end
-          out[j] = lo
-        end
-      end
-    end
-  end
+  kv_approximate_overlaps(ns, packed, workers, out)
+  kv_marked_overlaps(ns, packed, position, out)
   return out
 end
 
--- A bounded set of the workers that hold the request's longest cached prefixes: at each change
--- point, deepest first, its holders (at most `cap` of them, drawn at random where more hold it:
--- they hold the same prefix, and the decision weighs them by load alone), and the workers the
--- router sent a prompt sharing this one's prefix to within the predicted TTL (their `kv:pred:`
--- marks, one per PREDICTED_STRIDE blocks; see kv_predict). What the decision reads whatever
--- the number of workers: about levels x cap names.
-local function kv_prefix_holders(ns, packed, cap)
+-- The workers a decision over a large fleet weighs, each with its overlap: at each change point
+-- of the request, deepest first, its holders (at most `cap`, drawn at random where more hold it:
+-- they hold the same prefix, and the decision weighs them by load alone); the workers of
+-- `sample` (drawn by the caller from the whole fleet: the least loaded of them stands for the
+-- workers that hold nothing); and those the predicted marks name (a sibling prompt just sent
+-- there). About levels x cap names whatever the number of workers, and their overlaps exact:
+-- a name first met at a shallow change point is asked about the deeper ones whose holders were
+-- drawn, not all read. Returns {names, their overlaps as big-endian i32s}.
+local function kv_candidates(ns, packed, cap, sample)
   local prefix, sub, call = ns .. BLOCK_FAMILY, string.sub, redis.call
-  local out = {}
+  local names, out, position = {}, {}, {}
+  local function add(name, b)
+    local j = position[name]
+    if not j then
+      j = #names + 1
+      names[j], out[j], position[name] = name, b, j
+    elseif out[j] < b then
+      out[j] = b
+    end
+    return j
+  end
   local changes = kv_change_points(ns, packed)
+  local drawn = {}  -- the deeper change points whose holders were drawn, not all read
   for k = 1, #changes do
-    local key = prefix .. sub(packed, changes[k] * 8 - 7, changes[k] * 8)
-    local names
-    if call('HLEN', key) <= cap then names = call('HKEYS', key) else names = call('HRANDFIELD', key, cap) end
-    for i = 1, #names do out[#out + 1] = names[i] end
-  end
-  local n = #packed / 8
-  if n > 0 then
-    local marks = {}
-    local stride = tonumber(PREDICTED_STRIDE)
-    for b = stride, n, stride do
-      marks[#marks + 1] = ns .. PREDICTED_FAMILY .. sub(packed, b * 8 - 7, b * 8)
+    local b = changes[k]
+    local key = prefix .. sub(packed, b * 8 - 7, b * 8)
+    local holders, partial = nil, call('HLEN', key) > cap
+    if partial then holders = call('HRANDFIELD', key, cap) else holders = call('HKEYS', key) end
+    local met = {}
+    for i = 1, #holders do
+      if not position[holders[i]] then met[#met + 1] = holders[i] end
+      add(holders[i], b)
     end
-    if #marks > 0 then
-      local routed = call('MGET', unpack(marks))
-      for i = 1, #routed do
-        if routed[i] then out[#out + 1] = routed[i] end
+    -- Newcomers may hold a deeper drawn level too: ask there, deepest first.
+    for d = 1, #drawn do
+      if #met == 0 then break end
+      local deeper = drawn[d]
+      local held = call('HMGET', prefix .. sub(packed, deeper * 8 - 7, deeper * 8), unpack(met))
+      local rest = {}
+      for i = 1, #met do
+        if held[i] then add(met[i], deeper) else rest[#rest + 1] = met[i] end
       end
+      met = rest
     end
+    if partial then drawn[#drawn + 1] = b end
   end
-  return out
+  local asked = {}
+  for i = 1, #sample do
+    if not position[sample[i]] then asked[#asked + 1] = sample[i] end
+  end
+  for k = 1, #changes do
+    if #asked == 0 then break end
+    local b = changes[k]
+    local held = call('HMGET', prefix .. sub(packed, b * 8 - 7, b * 8), unpack(asked))
+    local rest = {}
+    for i = 1, #asked do
+      if held[i] then add(asked[i], b) else rest[#rest + 1] = asked[i] end
+    end
+    asked = rest
+  end
+  for i = 1, #asked do add(asked[i], 0) end
+  for _, mark in ipairs(kv_predicted_marks(ns, packed)) do add(mark[2], mark[1]) end
+  kv_approximate_overlaps(ns, packed, names, out)
+  if #out == 0 then return {names, ''} end
+  return {names, struct.pack('>' .. string.rep('i4', #out), unpack(out))}
 end
