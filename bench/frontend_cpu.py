@@ -1,0 +1,176 @@
+"""The frontend's own CPU per chat request, against simulated workers (issue 36): what one web
+process spends to admit, tokenize, hash, route and answer a request whose generation costs it
+nothing, so that the figure is the frontend's alone.
+
+Two simulated workers (`run_worker --engine sim --count 2`, another process) serve the demo
+model; the frontend runs in this process, and the requests are driven straight into its API
+handler (`ApiHandler`, as bench/api_handler.py does: no socket, no server), one at a time, each
+`max_tokens` 1 and not streamed. CPU is `time.process_time()` of this process (every thread: the
+hand-overs' threads count), over REQUESTS requests per round; the figure is the median of the
+rounds. Two requests:
+  text   a short question;
+  image  a 300-word system prompt and a 448x448 PNG sent as a data URL (issue 36's item 4), a new
+         question each time so that no answer is cached anywhere.
+
+Usage: `.venv/bin/python bench/frontend_cpu.py [--requests N] [--rounds N]` (Redis at REDIS_URL,
+default redis://127.0.0.1:6379/14, under a namespace of its own that is deleted afterwards). A
+shared machine moves the figures; the spread of the rounds is printed. Last line:
+    frontend_cpu_ms_text=<x.xx> frontend_cpu_ms_image=<x.xx>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.samples import demo_model_dir, noise_png  # noqa: E402
+from tests.platform_harness import PlatformProcesses  # noqa: E402
+
+SYSTEM_PROMPT = " ".join(f"rule{k % 97} applies to every answer about the catalogue" for k in range(38))[
+    : 300 * 6
+]  # ~300 words
+
+
+def _scope(key: str, body: bytes) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"authorization", f"Bearer {key}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
+async def _serve(app, scope: dict, body: bytes) -> tuple[int, bytes]:
+    status, chunks = 0, []
+    body_sent = False
+    answered = asyncio.Event()
+
+    async def receive() -> dict:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await answered.wait()  # as a server does: the client leaves once it has the answer
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                answered.set()
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)
+
+
+def _bodies(kind: str, image_url: str, count: int, start: int) -> list[bytes]:
+    out = []
+    for k in range(start, start + count):
+        question = f"Question {k}: what does item {k * 7919 % 100_003} look like?"
+        if kind == "text":
+            messages = [{"role": "user", "content": question}]
+        else:
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": image_url}},
+                        {"type": "text", "text": question},
+                    ],
+                },
+            ]
+        out.append(json.dumps({"model": "demo", "messages": messages, "max_tokens": 1}).encode())
+    return out
+
+
+async def _cpu_ms_per_request(app, key: str, bodies: list[bytes]) -> float:
+    started = time.process_time()
+    for body in bodies:
+        status, answer = await _serve(app, _scope(key, body), body)
+        if status != 200:
+            raise RuntimeError(f"the chat request answered {status}: {answer[:300]!r}")
+    return (time.process_time() - started) * 1000 / len(bodies)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=150, help="requests per kind per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
+    namespace = f"bench:fcpu:{uuid.uuid4().hex[:10]}:"
+    model = demo_model_dir()
+    image_url = "data:image/png;base64," + base64.b64encode(noise_png("frontend-cpu", 448)).decode()
+    with tempfile.TemporaryDirectory(prefix="bench-frontend-cpu-") as tmp:
+        platform = PlatformProcesses(Path(tmp), model, redis_url, namespace, {"LOG_LEVEL": "WARNING"})
+        try:
+            names = platform.start_sim_workers("sim", 2)
+            platform.wait_for_workers(*names)
+            for name, value in platform.env.items():  # this process is the platform's frontend
+                if os.environ.get(name) != value:
+                    os.environ[name] = value
+            import django
+
+            django.setup()
+            from inference_platform.api.handler import ApiHandler
+
+            app = ApiHandler()
+
+            async def run() -> dict[str, list[float]]:
+                figures: dict[str, list[float]] = {"text": [], "image": []}
+                sent = 0
+                for kind in figures:  # warm: imports, the model card, the first connections
+                    await _cpu_ms_per_request(app, platform.api_key, _bodies(kind, image_url, 10, sent))
+                    sent += 10
+                for _ in range(args.rounds):
+                    for kind, values in figures.items():
+                        bodies = _bodies(kind, image_url, args.requests, sent)
+                        sent += args.requests
+                        values.append(await _cpu_ms_per_request(app, platform.api_key, bodies))
+                return figures
+
+            figures = asyncio.run(run())
+        finally:
+            platform.close()
+    for kind, values in figures.items():
+        print(f"{kind:5} frontend CPU per request: median {statistics.median(values):.2f} ms over "
+              f"{args.rounds} rounds of {args.requests} [{min(values):.2f}-{max(values):.2f}]")  # fmt: skip
+    print(
+        f"frontend_cpu_ms_text={statistics.median(figures['text']):.2f} "
+        f"frontend_cpu_ms_image={statistics.median(figures['image']):.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
