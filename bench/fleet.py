@@ -13,6 +13,12 @@ decisions per second one Redis core sustains at that cost, Redis memory per (blo
 (used-memory delta over entries), and the hit rate against the oracle (the chosen worker's
 overlap over the best overlap any worker had).
 
+Then, per size, FLEET_FRONTENDS (default 1,4) beyond one: that many frontend processes (forked
+after the fill, each with connections of its own) decide the same requests between them in an
+open loop at FLEET_RATE decisions/s in all (default 200): each decision's time runs from when it
+was due, so frontends that cannot keep up show it; printed with the decisions per second made in
+all and per frontend and the Redis-side µs per decision.
+
 Usage: .venv/bin/python bench/fleet.py   (FLEET_SIZES, default 16,64,256,1024; FLEET_DECISIONS,
 default 1000). It starts a redis-server of its own (so that INFO counts its commands alone) and
 stops it. Figures from a shared machine move from run to run. The last line:
@@ -22,6 +28,8 @@ workers=1024 decision_p50_us=… decision_p99_us=… decisions_per_s=… bytes_p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import multiprocessing
 import os
 import random
 import sys
@@ -63,6 +71,8 @@ from routing.state.redis_keys import sync_client  # noqa: E402
 
 SIZES = tuple(int(n) for n in os.environ.get("FLEET_SIZES", "16,64,256,1024").split(","))
 DECISIONS = int(os.environ.get("FLEET_DECISIONS", "1000"))
+FRONTENDS = tuple(int(n) for n in os.environ.get("FLEET_FRONTENDS", "1,4").split(","))
+RATE = float(os.environ.get("FLEET_RATE", "200"))  # decisions/s offered to several frontends, in all
 BLOCK_SIZE = 16
 MODEL = "bench-model"
 SYSTEM_TOKENS, IMAGE_TOKENS, PROMPT_TOKENS = 320, 256, 1_000  # 62 full blocks a prompt
@@ -191,7 +201,9 @@ def run_size(n: int) -> dict[str, float]:
     eligibility, decide, redis_total, chosen, oracle = asyncio.run(decide_all())
     redis_us = redis_total / len(requests)
     total = [e + d for e, d in zip(eligibility, decide, strict=True)]
+    several = {f: several_frontends(f, requests, client) for f in FRONTENDS if f > 1}
     return {
+        "several": several,
         "workers": n,
         "entries": entries,
         "eligibility_p50": percentile(eligibility, 0.5),
@@ -203,6 +215,84 @@ def run_size(n: int) -> dict[str, float]:
         "bytes_per_entry": bytes_per_entry,
         "hit_over_oracle": chosen / oracle if oracle else 1.0,
     }
+
+
+def several_frontends(count: int, requests: list[list[int]], client) -> dict[str, float]:
+    """`count` frontend processes (forked from this one: the index and the fleet as filled) decide
+    the requests between them, each at RATE / count decisions per second in an open loop: a
+    decision's time runs from when it was due, so a frontend that falls behind shows it. Redis-side
+    time from INFO around the whole run (a Redis of the bench's own: nothing else runs there)."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    from django.db import connections
+
+    connections.close_all()  # each child opens its own
+    usec0 = redis_side_usec(client)
+    started = time.perf_counter()
+    children = [
+        context.Process(target=_frontend_process, args=(i, count, requests[i::count], results))
+        for i in range(count)
+    ]
+    for child in children:
+        child.start()
+    latencies: list[float] = []
+    for _ in children:
+        answer = results.get(timeout=600)
+        if isinstance(answer, BaseException):
+            raise RuntimeError(f"a frontend process failed: {answer!r}")
+        latencies += answer
+    for child in children:
+        child.join()
+    wall = time.perf_counter() - started
+    redis_us = (redis_side_usec(client) - usec0) / len(latencies)
+    return {
+        "p50": percentile(latencies, 0.5),
+        "p99": percentile(latencies, 0.99),
+        "done_per_s": len(latencies) / wall,
+        "redis_us": redis_us,
+    }
+
+
+def _frontend_process(i: int, count: int, requests: list[list[int]], results) -> None:
+    from asgiref.sync import SyncToAsync
+
+    from inference_platform.serving.dispatch import eligible_workers, forget_fleet_read
+    from inference_platform.serving.frontend import frontend
+    from inference_platform.serving.prepare import reserve_worker
+
+    # A forked child has none of its parent's threads: asgiref's one thread for the ORM (created
+    # in the parent) would never run what the fleet read asks of the database.
+    SyncToAsync.single_thread_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    frontend().reset()  # connections of its own, not the parent's
+    forget_fleet_read()
+    interval = count / RATE
+
+    async def run() -> list[float]:
+        await _warm(eligible_workers)
+        latencies = []
+        start = time.perf_counter() + 0.05
+        for k, hashes in enumerate(requests):
+            due = start + k * interval
+            wait = due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            workers = await eligible_workers(MODEL, BLOCK_SIZE)
+            prepared = types.SimpleNamespace(
+                view=types.SimpleNamespace(
+                    block_hashes=hashes, prompt_tokens=PROMPT_TOKENS, block_size=BLOCK_SIZE
+                ),
+                policy=DEPLOYMENT_POLICY,
+            )
+            lease = await asyncio.to_thread(reserve_worker, prepared, workers, None, f"bench-{i}-{k}")
+            latencies.append((time.perf_counter() - due) * 1e6)
+            lease.release("done")
+        return latencies
+
+    try:
+        results.put(asyncio.run(run()))
+    except BaseException as exc:  # the parent waits for every child's answer
+        results.put(exc)
+        raise
 
 
 async def _warm(eligible_workers) -> None:
@@ -227,6 +317,13 @@ def main() -> None:
                 f"{row['p50']:>9.0f}{row['p99']:>9.0f}{row['redis_us']:>10.0f}{row['decisions_per_s']:>13,.0f}"
                 f"{row['bytes_per_entry']:>9.1f}{row['hit_over_oracle']:>12.3f}"
             )
+            for count, figures in row["several"].items():
+                print(
+                    f"{'':>8}{count} frontends, open loop at {RATE:.0f}/s: p50 {figures['p50']:.0f} us, "
+                    f"p99 {figures['p99']:.0f} us, {figures['done_per_s']:.0f} decisions/s in all "
+                    f"({figures['done_per_s'] / count:.0f} per frontend), "
+                    f"redis {figures['redis_us']:.0f} us each"
+                )
     finally:
         _REDIS.stop()
     by = {row["workers"]: row for row in rows}
