@@ -120,10 +120,17 @@ class SimFleet:
                 instance=self.instance,
                 schedule_policy=engine.schedule_policy,
             )
-            self._load.free_worker(name)  # a dead predecessor's reservations (see run_worker)
+            # A dead predecessor's reservations, freed now (run_worker's rule, and its log line):
+            # frontends waiting on its requests see the new instance and fail them over at once.
+            freed = self._load.free_worker(name)
+            if name in predecessors or freed:
+                logger.warning(
+                    "worker %s: took over from instance %s (%d requests freed)",
+                    name,
+                    predecessors[name].instance if name in predecessors else "?",
+                    freed,
+                )
         self._register_rows(host, pid)
-        if predecessors:
-            logger.warning("sim fleet: took over %d names from dead processes", len(predecessors))
         self._beat()
         self._thread = threading.Thread(target=self._run, name="sim-heartbeats", daemon=True)
         self._thread.start()

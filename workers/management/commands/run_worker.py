@@ -372,7 +372,8 @@ class Command(BaseCommand):
         except (OSError, ValueError, KeyError) as exc:
             raise CommandError(f"--sim-profile: {exc}") from exc
         client = sync_client(settings.REDIS_URL)
-        metrics = telemetry.attach(client, statistics_namespace(), name)
+        statistics = statistics_namespace()
+        metrics = telemetry.attach(client, statistics, name)
         clock = SimClock(speedup=options["sim_speedup"]).start()
         fleet = SimFleet(
             fleet_names(name, options["count"]),
@@ -393,6 +394,8 @@ class Command(BaseCommand):
         except NameInUse as exc:
             raise CommandError(str(exc)) from exc
         for queue, runtime in fleet.runtimes.items():
+            # each worker counts its KV hits and misses as a real one does (flushed with the metrics)
+            runtime.stats = CacheStats(client, statistics, runtime.name, recorder=metrics)
             install_runtime(runtime, queue)
         self.stdout.write(
             f"worker {name}: {options['count']} simulated workers (profile {profile.name}, "
