@@ -225,9 +225,11 @@ def platform_harness() -> type[harness.PlatformProcesses]:
 
 @pytest.fixture
 def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
-    """A factory for a platform of the test's own (workers, server), for a test that kills, freezes
-    or re-roles a worker, or needs worker settings of its own; everything it started is stopped
-    after. A test that only sends requests uses `pooled_platform`, which starts no worker."""
+    """A factory for a platform of the test's own (workers, server), for a test that kills or
+    re-roles a worker, or needs worker settings of its own; everything it started is stopped
+    after. A test that only sends requests uses one of the session's pools, which start no worker
+    for it: `pooled_platform` (the model), `pooled_sim_platform` (simulated), `held_platform` (a
+    simulated worker to freeze), `lone_platform` (one model worker alone)."""
     started: list[harness.PlatformProcesses] = []
 
     def start(**env: str) -> harness.PlatformProcesses:
