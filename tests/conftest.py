@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -223,9 +225,11 @@ def platform_harness() -> type[harness.PlatformProcesses]:
 
 @pytest.fixture
 def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: str, key_namespace: str):
-    """A factory for a platform of the test's own (workers, server), for a test that kills, freezes
-    or re-roles a worker, or needs worker settings of its own; everything it started is stopped
-    after. A test that only sends requests uses `pooled_platform`, which starts no worker."""
+    """A factory for a platform of the test's own (workers, server), for a test that kills or
+    re-roles a worker, or needs worker settings of its own; everything it started is stopped
+    after. A test that only sends requests uses one of the session's pools, which start no worker
+    for it: `pooled_platform` (the model), `pooled_sim_platform` (simulated), `held_platform` (a
+    simulated worker to freeze), `lone_platform` (one model worker alone)."""
     started: list[harness.PlatformProcesses] = []
 
     def start(**env: str) -> harness.PlatformProcesses:
@@ -247,8 +251,14 @@ class WorkerPool:
     as they found them: each test gets frontends of its own and a tenant of its own, whose cache
     salt keeps what other tests cached out of its requests' overlap."""
 
-    def __init__(self, processes: harness.PlatformProcesses, tenant_keys: list[str]) -> None:
+    def __init__(
+        self,
+        processes: harness.PlatformProcesses,
+        tenant_keys: list[str],
+        names: tuple[str, ...] = POOL_WORKERS,
+    ) -> None:
         self.processes = processes
+        self.names = names  # the pool's workers, as they register
         self._tenant_keys = tenant_keys
         self._tenants_used = 0
 
@@ -260,29 +270,69 @@ class WorkerPool:
         (key,) = self.processes.make_keys({"tenant": f"pool-tenant-{self._tenants_used}", "staff": True})
         return key
 
+    def join(self, tmp_path: Path, **env: str) -> harness.PlatformProcesses:
+        """Frontends of a test's own (not started yet) in front of the pool, with a fresh tenant."""
+        return harness.PlatformProcesses.joining(self.processes, tmp_path, self.fresh_tenant_key(), env)
+
+
+def _start_pool(
+    platform_harness,
+    directory: Path,
+    model_dir: Path,
+    env: dict[str, str],
+    start,
+    tenants: int,
+    namespace: str = "",
+) -> Iterator[WorkerPool]:
+    """A platform of its own (`env` for all its processes, in `namespace` or a fresh one), its
+    workers started by `start(processes)` (which returns their names), and `tenants` operator
+    keys made while they load."""
+    namespace = namespace or f"test:{uuid.uuid4().hex[:12]}:"
+    processes = platform_harness(directory, model_dir, TEST_REDIS_URL, namespace, env)
+    try:
+        names = tuple(start(processes))
+        keys = processes.make_keys(
+            *({"tenant": f"pool-tenant-{i}", "staff": True} for i in range(tenants, 0, -1))
+        )
+        processes.wait_for_workers(*names)
+        yield WorkerPool(processes, keys, names)
+    finally:
+        processes.close()
+
+
+def _model_workers(processes: harness.PlatformProcesses) -> tuple[str, ...]:
+    for name in POOL_WORKERS:
+        processes.start_worker(name)
+    return POOL_WORKERS
+
 
 @pytest.fixture(scope="session")
 def worker_pool(
     platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
 ) -> Iterator[WorkerPool]:
-    processes = platform_harness(
+    """Two workers with the demo model (POOL_WORKERS), for the tests that need its answers."""
+    yield from _start_pool(
+        platform_harness,
         tmp_path_factory.mktemp("worker-pool"),
         demo_model_dir,
-        TEST_REDIS_URL,
-        f"test:{uuid.uuid4().hex[:12]}:",
         {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+        _model_workers,
+        POOL_TENANTS,
     )
-    try:
-        for name in POOL_WORKERS:
-            processes.start_worker(name)
-        # the tenants are made while the workers load the model
-        keys = processes.make_keys(
-            *({"tenant": f"pool-tenant-{i}", "staff": True} for i in range(POOL_TENANTS, 0, -1))
-        )
-        processes.wait_for_workers(*POOL_WORKERS)
-        yield WorkerPool(processes, keys)
-    finally:
-        processes.close()
+
+
+def _frontends_of(pool: WorkerPool, tmp_path: Path) -> Iterator:
+    """A factory of frontends of a test's own before `pool` (`**frontend_settings`, a tenant of
+    its own each; `start_server()` starts them), and stops them after the test."""
+    joined: list[harness.PlatformProcesses] = []
+
+    def join(**env: str) -> harness.PlatformProcesses:
+        joined.append(pool.join(tmp_path, **env))
+        return joined[-1]
+
+    yield join
+    for platform in joined:
+        platform.close()
 
 
 @pytest.fixture
@@ -290,18 +340,130 @@ def pooled_platform(worker_pool: WorkerPool, tmp_path):
     """A factory for the session's worker pool (POOL_WORKERS) behind frontends of the test's own:
     `pooled_platform(**frontend_settings)`, then `start_server()`. It answers as a platform of
     the test's own would, with a tenant of its own; the frontends are stopped after."""
-    joined: list[harness.PlatformProcesses] = []
+    yield from _frontends_of(worker_pool, tmp_path)
 
-    def join(**env: str) -> harness.PlatformProcesses:
-        platform = harness.PlatformProcesses.joining(
-            worker_pool.processes, tmp_path, worker_pool.fresh_tenant_key(), env
+
+SIM_POOL_SIZE = 3
+
+
+@pytest.fixture(scope="session")
+def sim_pool(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
+) -> Iterator[WorkerPool]:
+    """Simulated workers (workers.sim_engine) in one process, started once per session, for the
+    end-to-end tests of routing, caching and load that need no real answers and kill nothing:
+    SIM_POOL_SIZE idle workers behind frontends of each test's own, a tenant of its own each."""
+    yield from _start_pool(
+        platform_harness,
+        tmp_path_factory.mktemp("sim-pool"),
+        demo_model_dir,
+        {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+        lambda processes: processes.start_sim_workers("simpool", SIM_POOL_SIZE),
+        8,
+    )
+
+
+@pytest.fixture
+def pooled_sim_platform(sim_pool: WorkerPool, tmp_path):
+    """`pooled_platform`'s counterpart for the session's simulated workers (`sim_pool.names`)."""
+    yield from _frontends_of(sim_pool, tmp_path)
+
+
+HELD_WORKER = "solo"
+
+
+@pytest.fixture(scope="session")
+def held_worker_pool(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
+) -> Iterator[WorkerPool]:
+    """One simulated worker (HELD_WORKER) that a test freezes with SIGSTOP to hold it busy, and
+    thaws before it ends (`held_platform`), for the tests of what waits for a busy fleet: its
+    heartbeat outlives the freeze (60 s)."""
+    yield from _start_pool(
+        platform_harness,
+        tmp_path_factory.mktemp("held-worker"),
+        demo_model_dir,
+        {"WORKER_HEARTBEAT_TTL_SECS": "60"},
+        lambda processes: processes.start_sim_workers(HELD_WORKER, 1),
+        8,
+    )
+
+
+@pytest.fixture
+def held_platform(held_worker_pool: WorkerPool, tmp_path):
+    """A factory for the session's held worker behind frontends of the test's own (`**frontend
+    settings`); after the test, the worker is thawed and the frontends stopped."""
+    frontends = _frontends_of(held_worker_pool, tmp_path)
+    yield next(frontends)
+    held_worker_pool.processes.workers[HELD_WORKER].send_signal(signal.SIGCONT)  # if a test failed frozen
+    next(frontends, None)
+
+
+LONE_WORKER = "keeper"
+
+
+@pytest.fixture(scope="session")
+def lone_worker_pool(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
+) -> Iterator[WorkerPool]:
+    """One worker with the demo model (LONE_WORKER), alone in a platform, for the tests that read
+    that worker's own counters and caches (its batches; what `flush_caches` finds in it): origins
+    on 127.0.0.1 allowed, the shared image cache on (in the test Redis, under the platform's
+    namespace: `lone_worker_pool.processes.env["SHARED_IMAGE_CACHE_KEY_PREFIX"]`)."""
+    namespace = f"test:{uuid.uuid4().hex[:12]}:"
+    yield from _start_pool(
+        platform_harness,
+        tmp_path_factory.mktemp("lone-worker"),
+        demo_model_dir,
+        {
+            "MEDIA_ALLOWED_HOSTS": "127.0.0.1",
+            "DYN_MM_SHARED_IMAGE_CACHE_ENABLED": "1",
+            "DYN_MM_SHARED_IMAGE_CACHE_URL": TEST_REDIS_URL,
+            "SHARED_IMAGE_CACHE_KEY_PREFIX": f"{namespace}img:",
+        },
+        lambda processes: (processes.start_worker(LONE_WORKER), [LONE_WORKER])[1],
+        4,
+        namespace,
+    )
+
+
+@pytest.fixture
+def lone_platform(lone_worker_pool: WorkerPool, tmp_path):
+    """A factory for the session's lone worker behind frontends of the test's own."""
+    yield from _frontends_of(lone_worker_pool, tmp_path)
+
+
+class PrivateRedisPlatform(NamedTuple):
+    server: harness.PrivateRedis  # the platform's only Redis, which its tests kill, restart, freeze
+    platform: harness.PlatformProcesses
+    workers: tuple[str, ...]
+
+
+@pytest.fixture(scope="session")
+def private_redis_platform(
+    platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
+) -> Iterator[PrivateRedisPlatform]:
+    """A platform on a redis-server of its own, shared by the tests that kill, restart or freeze
+    its Redis (each leaves it serving again): two simulated workers in one process, a frontend,
+    every Redis wait bounded by 2 s (REDIS_TIMEOUT_SECS)."""
+    server = harness.PrivateRedis(tmp_path_factory.mktemp("private-redis"))
+    try:
+        platform = platform_harness(
+            tmp_path_factory.mktemp("private-redis-platform"),
+            demo_model_dir,
+            server.url,
+            f"test:{uuid.uuid4().hex[:12]}:",
+            {"REDIS_TIMEOUT_SECS": "2", "MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
         )
-        joined.append(platform)
-        return platform
-
-    yield join
-    for platform in joined:
-        platform.close()
+        try:
+            names = tuple(platform.start_sim_workers("sturdy", 2))
+            platform.wait_for_workers(*names)
+            platform.start_server()
+            yield PrivateRedisPlatform(server, platform, names)
+        finally:
+            platform.close()
+    finally:
+        server.stop()
 
 
 @pytest.fixture

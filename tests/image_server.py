@@ -53,7 +53,9 @@ class _OriginHTTPServer(ThreadingHTTPServer):
 class ImageServer:
     """A local origin in a background thread; every `add_*` returns the URL of what it added."""
 
-    def __init__(self, *, latency: float = 0.0, send_buffer: int = 64 * 1024) -> None:
+    def __init__(
+        self, *, latency: float = 0.0, send_buffer: int = 64 * 1024, host: str = "127.0.0.1"
+    ) -> None:
         self.latency = latency  # added before every answer, standing in for a remote origin
         self.send_buffer = send_buffer  # small, so bytes counted as sent stay close to bytes read
         self._routes: dict[str, _Route] = {}
@@ -62,7 +64,10 @@ class ImageServer:
         self._request_headers: dict[str, list[dict[str, str]]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._httpd = _OriginHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        # `host`: another loopback address (127.0.0.2: Linux answers on all of 127.0.0.0/8) is an
+        # origin that an allowlist of 127.0.0.1 does not cover
+        self.host = host
+        self._httpd = _OriginHTTPServer((host, 0), _handler_for(self))
         self._thread: threading.Thread | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -97,8 +102,8 @@ class ImageServer:
     def port(self) -> int:
         return self._httpd.server_address[1]
 
-    def url(self, path: str, *, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.port}{path}"
+    def url(self, path: str, *, host: str = "") -> str:
+        return f"http://{host or self.host}:{self.port}{path}"
 
     def add(
         self,

@@ -238,6 +238,7 @@ class PlatformProcesses:
         # the pool's to read (pids, logs); a test that stops one of them is not a pool test, but
         # it may start and stop workers of its own beside them
         joined.workers = dict(pool.workers)
+        joined._fleet_of = dict(pool._fleet_of)
         joined._pool = pool
         return joined
 
@@ -269,12 +270,17 @@ class PlatformProcesses:
         return api_key
 
     @property
+    def database(self) -> Path:
+        """The SQLite file every process of the platform uses (a joined platform's is its pool's)."""
+        return Path(self.env["DATABASE_URL"].removeprefix("sqlite:///"))
+
+    @property
     def statistics_namespace(self) -> str:
         """Where this platform's counters are (routing.deployment): its prefix and its database's
         deployment id, which its first process to count anything made."""
         import sqlite3
 
-        with sqlite3.connect(self.tmp / "db.sqlite3") as db:
+        with sqlite3.connect(self.database) as db:
             row = db.execute("SELECT deployment_id FROM routing_deployment").fetchone()
         assert row is not None, "no process of this platform has counted anything yet"
         return f"{self.namespace}dep:{row[0]}:"
@@ -355,6 +361,11 @@ class PlatformProcesses:
         self._fleet_of.update({member: name for member in members})
         return members
 
+    @property
+    def simulated_workers(self) -> list[str]:
+        """The names of the simulated workers its `start_sim_workers` started (a pool's too)."""
+        return list(self._fleet_of)
+
     def wait_for_workers(self, *names: str, timeout: float = 90.0) -> None:
         """Waits for each worker's heartbeat (a simulated one's is its own, its process shared)."""
         deadline = time.monotonic() + timeout
@@ -377,6 +388,18 @@ class PlatformProcesses:
         processes = {self._fleet_of.get(name, name) for name in names}
         settled = time.monotonic() + 1.0
         while time.monotonic() < settled and not all(self._consuming(name) for name in processes):
+            time.sleep(0.05)
+
+    def wait_until_idle(self, name: str, timeout: float = 60.0) -> None:
+        """Waits for a heartbeat of worker `name` that reports nothing running or waiting: what
+        the routers read of it then counts no earlier request (a test that shares the worker
+        freezes it only once it is idle)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            beat = self.redis.get(self.heartbeat_key(name))
+            if beat is not None and json.loads(beat)["running"] == json.loads(beat)["waiting"] == 0:
+                return
+            assert time.monotonic() < deadline, f"worker {name} never reported itself idle: {beat!r}"
             time.sleep(0.05)
 
     def _consuming(self, name: str) -> bool:
@@ -424,6 +447,9 @@ class PlatformProcesses:
         return process.wait(timeout=60) if wait else None
 
     def _log_path(self, label: str) -> Path:
+        member = label.removeprefix("worker-")
+        if member != label and member in self._fleet_of:  # a simulated worker: its process's log
+            label = f"worker-{self._fleet_of[member]}"
         own = self.tmp / f"{label}.log"
         if own.exists() or self._pool is None:
             return own

@@ -1,5 +1,6 @@
 """A real `run_worker` with default settings batches concurrent requests: its heartbeat reports
-them in one batch, and its counters show fewer forward passes than tokens generated."""
+them in one batch, and its counters show fewer forward passes than tokens generated. The worker
+is the session's lone one (tests/conftest.py), whose counters only this module's requests move."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import time
 
 import httpx
 
+from tests.conftest import LONE_WORKER
+
 CONCURRENT = 8
 
 
-def test_eight_concurrent_requests_run_in_one_batch_with_fewer_steps_than_tokens(platform_processes):
-    # given one worker with the default engine settings, and a frontend
-    platform = platform_processes()
-    platform.start_worker("batcher")
-    platform.wait_for_workers("batcher")
+def test_eight_concurrent_requests_run_in_one_batch_with_fewer_steps_than_tokens(lone_platform):
+    # given one worker with the default engine settings, which never had more than one request
+    # in a batch, and a frontend
+    platform = lone_platform()
     base_url = platform.start_server()
-    key = platform.heartbeat_key("batcher")
+    platform.wait_until_idle(LONE_WORKER)
+    key = platform.heartbeat_key(LONE_WORKER)
     before = json.loads(platform.redis.get(key))
     assert before["running"] == 0 and before["kv_blocks_used"] == 0
+    assert before["running_peak"] <= 1  # the flush test's one request at most: the peak is ours
     assert before["max_running"] >= CONCURRENT
     assert before["schedule_policy"] == "shortest_first"  # what the router's load bound reads
 

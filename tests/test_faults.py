@@ -1,10 +1,11 @@
 """Faults injected into the real platform (worker and server processes, Redis): what the client
 gets, that nothing hangs past its deadline, and that load counters come back to zero.
 
-Two platforms serve the tests: one with two workers and two frontends (a worker killed, then a
-frontend killed: each test leaves the part it did not kill serving), and one on a Redis of its own
-(killed and restarted mid-load, restarted while idle, frozen: each test ends with the platform
-serving again).
+Two platforms serve the tests: the module's, with two simulated workers and two frontends (a
+worker killed, then a frontend killed: each test leaves the part it did not kill serving), and
+the session's on a Redis of its own (`private_redis_platform`, which tests/test_routing_faults.py
+shares: Redis killed and restarted mid-load, restarted while idle, frozen; each test ends with the
+platform serving again).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from routing.kv.load import LoadTracker
-from tests.platform_harness import SIMULATED, PrivateRedis, run_worker_args
+from tests.platform_harness import SIMULATED, run_worker_args
 
 
 def chat(
@@ -47,7 +48,7 @@ def set_enabled(platform, worker: str, enabled: bool) -> None:
     generation in the platform's Redis, which makes them read it again (routing.fleet.worker_rows)."""
     from routing.fleet.worker_rows import announce_change
 
-    with sqlite3.connect(platform.tmp / "db.sqlite3", timeout=20) as db:
+    with sqlite3.connect(platform.database, timeout=20) as db:
         db.execute("UPDATE routing_worker SET enabled = ? WHERE name = ?", (int(enabled), worker))
     announce_change(platform.redis, platform.namespace)
 
@@ -171,26 +172,21 @@ def test_a_frontend_killed_mid_load_leaves_no_phantom_load_and_the_worker_stops_
 
 
 # --- Redis killed, restarted, frozen -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def private_redis(tmp_path_factory):
-    server = PrivateRedis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+# The session's platform on a Redis of its own (tests/conftest.py `private_redis_platform`): two
+# simulated workers in one process and a frontend, every Redis wait bounded by 2 s.
+@pytest.fixture
+def private_redis(private_redis_platform):
+    return private_redis_platform.server
 
 
-@pytest.fixture(scope="module")
-def redis_platform(platform_harness, private_redis, tmp_path_factory, demo_model_dir):
-    """A worker and a frontend on the private Redis, whose every wait is bounded by 2 s."""
-    platform = own_platform(
-        platform_harness, tmp_path_factory, demo_model_dir, private_redis.url, REDIS_TIMEOUT_SECS="2"
-    )
-    try:
-        platform.start_worker("sturdy")
-        platform.wait_for_workers("sturdy")
-        platform.start_server()
-        yield platform
-    finally:
-        platform.close()
+@pytest.fixture
+def redis_platform(private_redis_platform):
+    return private_redis_platform.platform
+
+
+def beating_again(platform) -> bool:
+    """Every worker of the platform has beaten since Redis came back."""
+    return all(platform.redis.exists(platform.heartbeat_key(name)) for name in platform.simulated_workers)
 
 
 def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
@@ -235,10 +231,10 @@ def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
     # and once the worker beats again, requests are served again (that none then fails on a stale
     # pooled connection is the next test's: this loop would absorb such failures)
     deadline = time.monotonic() + 15
-    while not platform.redis.exists(platform.heartbeat_key("sturdy")):
+    while not beating_again(platform):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    # the worker's Celery consumer reconnects to the restarted broker on its own schedule
+    # the workers' Celery consumer reconnects to the restarted broker on its own schedule
     while chat(platform, "Anyone back?").status_code != 200:
         assert time.monotonic() < deadline + 20, platform.log_tail("worker-sturdy")
         time.sleep(0.5)
@@ -247,11 +243,14 @@ def test_redis_killed_and_restarted_mid_load_answers_every_request_and_recovers(
     assert active_requests(platform) == {}
 
 
-def generations_run(platform, worker: str) -> int:
-    """Requests `worker` ran to the end since Redis last started empty: its KV cache counts one hit
-    or one miss per finished generation (flushed to Redis about once a second)."""
-    totals = platform.redis.hgetall(f"{platform.statistics_namespace}stats:{worker}:kv")
-    return int(totals.get(b"hits", 0)) + int(totals.get(b"misses", 0))
+def generations_run(platform) -> int:
+    """Requests the workers ran to the end since Redis last started empty: each worker's KV cache
+    counts one hit or one miss per finished generation (flushed to Redis about once a second)."""
+    run = 0
+    for worker in platform.simulated_workers:
+        totals = platform.redis.hgetall(f"{platform.statistics_namespace}stats:{worker}:kv")
+        run += int(totals.get(b"hits", 0)) + int(totals.get(b"misses", 0))
+    return run
 
 
 def ask_all(platform, count: int, text: str) -> list[httpx.Response | Exception]:
@@ -277,11 +276,11 @@ def test_redis_restarted_while_idle_every_request_after_it_is_answered_and_runs_
 ):
     # given a frontend whose asyncio pool holds many connections: concurrent requests opened them
     platform = redis_platform
-    counted = generations_run(platform, "sturdy")
+    counted = generations_run(platform)
     warm = ask_all(platform, 12, "Warm up question")
     assert [getattr(answer, "status_code", answer) for answer in warm] == [200] * 12
     deadline = time.monotonic() + 10
-    while generations_run(platform, "sturdy") < counted + 12:  # the worker's counts reached Redis
+    while generations_run(platform) < counted + 12:  # the worker's counts reached Redis
         assert time.monotonic() < deadline
         time.sleep(0.2)
 
@@ -290,10 +289,10 @@ def test_redis_restarted_while_idle_every_request_after_it_is_answered_and_runs_
     private_redis.kill()
     private_redis.start()
     deadline = time.monotonic() + 15
-    while not platform.redis.exists(platform.heartbeat_key("sturdy")):
+    while not beating_again(platform):
         assert time.monotonic() < deadline, platform.log_tail("worker-sturdy")
         time.sleep(0.1)
-    assert generations_run(platform, "sturdy") == 0  # the counters start again from zero too
+    assert generations_run(platform) == 0  # the counters start again from zero too
 
     # then the first requests sent afterwards, at once, are each answered 200 (none meets a stale
     # connection and fails after its task was queued) ...
@@ -301,10 +300,10 @@ def test_redis_restarted_while_idle_every_request_after_it_is_answered_and_runs_
     statuses = [getattr(answer, "status_code", repr(answer)) for answer in answers]
     answered = statuses.count(200)
     deadline = time.monotonic() + 10
-    while generations_run(platform, "sturdy") < answered and time.monotonic() < deadline:
+    while generations_run(platform) < answered and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)  # the worker's counters are flushed about once a second: late runs show here
-    ran = generations_run(platform, "sturdy")
+    ran = generations_run(platform)
     failed = [answer.text[:300] for answer in answers if getattr(answer, "status_code", 0) != 200]
     redis_errors = [line for line in platform.log("server").splitlines() if "Redis failed" in line]
     assert statuses == [200] * 12, (
@@ -360,26 +359,22 @@ def test_a_second_process_under_a_running_workers_name_never_deregisters_the_fir
     assert held
     first_pid = platform.workers["spare"].pid
 
-    # when someone starts `run_worker --name spare` again, and stops it once it is up (if it is)
-    impostor = subprocess.Popen(
+    # when someone starts `run_worker --name spare` again (the native engine's command: the rule
+    # holds whatever engine serves the name, and is checked before any model loads)
+    impostor = subprocess.run(
         run_worker_args("spare"),
         cwd=REPO,
         env=platform.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    deadline = time.monotonic() + 60
-    while impostor.poll() is None and time.monotonic() < deadline:
-        beat = platform.redis.get(platform.heartbeat_key("spare"))
-        if beat and json.loads(beat)["pid"] == impostor.pid:
-            break  # accepted: it beats under the name
-        time.sleep(0.2)
-    if impostor.poll() is None:
-        impostor.send_signal(signal.SIGTERM)
-        impostor.wait(timeout=60)
 
-    # then the first is still registered, live, and its blocks are still in the index
-    with sqlite3.connect(platform.tmp / "db.sqlite3", timeout=20) as db:
+    # then it refuses to start, naming the live process
+    assert impostor.returncode != 0, impostor.stdout[-2000:]
+    assert "already running" in impostor.stderr and f"pid {first_pid}" in impostor.stderr, impostor.stderr
+    # and the first is still registered, live, and its blocks are still in the index
+    with sqlite3.connect(platform.database, timeout=20) as db:
         (deregistered,) = db.execute(
             "SELECT deregistered_at FROM routing_worker WHERE name = 'spare'"
         ).fetchone()

@@ -1,8 +1,10 @@
-"""The admission queue across real processes: frontends (uvicorn) and a simulated worker
-(`run_worker --engine sim`), real Redis and Celery. The one worker is held busy deterministically,
-as in the saturated-worker test (tests/test_routing_faults.py): frozen with SIGSTOP before a first
-request is sent, whose reservation then keeps it busy (ROUTER_BUSY_MAX_REQUESTS=1) until the test
-lets it go on; what waits meanwhile is read from Redis, never from timing between processes."""
+"""The admission queue across real processes: frontends (uvicorn) of each test's own and the
+session's held worker (`held_platform`: one `run_worker --engine sim`), real Redis and Celery. The
+one worker is held busy deterministically, as in the saturated-worker test
+(tests/test_routing_faults.py): frozen with SIGSTOP before a first request is sent, whose
+reservation then keeps it busy (ROUTER_BUSY_MAX_REQUESTS=1) until the test lets it go on; what
+waits meanwhile is read from Redis, never from timing between processes. The worker is shared:
+each test reads what it caused (its own requests' ids, counts as they moved during the test)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import redis
 from routing.admission.queue import DEPTH_KEY, DRAINED_FAMILY, ENTRY_FAMILY
 from routing.kv.load import LoadTracker
 from routing.observe import telemetry
-from tests.platform_harness import SIMULATED, PlatformProcesses
+from tests.conftest import HELD_WORKER
+from tests.platform_harness import PlatformProcesses
 from tests.test_routing_faults import text_request
 
-HELD = "solo"
+HELD = HELD_WORKER
 
 
 def queue_depth(platform: PlatformProcesses) -> int:
@@ -54,6 +57,7 @@ class Held:
 
     def __init__(self, platform: PlatformProcesses, base_url: str) -> None:
         self.platform = platform
+        platform.wait_until_idle(HELD)  # the worker is shared: no earlier request still reported
         platform.stop_worker(HELD, signal.SIGSTOP, wait=False)
         self.answers: list[httpx.Response] = []
         self.thread = post_in_background(
@@ -88,23 +92,18 @@ def post_in_background(
     return thread
 
 
-def busy_platform(platform_processes, frontends: int, **env: str) -> tuple[PlatformProcesses, list[str]]:
-    platform = platform_processes(
-        ROUTER_BUSY_MAX_REQUESTS="1",
-        WORKER_HEARTBEAT_TTL_SECS="60",  # the frozen worker stays live
-        ROUTER_QUEUE_ENABLED="1",
-        **env,
-    )
-    platform.start_worker(HELD, *SIMULATED)
-    platform.wait_for_workers(HELD)
+def busy_platform(held_platform, frontends: int, **env: str) -> tuple[PlatformProcesses, list[str]]:
+    """The held worker behind `frontends` frontends of the test's own, which count it busy with
+    one request and queue what comes meanwhile."""
+    platform = held_platform(ROUTER_BUSY_MAX_REQUESTS="1", ROUTER_QUEUE_ENABLED="1", **env)
     return platform, [platform.start_server() for _ in range(frontends)]
 
 
 def test_requests_queued_on_two_frontends_leave_in_one_order_each_once_by_its_own_frontend(
-    platform_processes,
+    held_platform,
 ):
     # given: two frontends before one busy worker, and two tenants of equal weight
-    platform, (first, second) = busy_platform(platform_processes, frontends=2)
+    platform, (first, second) = busy_platform(held_platform, frontends=2)
     heavy, light = platform.make_keys({"tenant": "heavy"}, {"tenant": "light"})
     held = Held(platform, second)
     drained_key = f"{platform.namespace}{DRAINED_FAMILY}demo"
@@ -139,8 +138,11 @@ def test_requests_queued_on_two_frontends_leave_in_one_order_each_once_by_its_ow
     # tenant's first request second, not behind the heavy tenant's backlog)
     ids = {name: responses[0].headers["X-Request-Id"] for name, responses in answers.items()}
     assert all([r.status_code for r in responses] == [200] for responses in answers.values()), answers
+    mine = set(ids.values())  # the worker is shared: earlier tests' dispatches are recorded too
     order = [
-        member.decode().split(":", 1)[1] for member, _ in sorted(left.items(), key=lambda m: (m[1], m[0]))
+        request_id
+        for member, _ in sorted(left.items(), key=lambda m: (m[1], m[0]))
+        if (request_id := member.decode().split(":", 1)[1]) in mine
     ]
     assert order == [ids["h0"], ids["l0"], ids["h1"], ids["h2"]]
     # each by the frontend its client called: that process's log says it sent it, the other's not
@@ -152,13 +154,17 @@ def test_requests_queued_on_two_frontends_leave_in_one_order_each_once_by_its_ow
 
 
 def test_a_client_gone_while_queued_never_reaches_a_worker_and_shed_requests_get_openai_errors(
-    platform_processes,
+    held_platform,
 ):
     # given: a busy worker, a tenant that may queue one request, and a wait of a few seconds
     platform, (base_url,) = busy_platform(
-        platform_processes, frontends=1, ROUTER_QUEUE_MAX_TENANT_DEPTH="1", ROUTER_QUEUE_MAX_WAIT_SECS="3"
+        held_platform, frontends=1, ROUTER_QUEUE_MAX_TENANT_DEPTH="1", ROUTER_QUEUE_MAX_WAIT_SECS="3"
     )
     (tenant_key,) = platform.make_keys({"tenant": "queued-tenant"})
+    statuses = (499, 429, 503)
+    closed = lambda: [answered_without_a_worker(platform, status) for status in statuses]  # noqa: E731
+    # the counts so far (earlier tests' frontends, stopped before this test, flushed theirs)
+    closed_before = closed()
     tenant = {"Authorization": f"Bearer {tenant_key}"}
     held = Held(platform, base_url)
 
@@ -201,17 +207,17 @@ def test_a_client_gone_while_queued_never_reaches_a_worker_and_shed_requests_get
     held.join()
     # and each of the three was closed with no worker ever chosen for it (the frontend counts
     # them as it closes them; its counts reach Redis at its next flush)
-    closed = lambda: [answered_without_a_worker(platform, status) for status in (499, 429, 503)]  # noqa: E731
+    closed_now = lambda: [now - before for now, before in zip(closed(), closed_before, strict=True)]  # noqa: E731
     try:
-        until(lambda: closed() == [1, 1, 1], "the three requests counted as closed without a worker")
+        until(lambda: closed_now() == [1, 1, 1], "the three requests counted as closed without a worker")
     except AssertionError:
         raise AssertionError(f"counted: {counted(platform)}") from None
 
 
-def test_a_killed_frontend_leaves_no_request_in_the_queue_past_its_liveness_ttl(platform_processes):
+def test_a_killed_frontend_leaves_no_request_in_the_queue_past_its_liveness_ttl(held_platform):
     # given: two frontends with requests waiting for a busy worker, two on the first
     platform, (doomed, survivor) = busy_platform(
-        platform_processes, frontends=2, ROUTER_QUEUE_FRONTEND_TTL_SECS="2"
+        held_platform, frontends=2, ROUTER_QUEUE_FRONTEND_TTL_SECS="2"
     )
     held = Held(platform, survivor)
     answers: list[httpx.Response] = []

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from routing.kv.index import KvIndex
+from tests.conftest import LONE_WORKER
 from tests.image_server import ImageServer
 from tests.platform_harness import REPO
 
@@ -23,17 +24,13 @@ def flush(platform, *args: str) -> dict:
 
 
 def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_changes_nothing(
-    platform_processes, key_namespace
+    lone_platform,
 ):
-    shared_prefix = f"{key_namespace}img:"
-    platform = platform_processes(
-        MEDIA_ALLOWED_HOSTS="127.0.0.1",
-        DYN_MM_SHARED_IMAGE_CACHE_ENABLED="1",
-        DYN_MM_SHARED_IMAGE_CACHE_URL=platform_redis_url(),
-        SHARED_IMAGE_CACHE_KEY_PREFIX=shared_prefix,
-    )
-    platform.start_worker("keeper")
-    platform.wait_for_workers("keeper")
+    # given the session's lone worker, its caches emptied first (other tests may have used it),
+    # and a frontend of the test's own
+    platform = lone_platform()
+    shared_prefix = platform.env["SHARED_IMAGE_CACHE_KEY_PREFIX"]
+    flush(platform)
     base_url = platform.start_server()
     buffer = io.BytesIO()
     Image.effect_noise((200, 150), 50).convert("RGB").save(buffer, format="PNG")
@@ -60,33 +57,33 @@ def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_c
         )
 
     index = KvIndex(platform.redis, platform.namespace)
-    blocks = index.worker_blocks("keeper")
+    blocks = index.worker_blocks(LONE_WORKER)
     assert blocks
     assert list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
 
     # given a dry run, then the scoped flush: nothing of the KV cache moves
     dry = flush(platform, "--dry-run")
-    assert dry["workers"]["keeper"]["kv_blocks"] == len(blocks)
-    assert dry["workers"]["keeper"]["decoded_images"] == 1
-    assert dry["workers"]["keeper"]["embeddings"] == 1  # the photo's vision-encoder output
+    assert dry["workers"][LONE_WORKER]["kv_blocks"] == len(blocks)
+    assert dry["workers"][LONE_WORKER]["decoded_images"] == 1
+    assert dry["workers"][LONE_WORKER]["embeddings"] == 1  # the photo's vision-encoder output
     # the workers' shared cache is found although this shell's environment does not enable it
     assert dry["shared_images"] == 1
     scoped = flush(platform, "--scope", "session-123", "--tenant", "harness")
-    assert "kv_blocks" not in scoped["workers"]["keeper"]
-    assert index.worker_blocks("keeper") == blocks
+    assert "kv_blocks" not in scoped["workers"][LONE_WORKER]
+    assert index.worker_blocks(LONE_WORKER) == blocks
     assert list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
 
     # when flushed for real
     flushed = flush(platform)
 
     # then every cache of the worker is empty, and the index learnt it through the KV events
-    assert flushed["workers"]["keeper"]["kv_blocks"] == len(blocks)
-    assert flushed["workers"]["keeper"]["decoded_images"] == 1
-    assert flushed["workers"]["keeper"]["embeddings"] == 1
+    assert flushed["workers"][LONE_WORKER]["kv_blocks"] == len(blocks)
+    assert flushed["workers"][LONE_WORKER]["decoded_images"] == 1
+    assert flushed["workers"][LONE_WORKER]["embeddings"] == 1
     assert flushed["shared_images"] == 1
-    assert index.worker_blocks("keeper") == set()
+    assert index.worker_blocks(LONE_WORKER) == set()
     assert not list(platform.redis.scan_iter(match=f"{shared_prefix}*"))
-    after = flush(platform, "--dry-run")["workers"]["keeper"]
+    after = flush(platform, "--dry-run")["workers"][LONE_WORKER]
     assert (after["kv_blocks"], after["embeddings"], after["decoded_images"]) == (0, 0, 0)
 
 
@@ -102,12 +99,6 @@ def test_flush_caches_refuses_a_worker_that_is_not_live(platform_processes):
     )
     assert done.returncode != 0
     assert "not live: nobody" in done.stderr
-
-
-def platform_redis_url() -> str:
-    from tests.conftest import TEST_REDIS_URL
-
-    return TEST_REDIS_URL
 
 
 def test_flush_caches_says_plainly_when_there_is_nothing_to_flush(platform_processes):

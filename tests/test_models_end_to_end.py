@@ -1,5 +1,10 @@
-"""Two models behind one endpoint, with two real worker processes each and a frontend that cannot
-see either model's directory (issue 37's acceptance), through the official `openai` client."""
+"""Two models behind one endpoint, two workers each, and a frontend that cannot see either model's
+directory (issue 37's acceptance), through the official `openai` client.
+
+The Qwen2-VL workers are real processes with the model, whose block hashes must be the frontend's
+own (made from the model card they published); the LLaVA workers are simulated ones of its
+checkpoint (`run_worker --engine sim --model-path`: its card, no weights, two in one process),
+since what the test asks of them is routing: which model, which worker, which credit."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import pytest
 QWEN = "demo"  # the Qwen2-VL demo checkpoint's directory name: what its worker announces
 LLAVA = "llava-1.5-tiny"
 QWEN_WORKERS = ("qwen_a", "qwen_b")
-LLAVA_WORKERS = ("llava_a", "llava_b")
+LLAVA_PROCESS = "llava"  # one simulated process: LLAVA_WORKERS
+LLAVA_WORKERS = ("llava-0", "llava-1")
 ADMIN_USER, ADMIN_PASSWORD = "operator", "operator-pw-7c2a"  # a throwaway login in the test's SQLite
 PROMPT = "Tell me, slowly and in some detail, how the tide comes in over a wide sandy bay at dusk."
 
@@ -42,8 +48,8 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
     platform = platform_processes()
     for name in QWEN_WORKERS:
         platform.start_worker(name)  # MODEL_PATH: the Qwen2-VL demo
-    for name in LLAVA_WORKERS:
-        platform.start_worker(name, "--model-path", str(llava_demo_dir("llava")))
+    llava = ("--model-path", str(llava_demo_dir("llava")))
+    assert tuple(platform.start_sim_workers(LLAVA_PROCESS, len(LLAVA_WORKERS), *llava)) == LLAVA_WORKERS
     platform.make_superuser(ADMIN_USER, ADMIN_PASSWORD)  # while the workers load
     platform.wait_for_workers(*QWEN_WORKERS, *LLAVA_WORKERS)
     base_url = platform.start_server(
@@ -91,8 +97,7 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
     assert f'mmr_model_live_workers{{model="{QWEN}"}} 2.0' in exposition
 
     # when LLaVA's workers stop: 503 for LLaVA, naming it, while Qwen keeps answering
-    for name in LLAVA_WORKERS:
-        platform.stop_worker(name)
+    platform.stop_worker(LLAVA_PROCESS)
     with pytest.raises(openai.APIStatusError) as unavailable:
         _ask(client, LLAVA)
     assert unavailable.value.status_code == 503 and LLAVA in unavailable.value.message
@@ -101,7 +106,7 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
     # when the Qwen worker that held the prompt restarts under its name serving LLaVA: it gets no
     # credit for the blocks it held for Qwen
     platform.stop_worker(held)
-    platform.start_worker(held, "--model-path", str(llava_demo_dir("llava")))
+    platform.start_sim_workers(held, 1, *llava)
     platform.wait_for_workers(held)
     _, headers = _ask(client, LLAVA)
     assert headers["x-routed-worker"] == held and _overlap(headers) == 0

@@ -18,7 +18,6 @@ from PIL import Image
 from routing.kv.index import KvIndex
 from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
-from tests.platform_harness import SIMULATED
 
 
 def picture(seed: int, size: tuple[int, int] = (336, 280)) -> bytes:
@@ -133,27 +132,28 @@ def test_two_frontend_processes_make_identical_choices(pooled_platform, origin):
 
 
 def test_a_worker_without_kv_events_is_routed_in_approximate_mode(platform_processes, origin):
+    # given: two simulated workers that publish no KV events (one process), idle
     platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1", ROUTER_APPROXIMATE_TTL_SECS="600")
-    platform.start_worker("quiet", "--no-kv-events", *SIMULATED)
-    platform.wait_for_workers("quiet")
+    names = platform.start_sim_workers("quiet", 2, "--no-kv-events")
+    platform.wait_for_workers(*names)
     base_url = platform.start_server()
     url = origin.add("/quiet.png", picture(7), content_type="image/png")
     first = httpx.post(
         f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
     )
-    assert first.headers["X-Routed-Worker"] == "quiet"
-    assert not platform.redis.exists(f"{platform.namespace}kv:w:quiet"), "it published no events"
+    served_by = first.headers["X-Routed-Worker"]
+    (other,) = set(names) - {served_by}
+    assert not platform.redis.exists(f"{platform.namespace}kv:w:{served_by}"), "it published no events"
 
-    # A second worker comes up idle. The router remembered its own decision, so the repeat
+    # The other worker is as idle as ever. The router remembered its own decision, so the repeat
     # still goes to the worker that cached the prompt, credited with it, and it really hits.
-    platform.start_worker("chatty", *SIMULATED)
-    platform.wait_for_workers("chatty")
+    platform.wait_until_idle(served_by)
     again = httpx.post(
         f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
     )
-    assert again.headers["X-Routed-Worker"] == "quiet"
+    assert again.headers["X-Routed-Worker"] == served_by
     assert overlap_of(again)[0] == overlap_of(first)[1] - 1 or overlap_of(again)[0] == overlap_of(first)[1]
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert KvIndex(platform.redis, platform.namespace).worker_blocks("quiet"), (
-        "approximate blocks, with a TTL"
-    )
+    index = KvIndex(platform.redis, platform.namespace)
+    assert index.worker_blocks(served_by), "approximate blocks, with a TTL"
+    assert not index.worker_blocks(other), "nothing credited to the worker that served nothing"

@@ -7,21 +7,18 @@ instant, and every worker saturated.
 
 from __future__ import annotations
 
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from routing.kv.load import LoadTracker
+from tests.conftest import HELD_WORKER as HELD
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO, SIMULATED, free_port, run_worker_args
+from tests.platform_harness import SIMULATED
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
 
 
@@ -35,129 +32,72 @@ def text_request(text: str, max_tokens: int = 2, stream: bool = False) -> dict:
     }
 
 
-class OwnRedis:
-    """A redis-server of the test's own on a free port, without persistence: a restart is empty."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.directory = directory
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis(port=self.port, socket_timeout=0.5).ping():
-                    return
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    server = OwnRedis(tmp_path)
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.fixture
 def origin():
     with ImageServer() as server:
         yield server
 
 
-def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
-    platform_harness, tmp_path, demo_model_dir, key_namespace, own_redis, origin
-):
-    # given: two workers and a frontend on a Redis of the test's own; an image served once
-    platform = platform_harness(
-        tmp_path, demo_model_dir, own_redis.url, key_namespace, {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"}
+def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(private_redis_platform, origin):
+    # given: two workers and a frontend on a Redis of their own (the session's, which the tests
+    # of tests/test_faults.py restart too); an image served once
+    own_redis, platform = private_redis_platform.server, private_redis_platform.platform
+    base_url = platform.base_url
+    url = origin.add("/kept.png", picture(7), content_type="image/png")
+    first = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
     )
-    try:
-        for name in ("a", "b"):
-            platform.start_worker(name, *SIMULATED)
-        platform.wait_for_workers("a", "b")
-        base_url = platform.start_server()
-        url = origin.add("/kept.png", picture(7), content_type="image/png")
-        first = httpx.post(
-            f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
-        )
-        assert first.status_code == 200, first.text
-        served_by = first.headers["X-Routed-Worker"]
-        _, total = overlap_of(first)
+    assert first.status_code == 200, first.text
+    served_by = first.headers["X-Routed-Worker"]
+    _, total = overlap_of(first)
 
-        # when: Redis dies and comes back with nothing (no persistence)
-        own_redis.kill()
-        own_redis.start()
-        lost_at = time.monotonic()
+    # when: Redis dies and comes back with nothing (no persistence)
+    own_redis.kill()
+    own_redis.start()
+    lost_at = time.monotonic()
 
-        # then: within a few heartbeats (0.4 s here) the worker re-announced what its pool holds
-        choice = None
-        while time.monotonic() - lost_at < 20:
-            try:
-                seen = httpx.post(
-                    f"{base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=10
-                )
-            except httpx.HTTPError:
-                seen = None
-            if (
-                seen is not None
-                and seen.status_code == 200
-                and (seen.json().get("choice") or {}).get("overlap")
-            ):
-                choice = seen.json()["choice"]
-                break
-            time.sleep(0.2)
-        assert choice is not None, platform.log_tail(f"worker-{served_by}")
-        assert choice["worker"] == served_by and choice["overlap"] >= total - 1
-        assert "re-announced" in platform.log(f"worker-{served_by}")
-
-        # and the repeat itself is served there, from its cache, through the restarted broker
-        repeat = None
-        for _ in range(20):
-            repeat = httpx.post(
-                f"{base_url}/v1/chat/completions",
-                json=image_request(url),
-                headers=platform.headers,
-                timeout=60,
+    # then: within a few heartbeats (0.4 s here) the worker re-announced what its pool holds
+    choice = None
+    while time.monotonic() - lost_at < 20:
+        try:
+            seen = httpx.post(
+                f"{base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=10
             )
-            if repeat.status_code == 200:
-                break
-            time.sleep(0.5)
-        assert repeat is not None and repeat.status_code == 200, repeat.text if repeat else None
-        assert repeat.headers["X-Routed-Worker"] == served_by
-        assert overlap_of(repeat)[0] >= total - 1
-        assert repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    finally:
-        platform.close()
+        except httpx.HTTPError:
+            seen = None
+        if seen is not None and seen.status_code == 200 and (seen.json().get("choice") or {}).get("overlap"):
+            choice = seen.json()["choice"]
+            break
+        time.sleep(0.2)
+    assert choice is not None, platform.log_tail(f"worker-{served_by}")
+    assert choice["worker"] == served_by and choice["overlap"] >= total - 1
+    assert "re-announced" in platform.log(f"worker-{served_by}")
+
+    # and the repeat itself is served there, from its cache, through the restarted broker
+    repeat = None
+    for _ in range(20):
+        repeat = httpx.post(
+            f"{base_url}/v1/chat/completions",
+            json=image_request(url),
+            headers=platform.headers,
+            timeout=60,
+        )
+        if repeat.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert repeat is not None and repeat.status_code == 200, repeat.text if repeat else None
+    assert repeat.headers["X-Routed-Worker"] == served_by
+    assert overlap_of(repeat)[0] >= total - 1
+    assert repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over_at_once(
     platform_processes, redis_client, key_namespace
 ):
-    # given: one worker "a" whose heartbeat would take 60 s to lapse, busy with six requests
+    # given: one (simulated) worker "a" whose heartbeat would take 60 s to lapse, busy with six
+    # requests
     platform = platform_processes(WORKER_HEARTBEAT_TTL_SECS="60", WORKER_CONCURRENCY="2")
-    platform.start_worker("a")
+    platform.start_worker("a", *SIMULATED)
     platform.wait_for_workers("a")
     base_url = platform.start_server()
     answers: list[tuple[int, float]] = []  # status, when it came (monotonic)
@@ -174,12 +114,16 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
     for thread in threads:
         thread.start()
-    time.sleep(1.5)
+    load = LoadTracker(redis_client, key_namespace)
+    deadline = time.monotonic() + 60
+    while load.snapshot(["a"])["a"].active_requests < 6:  # all six routed to it
+        assert time.monotonic() < deadline, "the six requests never all reached the worker"
+        time.sleep(0.05)
 
     # when: it is killed and a new process starts under the same name
     platform.stop_worker("a", signal.SIGKILL)
     killed_at = time.monotonic()
-    platform.start_worker("a")
+    platform.start_worker("a", *SIMULATED)
     platform.wait_for_workers("a")  # the old heartbeat is still there: wait for the new instance
     for thread in threads:
         thread.join(timeout=150)
@@ -203,25 +147,15 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
         timeout=60,
     )
     assert again.status_code == 200, again.text
-
-    # and a third process under the live worker's name refuses to start, naming it
-    refused = subprocess.run(
-        run_worker_args("a"),
-        cwd=REPO,
-        env=platform.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert refused.returncode != 0
-    assert "already running" in refused.stderr and f"pid {platform.workers['a'].pid}" in refused.stderr
+    # (a further process under the live name refuses to start, naming it: tests/test_faults.py)
 
 
-def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(platform_processes):
-    # given: three idle (simulated) workers and two frontend processes
-    platform = platform_processes()
-    names = platform.start_sim_workers("idle", 3)
-    platform.wait_for_workers(*names)
+def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pooled_sim_platform, sim_pool):
+    # given: three idle simulated workers (the session's) and two frontend processes
+    platform = pooled_sim_platform()
+    names = sim_pool.names
+    for name in names:  # idle as their reports say: no earlier test's request still counted
+        platform.wait_until_idle(name)
     frontends = [platform.start_server(), platform.start_server()]
     barrier = threading.Barrier(3)
     routed: list[str] = []
@@ -247,22 +181,18 @@ def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pla
     assert sorted(routed) == sorted(names)
 
 
-def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_processes):
+def test_every_worker_saturated_answers_503_with_retry_after_at_once(held_platform):
     # given: no admission queue (its baseline: refused at once), one worker that counts as busy
     # with one request in flight, and that request held
     # in flight: the worker is frozen before it is sent, so the request cannot finish before the
     # second one has been answered, however fast or loaded the machine (its heartbeat outlives
-    # the hold)
-    platform = platform_processes(
-        ROUTER_BUSY_MAX_REQUESTS="1",
-        ROUTER_BUSY_RETRY_AFTER_SECS="2",
-        WORKER_HEARTBEAT_TTL_SECS="60",
-        ROUTER_QUEUE_ENABLED="0",
+    # the hold); the worker is the session's held one (tests/conftest.py), idle when frozen
+    platform = held_platform(
+        ROUTER_BUSY_MAX_REQUESTS="1", ROUTER_BUSY_RETRY_AFTER_SECS="2", ROUTER_QUEUE_ENABLED="0"
     )
-    platform.start_worker("solo", *SIMULATED)
-    platform.wait_for_workers("solo")
     base_url = platform.start_server()
-    platform.stop_worker("solo", signal.SIGSTOP, wait=False)
+    platform.wait_until_idle(HELD)
+    platform.stop_worker(HELD, signal.SIGSTOP, wait=False)
     held: list[httpx.Response] = []
 
     def long_request() -> None:
@@ -281,7 +211,7 @@ def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_pr
         # the frontend routed it: its reservation is what makes the worker count as busy
         load = LoadTracker(platform.redis, platform.namespace)
         deadline = time.monotonic() + 60
-        while not load.snapshot(["solo"])["solo"].active_requests:
+        while not load.snapshot([HELD])[HELD].active_requests:
             assert time.monotonic() < deadline, "the first request was never routed"
             time.sleep(0.05)
 
@@ -295,7 +225,7 @@ def test_every_worker_saturated_answers_503_with_retry_after_at_once(platform_pr
         )
         waited = time.monotonic() - started
     finally:
-        platform.workers["solo"].send_signal(signal.SIGCONT)
+        platform.workers[HELD].send_signal(signal.SIGCONT)
     thread.join(timeout=90)
 
     # then: refused at once, with when to retry; served once the worker is free again

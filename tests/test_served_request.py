@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -514,34 +513,35 @@ async def test_redis_failing_while_following_fault_injected_answers_503_and_rele
 
 
 # --- a worker killed mid-answer, with real processes -------------------------------------------
+MIGRANT = "migrant"  # the worker the test starts beside the session's pool, and kills
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory, demo_model_dir):
-    """Two real workers and one frontend on the test Redis; heartbeats of 2 s."""
-    from tests.conftest import TEST_REDIS_URL
-    from tests.platform_harness import PlatformProcesses
-
-    platform = PlatformProcesses(
-        tmp_path_factory.mktemp("served"),
-        demo_model_dir,
-        TEST_REDIS_URL,
-        f"test:{uuid.uuid4().hex[:12]}:",
-        {"REQUEST_LIVENESS_TTL_SECS": "2", "REQUEST_FIRST_TOKEN_TIMEOUT_SECS": "60"},
+@pytest.fixture
+def beside_the_pool(pooled_platform):
+    """The session's two pool workers and one more with the demo model, MIGRANT, which the test
+    may kill, behind a frontend that deals requests round the three in turn (so the test knows
+    which request goes where); once MIGRANT is gone, the pool is as it was."""
+    platform = pooled_platform(
+        ROUTER_MODE="round_robin", REQUEST_LIVENESS_TTL_SECS="2", REQUEST_FIRST_TOKEN_TIMEOUT_SECS="60"
     )
-    try:
-        platform.start_worker("first")
-        platform.start_worker("second")
-        platform.wait_for_workers("first", "second")
-        platform.start_server()
-        yield platform
-    finally:
-        platform.close()
+    platform.start_worker(MIGRANT)
+    platform.wait_for_workers(MIGRANT)
+    platform.start_server()
+    yield platform
+    # a killed worker's heartbeat lapses within its TTL (2 s): no later test's frontend sees it
+    deadline = time.monotonic() + 30
+    while (
+        platform.redis.exists(platform.heartbeat_key(MIGRANT))
+        and platform.workers[MIGRANT].poll() is not None
+    ):
+        assert time.monotonic() < deadline, "the killed worker's heartbeat outlived its TTL"
+        time.sleep(0.1)
 
 
-def stream_answer(platform, *, kill_after_chunks: int | None = None) -> tuple[str, dict, list[dict], str]:
+def stream_answer(platform, *, kill: str | None = None) -> tuple[str, dict, list[dict], str]:
     """A streamed greedy answer: its text, usage, every event and the worker it was routed to;
-    with `kill_after_chunks`, that worker is SIGKILLed once so many content chunks arrived."""
+    with `kill`, that worker, if the answer was routed there, is SIGKILLed once five content
+    chunks arrived."""
     body = {
         "model": "demo",
         "messages": [{"role": "user", "content": "Hello"}],
@@ -562,22 +562,27 @@ def stream_answer(platform, *, kill_after_chunks: int | None = None) -> tuple[st
             events.append(json.loads(line[len("data: ") :]))
             if events[-1].get("choices") and events[-1]["choices"][0]["delta"].get("content"):
                 content += 1
-                if content == kill_after_chunks:
+                if content == 5 and worker == kill:
                     platform.stop_worker(worker, signal.SIGKILL, wait=False)
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
     usage = next(e["usage"] for e in events if e.get("usage"))
     return text, usage, events, worker
 
 
-@pytest.mark.integration
-def test_a_worker_killed_mid_stream_leaves_the_client_one_uninterrupted_greedy_answer(two_workers):
+def test_a_worker_killed_mid_stream_leaves_the_client_one_uninterrupted_greedy_answer(beside_the_pool):
     # given the uninterrupted greedy answer to a question
-    platform = two_workers
+    platform = beside_the_pool
     reference, reference_usage, _events, _worker = stream_answer(platform)
     assert reference_usage["completion_tokens"] == 40  # long enough to be cut mid-way
 
-    # when the same question is streamed again, and its worker is killed after five chunks
-    text, usage, events, killed = stream_answer(platform, kill_after_chunks=5)
+    # when the same question is streamed again until it goes to MIGRANT (round robin: within
+    # three), which is killed after five chunks
+    for _ in range(3):
+        text, usage, events, routed = stream_answer(platform, kill=MIGRANT)
+        if routed == MIGRANT:
+            break
+        assert text == reference  # every worker answers it alike, uninterrupted
+    assert routed == MIGRANT, "round robin never dealt the request to the worker of the test's own"
 
     # then the client got one stream, no error in it, whose text is the uninterrupted answer's
     assert not any("error" in event for event in events)
@@ -585,9 +590,9 @@ def test_a_worker_killed_mid_stream_leaves_the_client_one_uninterrupted_greedy_a
     # and usage counts each token once
     assert usage["completion_tokens"] == reference_usage["completion_tokens"]
     assert usage["prompt_tokens"] == reference_usage["prompt_tokens"]
-    # and the answer did move: the other worker continued it
+    # and the answer did move: another worker continued it
     log = platform.log("server")
-    assert f"worker {killed} went away after" in log and "migrated to" in log
+    assert f"worker {MIGRANT} went away after" in log and "migrated to" in log
     # and nothing of it is left reserved
     deadline = time.monotonic() + 5
     while platform.redis.hgetall(f"{platform.namespace}load:totals") and time.monotonic() < deadline:

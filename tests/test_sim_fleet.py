@@ -1,6 +1,7 @@
-"""Simulated workers behind the real platform: one `run_worker --engine sim --count 3` process
-serves real chat requests routed by the real router over the real index, fed by its pools' KV
-events; a repeated image goes back to the worker that cached it and is answered from its pool."""
+"""Simulated workers behind the real platform: one `run_worker --engine sim --count 3` process (the
+session's `sim_pool`) serves real chat requests routed by the real router over the real index,
+fed by its pools' KV events; a repeated image goes back to the worker that cached it and is
+answered from its pool."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from tests.image_server import ImageServer
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
 
 
-def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_worker(platform_processes):
-    # given: three simulated workers in one process, and a frontend
-    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
-    names = platform.start_sim_workers("sim", 3, "--sim-speedup", "4")
-    platform.wait_for_workers(*names)
+def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_worker(
+    pooled_sim_platform, sim_pool
+):
+    # given: three simulated workers in one process, and a frontend (a tenant of the test's own)
+    platform = pooled_sim_platform()
+    names = sim_pool.names
     base_url = platform.start_server()
     with ImageServer() as origin:
         url = origin.add("/demo.png", picture(1), content_type="image/png")
@@ -37,6 +39,9 @@ def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_work
             headers=platform.headers,
             timeout=60,
         )
+        route = httpx.post(
+            f"{base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=60
+        )
     # then
     assert first.status_code == 200, first.text
     assert second.status_code == 200, second.text
@@ -48,10 +53,12 @@ def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_work
     overlap, total = overlap_of(second)
     assert overlap >= total - 1 > 0
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= overlap * 16 > 0
-    # the pool's KV events reached the index under the worker's own name, and nobody else's
+    # the pool's KV events reached the index under the worker's own name, and nobody else's (the
+    # workers are the session's: other tests' blocks are theirs, the prompt's are the worker's)
+    blocks = set(route.json()["block_hashes"][:overlap])
     index = KvIndex(platform.redis, platform.namespace)
-    assert index.worker_blocks(worker)
-    assert not any(index.worker_blocks(other) for other in names if other != worker)
+    assert blocks and blocks <= index.worker_blocks(worker)
+    assert not any(blocks & index.worker_blocks(other) for other in names if other != worker)
     # streaming: the tokens arrive as server-sent events
     chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert streamed.headers["X-Routed-Worker"] == worker

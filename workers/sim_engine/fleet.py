@@ -19,12 +19,14 @@ import redis
 from django.utils import timezone
 
 from routing.contract.kv_events import KvEvent
+from routing.fleet.model_cards import republish_if_lost
 from routing.fleet.registry import Heartbeat, NameInUse, WorkerRegistry, new_instance_id
 from routing.fleet.worker_rows import workers_changed
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from routing.models import Worker, worker_queue
+from routing.prompt.model_card import ModelCard
 from workers.kv_cache import KvPool
 from workers.runtime import WorkerRuntime, heartbeat_with_load
 from workers.sim_engine.clock import SimClock
@@ -57,6 +59,7 @@ class SimFleet:
         heartbeat_ttl_s: float,
         heartbeat_interval_s: float,
         publish_events: bool = True,
+        card: ModelCard | None = None,
     ) -> None:
         self.names = list(names)
         self.profile = profile
@@ -73,6 +76,10 @@ class SimFleet:
         self.runtimes: dict[str, WorkerRuntime] = {}  # by queue
         self._heartbeats: dict[str, Heartbeat] = {}
         self._model_name = model_name
+        # The model's card when the workers stand in for a checkpoint's (run_worker reads it from
+        # the model directory): announced in each heartbeat and kept published, as a real
+        # worker's is, so a frontend that cannot see the directory routes the model all the same.
+        self._card = card
         self._block_size = block_size
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,6 +96,7 @@ class SimFleet:
         publish = self._publisher.publish if self._publisher is not None else None
         host, pid = socket.gethostname(), os.getpid()
         self._epoch = self._index.epoch()
+        card = self._card
         for name in self.names:
             if publish is None:
                 self._index.purge_worker(name)
@@ -107,6 +115,7 @@ class SimFleet:
                 client=self._client,
                 namespace=self._namespace,
                 instance=self.instance,
+                model_fingerprint=card.fingerprint if card is not None else "",
             )
             self._heartbeats[name] = Heartbeat(
                 name=name,
@@ -119,11 +128,20 @@ class SimFleet:
                 publishes_events=publish is not None,
                 instance=self.instance,
                 schedule_policy=engine.schedule_policy,
+                family=card.family if card is not None else "",
+                fingerprint=card.fingerprint if card is not None else "",
             )
-            self._load.free_worker(name)  # a dead predecessor's reservations (see run_worker)
+            # A dead predecessor's reservations, freed now (run_worker's rule, and its log line):
+            # frontends waiting on its requests see the new instance and fail them over at once.
+            freed = self._load.free_worker(name)
+            if name in predecessors or freed:
+                logger.warning(
+                    "worker %s: took over from instance %s (%d requests freed)",
+                    name,
+                    predecessors[name].instance if name in predecessors else "?",
+                    freed,
+                )
         self._register_rows(host, pid)
-        if predecessors:
-            logger.warning("sim fleet: took over %d names from dead processes", len(predecessors))
         self._beat()
         self._thread = threading.Thread(target=self._run, name="sim-heartbeats", daemon=True)
         self._thread.start()
@@ -193,6 +211,8 @@ class SimFleet:
         try:
             self._registry.beat_many(beats, self._ttl_s)
             self._reannounce_if_index_lost()
+            if self._card is not None:
+                republish_if_lost(self._client, self._namespace, self._card)
             self._load.sweep()
         except redis.RedisError:  # the next beat may land before the TTL lapses
             logger.warning("sim fleet: heartbeat failed", exc_info=True)

@@ -241,16 +241,7 @@ class Command(BaseCommand):
         publish_card(client, namespace, card)
         if role != ROLE_ENCODE:
             runtime.model_fingerprint = card.fingerprint  # its KV partition, as the frontend's
-        model = Model.announce(model_name, card.family, card.fingerprint)
-        if model.fingerprint != card.fingerprint:
-            logger.error(
-                "worker %s: model %r is recorded with fingerprint %s, this directory's is %s: it "
-                "gets none of the model's requests until an operator resolves it (Models in the admin)",
-                name,
-                model_name,
-                model.fingerprint,
-                card.fingerprint,
-            )
+        _announce_model(model_name, card, name)
         self.stdout.write(
             f"worker {name} ({role}, {engine_kind} engine): loaded {model_path} on {options['device']} "
             f"in {time.monotonic() - started:.1f} s{warmed}"
@@ -372,27 +363,39 @@ class Command(BaseCommand):
         except (OSError, ValueError, KeyError) as exc:
             raise CommandError(f"--sim-profile: {exc}") from exc
         client = sync_client(settings.REDIS_URL)
-        metrics = telemetry.attach(client, statistics_namespace(), name)
+        namespace = settings.REDIS_KEY_PREFIX
+        statistics = statistics_namespace()
+        metrics = telemetry.attach(client, statistics, name)
+        # No weights are loaded, but where the model directory is a checkpoint, its routing files
+        # (a few small files) make the card a real worker of it announces and publishes: a
+        # frontend that cannot see the directory routes its requests all the same.
+        model_path = Path(options["model_path"] or settings.MODEL_PATH)
+        model_name = _model_name(options["model_name"], model_path)
+        card = read_model_card(model_path) if (model_path / "config.json").is_file() else None
+        if card is not None:
+            publish_card(client, namespace, card)
+            _announce_model(model_name, card, name)
         clock = SimClock(speedup=options["sim_speedup"]).start()
         fleet = SimFleet(
             fleet_names(name, options["count"]),
             profile=profile,
             clock=clock,
             client=client,
-            namespace=settings.REDIS_KEY_PREFIX,
-            # The frontend's name for the model it routes (no checkpoint is read here).
-            model_name=settings.MODEL_NAME
-            or Path(options["model_path"] or settings.MODEL_PATH).resolve().name,
+            namespace=namespace,
+            model_name=model_name,
             block_size=settings.KV_BLOCK_SIZE,
             heartbeat_ttl_s=settings.WORKER_HEARTBEAT_TTL_SECS,
             heartbeat_interval_s=settings.WORKER_HEARTBEAT_INTERVAL_SECS,
             publish_events=not options["no_kv_events"],
+            card=card,
         )
         try:
             fleet.start()
         except NameInUse as exc:
             raise CommandError(str(exc)) from exc
         for queue, runtime in fleet.runtimes.items():
+            # each worker counts its KV hits and misses as a real one does (flushed with the metrics)
+            runtime.stats = CacheStats(client, statistics, runtime.name, recorder=metrics)
             install_runtime(runtime, queue)
         self.stdout.write(
             f"worker {name}: {options['count']} simulated workers (profile {profile.name}, "
@@ -421,6 +424,21 @@ class Command(BaseCommand):
             clock.stop()
             metrics.close()
             self.stdout.write(f"worker {name}: {options['count']} simulated workers deregistered")
+
+
+def _announce_model(model_name: str, card, worker: str) -> None:
+    """The worker serves `model_name` with this card (routing.models.Model.announce); a name
+    recorded with another fingerprint is logged, the operator's to resolve."""
+    model = Model.announce(model_name, card.family, card.fingerprint)
+    if model.fingerprint != card.fingerprint:
+        logger.error(
+            "worker %s: model %r is recorded with fingerprint %s, this directory's is %s: it "
+            "gets none of the model's requests until an operator resolves it (Models in the admin)",
+            worker,
+            model_name,
+            model.fingerprint,
+            card.fingerprint,
+        )
 
 
 def _model_name(given: str | None, model_path: Path) -> str:
