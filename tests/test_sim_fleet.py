@@ -1,6 +1,7 @@
 """Simulated workers behind the real platform: one `run_worker --engine sim --count 3` process
 serves real chat requests routed by the real router over the real index, fed by its pools' KV
-events; a repeated image goes back to the worker that cached it and is answered from its pool."""
+events; a repeated image goes back to the worker that cached it and is answered from its pool.
+An operator's `flush_caches` empties a simulated pool as it empties a native one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import httpx
 
+from routing.fleet.registry import WorkerRegistry
 from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
@@ -56,3 +58,43 @@ def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_work
     chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert streamed.headers["X-Routed-Worker"] == worker
     assert len(chunks) >= 4 and json.loads(chunks[0][6:])["object"] == "chat.completion.chunk"
+
+
+def ask(base_url: str, platform, url: str) -> httpx.Response:
+    response = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next_request_is_cold(
+    platform_processes,
+):
+    # given: a simulated worker whose pool is given a size of its own (as bench/workload.py gives
+    # it a native worker's KV_CAPACITY_BLOCKS), which has served a picture twice
+    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
+    (name,) = platform.start_sim_workers("flushed", 1, "--sim-kv-blocks", "64", "--sim-speedup", "4")
+    platform.wait_for_workers(name)
+    base_url = platform.start_server()
+    index = KvIndex(platform.redis, platform.namespace)
+    with ImageServer() as origin:
+        url = origin.add("/flushed.png", picture(7), content_type="image/png")
+        ask(base_url, platform, url)
+        warm = ask(base_url, platform, url)
+        blocks = index.worker_blocks(name)
+        assert cached_tokens(warm) > 0 and blocks
+        assert WorkerRegistry(platform.redis, platform.namespace).alive([name])[name].kv_capacity_blocks == 64
+        # when
+        report = json.loads(platform.manage("flush_caches", "--json").strip().splitlines()[-1])
+        # then: the worker dropped what it held and said so to the index
+        assert report["workers"][name]["kv_blocks"] == len(blocks)
+        assert not index.worker_blocks(name)
+        # and the same picture is computed again, then held and announced again
+        again = ask(base_url, platform, url)
+        assert cached_tokens(again) == 0
+        assert index.worker_blocks(name) == blocks
