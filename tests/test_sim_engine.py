@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -109,6 +111,48 @@ def test_time_to_first_token_and_decode_steps_follow_the_profile():
     assert result.ttft_ms == pytest.approx(5 + 9.9)
     assert result.total_ms == pytest.approx(5 + 9.9 + 3 * 6)
     assert engine.load_report().forward_passes == 4
+
+
+class StallingNeighbour:
+    """Fault injection: another engine of the process whose step's bookkeeping holds the shared
+    clock thread for 0.3 s of wall time (a busy machine, a thousand engines), once `go` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.steps = 1
+
+    def begin_step(self, start: float) -> float | None:
+        if self.steps:
+            self.steps -= 1
+            return 0.001
+        return None
+
+    def end_step(self, end: float) -> None:
+        self.go.wait(10)
+        time.sleep(0.3)
+
+
+def test_in_scaled_real_time_a_lagging_clock_delays_the_tokens_but_not_the_times_the_engine_reports():
+    # given: an engine in real time (speed-up 1) sharing its clock with a neighbour that stalls it
+    clock = SimClock(speedup=1.0).start()
+    pool = KvPool(capacity_blocks=1024, block_size=BS, worker="sim0")
+    engine = SimEngine(name="sim0", model_name="m", profile=PROFILE, pool=pool, clock=clock)
+    neighbour = StallingNeighbour()
+    try:
+        clock.wake(neighbour)
+        # when: a 99-token prompt arrives, and the clock thread is held for 0.3 s meanwhile
+        handle = engine.submit(prompt(100, 6, tokens=99))
+        neighbour.go.set()
+        kind, result = handle.events.get(timeout=10)
+        while kind != "done":
+            assert kind != "error", result
+            kind, result = handle.events.get(timeout=10)
+    finally:
+        clock.stop()
+    # then: the profile's times, as in virtual time (see the test of the profile's times), not the
+    # 300 ms the process lost
+    assert result.ttft_ms == pytest.approx(5 + 9.9)
+    assert result.total_ms == pytest.approx(5 + 9.9 + 3 * 6)
 
 
 def test_concurrent_requests_share_steps_as_the_native_scheduler_batches_them():

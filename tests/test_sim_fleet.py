@@ -1,7 +1,9 @@
 """Simulated workers behind the real platform: one `run_worker --engine sim --count 3` process (the
 session's `sim_pool`) serves real chat requests routed by the real router over the real index,
 fed by its pools' KV events; a repeated image goes back to the worker that cached it and is
-answered from its pool."""
+answered from its pool. An operator's `flush_caches` empties a simulated pool as it empties a
+native one, and a simulated worker's engine TTFT is on its simulated clock (what
+bench/workload.py compares)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import json
 
 import httpx
 
+from routing.fleet.registry import WorkerRegistry
 from routing.kv.index import KvIndex
 from tests.image_server import ImageServer
+from tests.test_observability_end_to_end import eventually, scrape
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
+from workers.sim_engine.profile import load_profile
 
 
 def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_worker(
@@ -63,3 +68,65 @@ def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_work
     chunks = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert streamed.headers["X-Routed-Worker"] == worker
     assert len(chunks) >= 4 and json.loads(chunks[0][6:])["object"] == "chat.completion.chunk"
+
+
+def ask(base_url: str, platform, url: str) -> httpx.Response:
+    response = httpx.post(
+        f"{base_url}/v1/chat/completions", json=image_request(url), headers=platform.headers, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return response
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next_request_is_cold(
+    platform_processes,
+):
+    # given: a simulated worker whose pool is given a size of its own (as bench/workload.py gives
+    # it a native worker's KV_CAPACITY_BLOCKS), which has served a picture twice
+    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
+    (name,) = platform.start_sim_workers("flushed", 1, "--sim-kv-blocks", "64", "--sim-speedup", "4")
+    platform.wait_for_workers(name)
+    base_url = platform.start_server()
+    index = KvIndex(platform.redis, platform.namespace)
+    with ImageServer() as origin:
+        url = origin.add("/flushed.png", picture(7), content_type="image/png")
+        ask(base_url, platform, url)
+        warm = ask(base_url, platform, url)
+        blocks = index.worker_blocks(name)
+        assert cached_tokens(warm) > 0 and blocks
+        assert WorkerRegistry(platform.redis, platform.namespace).alive([name])[name].kv_capacity_blocks == 64
+        # when
+        report = json.loads(platform.manage("flush_caches", "--json").strip().splitlines()[-1])
+        # then: the worker dropped what it held and said so to the index
+        assert report["workers"][name]["kv_blocks"] == len(blocks)
+        assert not index.worker_blocks(name)
+        # and the same picture is computed again, then held and announced again
+        again = ask(base_url, platform, url)
+        assert cached_tokens(again) == 0
+        assert index.worker_blocks(name) == blocks
+
+
+def test_a_simulated_workers_engine_ttft_is_on_its_simulated_clock(platform_processes):
+    # given: a simulated worker running 50 times faster than real time
+    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
+    (name,) = platform.start_sim_workers("fast", 1, "--sim-speedup", "50")
+    platform.wait_for_workers(name)
+    base_url = platform.start_server()
+    with ImageServer() as origin:
+        url = origin.add("/fast.png", picture(8), content_type="image/png")
+        # when: a prompt no cache holds
+        answer = ask(base_url, platform, url)
+    # then: the engine TTFT /metrics shows is at least what the profile models for its prefill, in
+    # simulated seconds (the wall clock saw a fiftieth of it)
+    modelled = load_profile("cpu-demo").step_seconds(answer.json()["usage"]["prompt_tokens"], 0, images=1)
+    labels = (("worker", name),)
+    samples = eventually(
+        lambda: scrape(base_url, platform.headers),
+        lambda s: s.get(("mmr_engine_ttft_seconds_count", labels)) == 1,
+    )
+    assert samples.get(("mmr_engine_ttft_seconds_count", labels)) == 1
+    assert samples[("mmr_engine_ttft_seconds_sum", labels)] >= modelled

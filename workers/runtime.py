@@ -267,6 +267,7 @@ class WorkerRuntime:
         finally:
             self._engine_entered(-1)
         self._count(result)
+        telemetry.observe("engine_ttft_seconds", result.ttft_ms / 1000, labels=labels)
         writer.emit(
             DoneEvent(
                 text=result.text,

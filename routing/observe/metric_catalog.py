@@ -208,6 +208,16 @@ QUEUE_TIME = declare(
         LATENCY_BUCKETS,
     )
 )
+ENGINE_TTFT = declare(
+    Metric(
+        "engine_ttft_seconds",
+        "histogram",
+        "Time from the worker's engine taking a request to its first token, on the engine's clock"
+        " (a simulated worker's is simulated time): TTFT without the frontend and the queue.",
+        ("worker",),
+        LATENCY_BUCKETS,
+    )
+)
 INTER_TOKEN = declare(
     Metric(
         "inter_token_seconds",

@@ -7,9 +7,13 @@ engine costs nothing, and a step costs only the scheduler's bookkeeping.
 
 Two kinds of time:
 - scaled real time (`SimClock(speedup=s)`, what `run_worker --engine sim` runs): simulated time is
-  wall time × s since the clock started, as Dynamo's mocker does; a step ends no earlier than its
-  modelled time ÷ s of wall time, later if the process lags (the lag is then in the figures, as a
-  real engine's hiccups would be). Real frontends, Celery and Redis run against it unchanged.
+  wall time × s since the clock started, as Dynamo's mocker does, and a request arrives at the
+  simulated time it is submitted. A busy engine's steps follow one another on the simulated
+  timeline, each starting where the one before ended, and a request joins the first step that
+  starts after it arrived. A step's results land no earlier than its end ÷ s of wall time, later
+  if the process lags (a busy machine, a thousand engines): its tokens then reach the client late,
+  but the times the engine reports (TTFT, total) are the model's, not the machine's. Real
+  frontends, Celery and Redis run against it unchanged.
 - virtual time (`SimClock(speedup=None)`): `run_until_idle` jumps from one step's end to the
   next, with no waiting; replays and tests, where one thread submits everything first.
 """
@@ -24,11 +28,12 @@ from typing import Protocol
 
 
 class Steppable(Protocol):
-    def begin_step(self) -> float | None:
-        """Plans the next step; its modelled seconds, or None when there is nothing to do."""
+    def begin_step(self, start: float) -> float | None:
+        """Plans the next step, starting at simulated time `start`: its modelled seconds (or the
+        wait until work that arrives later), or None when there is nothing to do."""
 
-    def end_step(self) -> None:
-        """The planned step's results (tokens, cached blocks) land."""
+    def end_step(self, end: float) -> None:
+        """The planned step's results (tokens, cached blocks) land, at simulated time `end`."""
 
 
 class SimClock:
@@ -57,21 +62,22 @@ class SimClock:
             return self._virtual_now
         return (time.monotonic() - self._origin) * self.speedup
 
-    def wake(self, engine: Steppable) -> None:
-        """The engine has new work: it steps now if it is idle (else at its current step's end)."""
+    def wake(self, engine: Steppable, at: float | None = None) -> None:
+        """The engine has new work, which arrived at `at` (default: now): an idle engine's next
+        step starts then (a busy one's at its current step's end)."""
         with self._cond:
             key = id(engine)
             if key in self._stepping:
                 self._stepping[key] = True
             elif key not in self._scheduled:
                 self._scheduled.add(key)
-                heapq.heappush(self._heap, (self.now(), next(self._tie), engine))
+                heapq.heappush(self._heap, (self.now() if at is None else at, next(self._tie), engine))
                 self._cond.notify()
 
-    def _step(self, engine: Steppable, in_step: bool) -> float | None:
+    def _step(self, engine: Steppable, in_step: bool, at: float) -> float | None:
         if in_step:
-            engine.end_step()
-        return engine.begin_step()
+            engine.end_step(at)
+        return engine.begin_step(at)
 
     # --- virtual time ---------------------------------------------------------------------------------
     def run_next(self) -> bool:
@@ -84,7 +90,7 @@ class SimClock:
         due, _, engine = heapq.heappop(self._heap)
         self._virtual_now = max(self._virtual_now, due)
         key = id(engine)
-        seconds = self._step(engine, key in self._virtual_in_step)
+        seconds = self._step(engine, key in self._virtual_in_step, self._virtual_now)
         if seconds is None:
             self._virtual_in_step.discard(key)
             self._scheduled.discard(key)
@@ -129,18 +135,19 @@ class SimClock:
                         self._cond.wait()
                 if self._stopped:
                     return
-                _, _, engine = heapq.heappop(self._heap)
+                due, _, engine = heapq.heappop(self._heap)
                 key = id(engine)
                 self._stepping[key] = False
-            seconds = self._step(engine, key in in_step)
+            # The step ends, and the next begins, at its due time however late this thread is.
+            seconds = self._step(engine, key in in_step, due)
             with self._cond:
                 woken = self._stepping.pop(key)
                 if seconds is None and woken:  # work came while it found none: look again now
                     in_step.discard(key)
-                    heapq.heappush(self._heap, (self.now(), next(self._tie), engine))
+                    heapq.heappush(self._heap, (max(due, self.now()), next(self._tie), engine))
                 elif seconds is None:
                     in_step.discard(key)
                     self._scheduled.discard(key)
                 else:
                     in_step.add(key)
-                    heapq.heappush(self._heap, (self.now() + seconds, next(self._tie), engine))
+                    heapq.heappush(self._heap, (due + seconds, next(self._tie), engine))

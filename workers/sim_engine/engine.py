@@ -92,7 +92,7 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
         state = _SimRequest(
             request=request,
             events=queue.SimpleQueue(),
-            submitted_at=self.clock.now(),
+            submitted_at=0.0,  # stamped when it is queued
             # An image whose end the frontend did not send is covered only by a whole-prompt hit.
             image_ends=tuple(request.image_ends) or (prompt_len,) * len(request.images),
         )
@@ -106,8 +106,10 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
             payload=state,
         )
         with self._lock:
+            # Stamped with the append, so the inbox is in order of arrival.
+            state.submitted_at = self.clock.now()
             self._inbox.append(sequence)
-        self.clock.wake(self)
+        self.clock.wake(self, state.submitted_at)
 
         def cancel() -> None:
             sequence.cancelled = True
@@ -125,17 +127,18 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
         pass  # the clock, shared by the process's engines, is stopped by their owner
 
     # --- steps, driven by the clock -------------------------------------------------------------------
-    def begin_step(self) -> float | None:
-        """Plans the next step (the native scheduler's) and returns its modelled seconds; None
-        when there is nothing to run."""
+    def begin_step(self, start: float) -> float | None:
+        """Plans the next step (the native scheduler's), starting at simulated time `start`, and
+        returns its modelled seconds; with nothing to run, the wait until the next request that
+        arrives later than `start` (a lagging clock runs steps whose time has passed), or None."""
         with self._lock:
             scheduler = self.scheduler
-            while self._inbox:
+            while self._inbox and self._inbox[0].payload.submitted_at <= start:
                 scheduler.add(self._inbox.popleft())
             for sequence in scheduler.drop_cancelled():
-                self._finish(sequence, "stop", release=False)
+                self._finish(sequence, "stop", start, release=False)
             if not scheduler.has_work():
-                return None
+                return self._until_next_arrival(start)
             plan = scheduler.schedule()
             self.counters.preemptions += len(plan.preempted)
             self.counters.running_peak = max(self.counters.running_peak, len(scheduler.running))
@@ -143,7 +146,11 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
                 if not scheduler.running and scheduler.waiting:
                     # Cannot happen for a request that fits an empty pool; never spin on it.
                     self._fail(scheduler.waiting[0], RuntimeError("the KV pool cannot hold this request"))
-                return self.profile.step_seconds(0, 0) if scheduler.has_work() else None
+                return (
+                    self.profile.step_seconds(0, 0)
+                    if scheduler.has_work()
+                    else self._until_next_arrival(start)
+                )
             prefill_tokens = decodes = images = context = 0
             for chunk in plan.chunks:
                 sequence = chunk.sequence
@@ -160,18 +167,22 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
             self._plan = plan
             return seconds
 
-    def end_step(self) -> None:
-        """The planned step's KV is written (blocks cached and announced) and its tokens chosen."""
+    def _until_next_arrival(self, start: float) -> float | None:
+        """Nothing to run at `start`: the wait until the next request arrives, None if none has."""
+        return self._inbox[0].payload.submitted_at - start if self._inbox else None
+
+    def end_step(self, end: float) -> None:
+        """The planned step's KV is written (blocks cached and announced) and its tokens chosen,
+        at simulated time `end`."""
         with self._lock:
             plan, self._plan = self._plan, None
             if plan is None:
                 return
-            now = self.clock.now()
             for chunk in plan.chunks:
                 self.scheduler.computed(chunk)
             for chunk in plan.chunks:
                 if chunk.samples and not chunk.sequence.cancelled:
-                    self._accept(chunk.sequence, now)
+                    self._accept(chunk.sequence, end)
 
     def _images_to_encode(self, sequence: SequenceState) -> int:
         """Images its cached prefix does not cover, encoded at its first prefill (once, as the
@@ -193,13 +204,14 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
             state.events.put((FIRST, now))
         state.events.put((TOKEN, (SIM_TOKEN_TEXT, None, [SIM_TOKEN_ID])))
         if sequence.generated >= sequence.max_tokens:
-            self._finish(sequence, "length")
+            self._finish(sequence, "length", now)
 
-    def _finish(self, sequence: SequenceState, finish_reason: str, *, release: bool = True) -> None:
+    def _finish(
+        self, sequence: SequenceState, finish_reason: str, finished: float, *, release: bool = True
+    ) -> None:
         state: _SimRequest = sequence.payload
         if release:
             self.scheduler.finish(sequence)
-        finished = self.clock.now()
         first = state.first_token_at if state.first_token_at is not None else finished
         generated = sequence.generated
         state.events.put(

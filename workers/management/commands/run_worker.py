@@ -121,6 +121,13 @@ class Command(BaseCommand):
             "simulation down so a busy process keeps up with many engines).",
         )
         parser.add_argument(
+            "--sim-kv-blocks",
+            type=int,
+            default=None,
+            help="--engine sim: each simulated worker's KV pool, in blocks of KV_BLOCK_SIZE (default: "
+            "the profile's kv_capacity_blocks), to give it a native worker's KV_CAPACITY_BLOCKS, say.",
+        )
+        parser.add_argument(
             "--kv-cache-mb",
             type=int,
             default=int(os.environ.get("VLLM_KV_CACHE_MB", "256")),
@@ -358,10 +365,14 @@ class Command(BaseCommand):
             raise CommandError("--engine sim runs --role both only")
         if options["count"] < 1 or options["sim_speedup"] <= 0:
             raise CommandError("--count must be >= 1 and --sim-speedup > 0")
+        if options["sim_kv_blocks"] is not None and options["sim_kv_blocks"] < 1:
+            raise CommandError("--sim-kv-blocks must be >= 1")
         try:
             profile = load_profile(options["sim_profile"])
         except (OSError, ValueError, KeyError) as exc:
             raise CommandError(f"--sim-profile: {exc}") from exc
+        if options["sim_kv_blocks"] is not None:
+            profile = dataclasses.replace(profile, kv_capacity_blocks=options["sim_kv_blocks"])
         client = sync_client(settings.REDIS_URL)
         namespace = settings.REDIS_KEY_PREFIX
         statistics = statistics_namespace()
