@@ -223,6 +223,21 @@ local function kv_candidates(ns, packed, cap, sample)
     end
     return j
   end
+  -- Asks about `asking` at the blocks `levels` (deepest first), each at the deepest it holds;
+  -- returns those that hold none of them.
+  local function ask_at(levels, asking)
+    for k = 1, #levels do
+      if #asking == 0 then break end
+      local b = levels[k]
+      local held = call('HMGET', prefix .. sub(packed, b * 8 - 7, b * 8), unpack(asking))
+      local rest = {}
+      for i = 1, #asking do
+        if held[i] then add(asking[i], b) else rest[#rest + 1] = asking[i] end
+      end
+      asking = rest
+    end
+    return asking
+  end
   local changes = kv_change_points(ns, packed)
   local drawn = {}  -- the deeper change points whose holders were drawn, not all read
   for k = 1, #changes do
@@ -236,33 +251,14 @@ local function kv_candidates(ns, packed, cap, sample)
       add(holders[i], b)
     end
     -- Newcomers may hold a deeper drawn level too: ask there, deepest first.
-    for d = 1, #drawn do
-      if #met == 0 then break end
-      local deeper = drawn[d]
-      local held = call('HMGET', prefix .. sub(packed, deeper * 8 - 7, deeper * 8), unpack(met))
-      local rest = {}
-      for i = 1, #met do
-        if held[i] then add(met[i], deeper) else rest[#rest + 1] = met[i] end
-      end
-      met = rest
-    end
+    ask_at(drawn, met)
     if partial then drawn[#drawn + 1] = b end
   end
   local asked = {}
   for i = 1, #sample do
     if not position[sample[i]] then asked[#asked + 1] = sample[i] end
   end
-  for k = 1, #changes do
-    if #asked == 0 then break end
-    local b = changes[k]
-    local held = call('HMGET', prefix .. sub(packed, b * 8 - 7, b * 8), unpack(asked))
-    local rest = {}
-    for i = 1, #asked do
-      if held[i] then add(asked[i], b) else rest[#rest + 1] = asked[i] end
-    end
-    asked = rest
-  end
-  for i = 1, #asked do add(asked[i], 0) end
+  for _, name in ipairs(ask_at(changes, asked)) do add(name, 0) end
   for _, mark in ipairs(kv_predicted_marks(ns, packed)) do add(mark[2], mark[1]) end
   kv_approximate_overlaps(ns, packed, names, out)
   if #out == 0 then return {names, ''} end
