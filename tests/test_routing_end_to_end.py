@@ -55,6 +55,21 @@ def overlap_of(response: httpx.Response) -> tuple[int, int]:
     return int(done), int(total)
 
 
+def route_until_overlap(base_url: str, headers: dict, body: dict, within_s: float = 20.0) -> dict | None:
+    """`/v1/route`'s choice for `body` once it shows an overlap (Redis, or the index, may be
+    coming back meanwhile: errors are retried), or None if none does within `within_s`."""
+    since = time.monotonic()
+    while time.monotonic() - since < within_s:
+        try:
+            seen = httpx.post(f"{base_url}/v1/route", json=body, headers=headers, timeout=10)
+        except httpx.HTTPError:
+            seen = None
+        if seen is not None and seen.status_code == 200 and (seen.json().get("choice") or {}).get("overlap"):
+            return seen.json()["choice"]
+        time.sleep(0.2)
+    return None
+
+
 def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(pooled_platform, origin):
     # the session's pool of workers, and a frontend that logs its routing decisions
     platform = pooled_platform(LOG_LEVELS="routing=debug")

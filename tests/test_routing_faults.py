@@ -19,7 +19,7 @@ from routing.kv.load import LoadTracker
 from tests.conftest import HELD_WORKER as HELD
 from tests.image_server import ImageServer
 from tests.platform_harness import SIMULATED
-from tests.test_routing_end_to_end import image_request, overlap_of, picture
+from tests.test_routing_end_to_end import image_request, overlap_of, picture, route_until_overlap
 
 
 def text_request(text: str, max_tokens: int = 2, stream: bool = False) -> dict:
@@ -54,21 +54,9 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(privat
     # when: Redis dies and comes back with nothing (no persistence)
     own_redis.kill()
     own_redis.start()
-    lost_at = time.monotonic()
 
     # then: within a few heartbeats (0.4 s here) the worker re-announced what its pool holds
-    choice = None
-    while time.monotonic() - lost_at < 20:
-        try:
-            seen = httpx.post(
-                f"{base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=10
-            )
-        except httpx.HTTPError:
-            seen = None
-        if seen is not None and seen.status_code == 200 and (seen.json().get("choice") or {}).get("overlap"):
-            choice = seen.json()["choice"]
-            break
-        time.sleep(0.2)
+    choice = route_until_overlap(base_url, platform.headers, image_request(url))
     assert choice is not None, platform.log_tail(f"worker-{served_by}")
     assert choice["worker"] == served_by and choice["overlap"] >= total - 1
     assert "re-announced" in platform.log(f"worker-{served_by}")

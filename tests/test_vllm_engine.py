@@ -31,6 +31,7 @@ from routing.kv.load import LoadTracker
 from tests.image_server import ImageServer
 from tests.platform_harness import PrivateRedis
 from tests.test_faults import set_enabled
+from tests.test_routing_end_to_end import route_until_overlap
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 PAIR = ("va", "vb")
@@ -417,22 +418,10 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
     # when Redis dies and comes back with nothing (no persistence)
     pair_redis.kill()
     pair_redis.start()
-    lost_at = time.monotonic()
 
     # then within a few heartbeats (1 s here) that worker re-announced what its mirror of vLLM's
     # cache holds, and the router sees the prompt's blocks there again
-    choice = None
-    while time.monotonic() - lost_at < 20:
-        try:
-            seen = httpx.post(
-                f"{platform.base_url}/v1/route", json=image_request(url), headers=platform.headers, timeout=10
-            )
-        except httpx.HTTPError:
-            seen = None
-        if seen is not None and seen.status_code == 200 and (seen.json().get("choice") or {}).get("overlap"):
-            choice = seen.json()["choice"]
-            break
-        time.sleep(0.2)
+    choice = route_until_overlap(platform.base_url, platform.headers, image_request(url))
     assert choice is not None, platform.log_tail(f"worker-{served_by}")
     assert choice["worker"] == served_by and choice["overlap"] >= cacheable
     assert "re-announced" in platform.log(f"worker-{served_by}")
