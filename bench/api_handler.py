@@ -28,25 +28,30 @@ sys.path.insert(0, str(REPO))
 from bench.samples import demo_model_dir  # noqa: E402
 
 
-def _scope(path: str, key: str) -> dict:
+def asgi_scope(path: str, key: str, method: str = "GET", body: bytes = b"") -> dict:
+    """An authenticated HTTP scope for `path`, as a server would hand it over (benches share it)."""
+    headers = [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {key}".encode())]
+    if body:
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
-        "method": "GET",
+        "method": method,
         "scheme": "http",
         "path": path,
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {key}".encode())],
+        "headers": headers,
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }
 
 
-async def _serve(app, scope: dict) -> int:
-    status = 0
+async def serve(app, scope: dict, body: bytes = b"") -> tuple[int, bytes]:
+    """One request through an ASGI app: its status and its whole body."""
+    status, chunks = 0, []
     body_sent = False
     answered = asyncio.Event()
 
@@ -54,7 +59,7 @@ async def _serve(app, scope: dict) -> int:
         nonlocal body_sent
         if not body_sent:
             body_sent = True
-            return {"type": "http.request", "body": b"", "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
         await answered.wait()  # as a server does: the client leaves once it has the answer
         return {"type": "http.disconnect"}
 
@@ -62,17 +67,19 @@ async def _serve(app, scope: dict) -> int:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            answered.set()
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                answered.set()
 
     await app(scope, receive, send)
-    return status
+    return status, b"".join(chunks)
 
 
 async def _cpu_ms_per_request(app, scope: dict, requests: int) -> float:
     started = time.process_time()  # every thread of the process: the hand-overs' threads count
     for _ in range(requests):
-        status = await _serve(app, scope)
+        status, _ = await serve(app, scope)
         if status != 200:
             raise RuntimeError(f"GET {scope['path']} answered {status}")
     return (time.process_time() - started) * 1000 / requests
@@ -104,7 +111,7 @@ def main() -> int:
 
     key = create_api_key(Tenant.objects.create(name="bench"), "bench")[1]
     chains = {"api": ApiHandler(), "full": get_asgi_application()}
-    scope = _scope("/v1/models", key)
+    scope = asgi_scope("/v1/models", key)
 
     async def run() -> dict[str, list[float]]:
         for app in chains.values():  # warm both: imports, the model card, the first connection

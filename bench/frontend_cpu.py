@@ -35,60 +35,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.api_handler import asgi_scope, serve  # noqa: E402
 from bench.samples import demo_model_dir, noise_png  # noqa: E402
 from tests.platform_harness import PlatformProcesses  # noqa: E402
 
 SYSTEM_PROMPT = " ".join(f"rule{k % 97} applies to every answer about the catalogue" for k in range(38))[
     : 300 * 6
 ]  # ~300 words
-
-
-def _scope(key: str, body: bytes) -> dict:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"authorization", f"Bearer {key}".encode()),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-    }
-
-
-async def _serve(app, scope: dict, body: bytes) -> tuple[int, bytes]:
-    status, chunks = 0, []
-    body_sent = False
-    answered = asyncio.Event()
-
-    async def receive() -> dict:
-        nonlocal body_sent
-        if not body_sent:
-            body_sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await answered.wait()  # as a server does: the client leaves once it has the answer
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                answered.set()
-
-    await app(scope, receive, send)
-    return status, b"".join(chunks)
 
 
 def _bodies(kind: str, image_url: str, count: int, start: int) -> list[bytes]:
@@ -115,7 +68,7 @@ def _bodies(kind: str, image_url: str, count: int, start: int) -> list[bytes]:
 async def _cpu_ms_per_request(app, key: str, bodies: list[bytes]) -> float:
     started = time.process_time()
     for body in bodies:
-        status, answer = await _serve(app, _scope(key, body), body)
+        status, answer = await serve(app, asgi_scope("/v1/chat/completions", key, "POST", body), body)
         if status != 200:
             raise RuntimeError(f"the chat request answered {status}: {answer[:300]!r}")
     return (time.process_time() - started) * 1000 / len(bodies)
