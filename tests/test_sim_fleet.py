@@ -121,7 +121,8 @@ def test_a_simulated_workers_engine_ttft_is_on_its_simulated_clock(platform_proc
         # when: a prompt no cache holds
         answer = ask(base_url, platform, url)
     # then: the engine TTFT /metrics shows is at least what the profile models for its prefill, in
-    # simulated seconds (the wall clock saw a fiftieth of it)
+    # simulated seconds (the wall clock saw a fiftieth of it); the engine takes it as a difference of two
+    # clock readings, so it may round a few ulps under the profile's own figure
     modelled = load_profile("cpu-demo").step_seconds(answer.json()["usage"]["prompt_tokens"], 0, images=1)
     labels = (("worker", name),)
     samples = eventually(
@@ -129,4 +130,4 @@ def test_a_simulated_workers_engine_ttft_is_on_its_simulated_clock(platform_proc
         lambda s: s.get(("mmr_engine_ttft_seconds_count", labels)) == 1,
     )
     assert samples.get(("mmr_engine_ttft_seconds_count", labels)) == 1
-    assert samples[("mmr_engine_ttft_seconds_sum", labels)] >= modelled
+    assert samples[("mmr_engine_ttft_seconds_sum", labels)] >= modelled * (1 - 1e-9)
