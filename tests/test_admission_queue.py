@@ -109,6 +109,28 @@ def test_past_a_tenants_depth_it_is_refused_as_its_own_share_and_past_the_total_
     assert (tenant.value.cause, total.value.cause) == ("tenant", "total")
 
 
+def test_a_tenants_depth_is_bounded_per_priority_so_its_batch_flood_leaves_room_for_the_rest(make_queue):
+    # given: tenant A's batch requests fill its depth at priority 0
+    queue = make_queue()
+    for n in range(2):
+        join_bounded = QueuedRequest(request_id=f"batch{n}", model="demo", tenant="A", priority=0)
+        queue.join(join_bounded, max_depth=100, max_tenant_depth=2)
+    with pytest.raises(QueueFull):
+        queue.join(
+            QueuedRequest(request_id="batch2", model="demo", tenant="A"), max_depth=100, max_tenant_depth=2
+        )
+    assert queue.full_for("demo", "A", 0, max_depth=100, max_tenant_depth=2).cause == "tenant"
+    # then: its interactive requests still queue, and their flow is bounded on its own
+    assert queue.full_for("demo", "A", 9, max_depth=100, max_tenant_depth=2) is None
+    high = QueuedRequest(request_id="high", model="demo", tenant="A", priority=9)
+    queue.join(high, max_depth=100, max_tenant_depth=2)
+    # and: when one leaves, its flow has room again
+    first = queue.front("demo", 1)[0]
+    assert first.endswith(":high")
+    assert queue.leave(Ticket(first, "demo", 0, 0.0), dispatched=True)
+    assert queue.full_for("demo", "A", 9, max_depth=100, max_tenant_depth=1) is None
+
+
 def test_a_dead_frontends_entries_go_with_its_liveness_mark(make_queue):
     # given a frontend with queued requests that stops polling, and a live one
     dead, live = make_queue("dead", ttl_s=2.0), make_queue("live", ttl_s=2.0)
@@ -134,9 +156,9 @@ def test_retry_after_follows_the_drain_rate():
 def test_a_full_queue_is_seen_before_joining_it(make_queue):
     queue = make_queue()
     join(queue, "r1", "A")
-    assert queue.full_for("demo", "A", max_depth=10, max_tenant_depth=2) is None
-    assert queue.full_for("demo", "A", max_depth=10, max_tenant_depth=1).cause == "tenant"
-    assert queue.full_for("demo", "B", max_depth=1, max_tenant_depth=5).cause == "total"
+    assert queue.full_for("demo", "A", 0, max_depth=10, max_tenant_depth=2) is None
+    assert queue.full_for("demo", "A", 0, max_depth=10, max_tenant_depth=1).cause == "tenant"
+    assert queue.full_for("demo", "B", 0, max_depth=1, max_tenant_depth=5).cause == "total"
 
 
 def test_the_front_is_the_first_entries_across_bands_in_order(make_queue):

@@ -17,7 +17,8 @@ Key families (owned here, named once and given to the Lua in `lua/`):
 - `admq:q:<model>\\n<band>` sorted set, member -> start tag; `admq:bands:<model>` its bands;
 - `admq:e:<member>` hash: model, band, tenant, frontend;
 - `admq:f:<model>\\n<band>` hash: tenant -> last finish tag, '' -> the band's virtual time;
-- `admq:depth` hash "model\\ttenant\\tband" -> count; `admq:tenants` tenant -> count; `admq:total`;
+- `admq:depth` hash "model\\ttenant\\tband" -> count; `admq:tenants` "tenant\\tband" (a flow: a tenant's
+  requests at one priority, bounded on their own) -> count; `admq:total`;
 - `admq:frontends` sorted set, frontend -> liveness expiry (ms); `admq:fe:<frontend>` its members;
 - `admq:drained:<model>` sorted set of recent dispatches (the drain rate behind Retry-After);
 - `admq:seq` the arrival counter.
@@ -89,7 +90,8 @@ class Ticket(NamedTuple):
 
 
 class QueueFull(Exception):
-    """The queue takes no more: `cause` "tenant" (the tenant's own depth) or "total"."""
+    """The queue takes no more: `cause` "tenant" (the depth of the tenant's own requests at that
+    priority, its flow) or "total"."""
 
     def __init__(self, cause: str, depth: int, drain_per_s: float) -> None:
         self.cause = cause
@@ -172,13 +174,15 @@ class AdmissionQueue:
         """Whether any request of `model` is queued (a new one then joins behind them)."""
         return bool(self._client.exists(f"{self._namespace}{BANDS_FAMILY}{model}"))
 
-    def full_for(self, model: str, tenant: str, *, max_depth: int, max_tenant_depth: int) -> QueueFull | None:
-        """Whether a request of `tenant` would find the queue full (a look, without a sweep), so a
-        flood is shed before the work of preparing it: a tenant with requests queued has every
-        new one queued behind them. The drain rate is the model's dispatches kept for the window
+    def full_for(
+        self, model: str, tenant: str, priority: int, *, max_depth: int, max_tenant_depth: int
+    ) -> QueueFull | None:
+        """Whether a request of `tenant` at `priority` would find the queue full (a look, without
+        a sweep), so a flood is shed before the work of preparing it: a tenant with requests queued
+        has every new one queued behind them. The drain rate is the model's dispatches kept for the window
         (trimmed by the last join or leave)."""
         pipe = self._client.pipeline(transaction=False)
-        pipe.hget(f"{self._namespace}{TENANT_DEPTH_KEY}", tenant)
+        pipe.hget(f"{self._namespace}{TENANT_DEPTH_KEY}", f"{tenant}\t{int(priority)}")
         pipe.get(f"{self._namespace}{TOTAL_KEY}")
         pipe.zcard(f"{self._namespace}{DRAINED_FAMILY}{model}")
         mine, total, drained = (int(n or 0) for n in pipe.execute())

@@ -24,6 +24,12 @@ local function depth_field(model, tenant, band)
   return model .. '\t' .. tenant .. '\t' .. band
 end
 
+-- A flow is a tenant's requests at one priority (llm-d's flows): its depth is bounded on its
+-- own, so a tenant's flood of batch requests leaves room for its interactive ones.
+local function flow_field(tenant, band)
+  return tenant .. '\t' .. band
+end
+
 -- Takes an entry out of every structure; false if it was not queued. `dispatched`: it leaves
 -- for a worker, so its band's virtual time moves to its start tag (a tenant that comes back
 -- later starts behind what it already had); otherwise a tenant left with nothing queued in the
@@ -47,8 +53,8 @@ local function remove_entry(ns, member, dispatched)
     redis.call('HDEL', ns .. DEPTH_KEY, depth_field(model, tenant, band))
     if not dispatched then redis.call('HDEL', finish, tenant) end
   end
-  if redis.call('HINCRBY', ns .. TENANT_DEPTH_KEY, tenant, -1) <= 0 then
-    redis.call('HDEL', ns .. TENANT_DEPTH_KEY, tenant)
+  if redis.call('HINCRBY', ns .. TENANT_DEPTH_KEY, flow_field(tenant, band), -1) <= 0 then
+    redis.call('HDEL', ns .. TENANT_DEPTH_KEY, flow_field(tenant, band))
   end
   if redis.call('DECR', ns .. TOTAL_KEY) <= 0 then redis.call('DEL', ns .. TOTAL_KEY) end
   if redis.call('ZCARD', queue) == 0 then
