@@ -1,9 +1,10 @@
 """The admission queue under overload, through the real platform (uvicorn frontend → Celery → two
 run_worker processes on the demo model), each comparison's two arms in the same run.
 
-Usage: `.venv/bin/python bench/flow_control.py [--scale 1.0]` (Redis at REDIS_URL, default
-redis://127.0.0.1:6379/14, under a namespace of its own deleted afterwards). `--scale` shortens
-every phase (0.1 for a smoke run; the issue's figures need 1.0). The last line is:
+Usage: `.venv/bin/python bench/flow_control.py [--scale 1.0] [--max-tokens 64]` (Redis at
+REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own deleted afterwards).
+`--scale` shortens every phase (0.1 for a smoke run; the issue's figures need 1.0). The last
+line is:
     burst_refused=<n> fair_ttft_p90_ratio=<x.xx> priority_ttft_p90_ratio=<x.xx>
 
 What it does, and why:
@@ -21,6 +22,11 @@ What it does, and why:
   priority 9 at 20% of capacity (at least 200), with priorities, then with them ignored
   (`REQUEST_PRIORITIES=0`: one band, arrival order, and no priority in the engines). Printed:
   the high-priority requests' TTFT p90 in each and their ratio (priority / FIFO).
+- Answers are `--max-tokens` long (64 by default, a short chat answer). Every rate is a multiple
+  of capacity, so the answer's length sets how many requests a second the one frontend must take
+  in: with 4-token answers the demo model answers ~40 a second and the fairness flood is ~400 a
+  second, on the same two cores as both engines; what that measures is the frontend's HTTP
+  throughput, not the order it serves requests in.
 - TTFT is what a client sees of a streamed answer: from sending to its status line, which waits
   for the first token. Requests are open-loop (sent on a clock, whatever came back).
 On a shared machine the milliseconds are noisy: compare the ratios, measured in the same run.
@@ -53,7 +59,6 @@ from tests.platform_harness import PlatformProcesses  # noqa: E402
 WORKERS = ("flow_a", "flow_b")
 IN_FLIGHT_PER_WORKER = 20  # ENGINE_MAX_RUNNING + ENGINE_WAITING_SLOTS: the busy threshold
 MAX_WAIT_S = 30.0
-MAX_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,11 @@ class Answer:
     ttft_s: float | None  # None: refused, or no answer
 
 
-def body(n: int, priority: int | None = None) -> dict:
+def body(n: int, priority: int | None = None, *, max_tokens: int) -> dict:
     request = {
         "model": "demo",
         "messages": [{"role": "user", "content": f"Question {n}: describe a red bicycle in a few words."}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
     }
@@ -104,7 +109,12 @@ async def offer(
 
 
 async def closed_loop(
-    client: httpx.AsyncClient, url: str, key: str, clients: int, duration_s: float
+    client: httpx.AsyncClient,
+    url: str,
+    key: str,
+    clients: int,
+    duration_s: float,
+    make: Callable[[int], dict],
 ) -> float:
     """Answers per second with `clients` requests always in flight."""
     done = 0
@@ -114,7 +124,7 @@ async def closed_loop(
         nonlocal done
         n = 0
         while time.perf_counter() < deadline:
-            if (await ask(client, url, key, body(c * 100_000 + n))).status == 200:
+            if (await ask(client, url, key, make(c * 100_000 + n))).status == 200:
                 done += 1
             n += 1
 
@@ -133,13 +143,19 @@ def refused(answers: list[Answer]) -> int:
 
 
 class Bench:
-    def __init__(self, platform: PlatformProcesses, keys: dict[str, str], scale: float) -> None:
+    def __init__(
+        self, platform: PlatformProcesses, keys: dict[str, str], scale: float, max_tokens: int
+    ) -> None:
         self.platform = platform
         self.keys = keys
         self.scale = scale
+        self.max_tokens = max_tokens
         self.client = httpx.AsyncClient(
             timeout=MAX_WAIT_S * 4, limits=httpx.Limits(max_connections=None, max_keepalive_connections=200)
         )
+
+    def body(self, n: int, priority: int | None = None) -> dict:
+        return body(n, priority, max_tokens=self.max_tokens)
 
     def frontend(self, **env: str) -> str:
         """A fresh frontend with this arm's settings (the last one stopped): its chat URL."""
@@ -162,8 +178,9 @@ class Bench:
     async def capacity(self) -> float:
         url = self.frontend()
         clients = IN_FLIGHT_PER_WORKER * len(WORKERS)
-        await closed_loop(self.client, url, self.keys["burst"], clients, max(5.0, 5 * self.scale))  # warm up
-        rate = await closed_loop(self.client, url, self.keys["burst"], clients, max(8.0, 20 * self.scale))
+        key = self.keys["burst"]
+        await closed_loop(self.client, url, key, clients, max(5.0, 5 * self.scale), self.body)  # warm up
+        rate = await closed_loop(self.client, url, key, clients, max(8.0, 20 * self.scale), self.body)
         await self.settle()
         return rate
 
@@ -179,7 +196,7 @@ class Bench:
     async def burst(self, capacity: float, **env: str) -> list[Answer]:
         url = self.frontend(**env)
         answers = await offer(
-            self.client, url, self.keys["burst"], 3 * capacity, max(2.0, 10 * self.scale), body
+            self.client, url, self.keys["burst"], 3 * capacity, max(2.0, 10 * self.scale), self.body
         )
         await self.settle()
         return answers
@@ -189,8 +206,8 @@ class Bench:
         light_rate = 0.2 * capacity
         duration = max(10.0, 200 / light_rate) * self.scale
         heavy, light = await asyncio.gather(
-            offer(self.client, url, self.keys["heavy"], 10 * capacity, duration, body),
-            offer(self.client, url, self.keys["light"], light_rate, duration, lambda n: body(10**6 + n)),
+            offer(self.client, url, self.keys["heavy"], 10 * capacity, duration, self.body),
+            offer(self.client, url, self.keys["light"], light_rate, duration, lambda n: self.body(10**6 + n)),
         )
         await self.settle()
         return heavy, light
@@ -200,8 +217,10 @@ class Bench:
         high_rate = 0.2 * capacity
         duration = max(10.0, 200 / high_rate) * self.scale
         _, high = await asyncio.gather(
-            offer(self.client, url, self.keys["mixed"], 3 * capacity, duration, lambda n: body(n, 0)),
-            offer(self.client, url, self.keys["mixed"], high_rate, duration, lambda n: body(10**6 + n, 9)),
+            offer(self.client, url, self.keys["mixed"], 3 * capacity, duration, lambda n: self.body(n, 0)),
+            offer(
+                self.client, url, self.keys["mixed"], high_rate, duration, lambda n: self.body(10**6 + n, 9)
+            ),
         )
         await self.settle()
         return high
@@ -209,7 +228,10 @@ class Bench:
 
 async def run(bench: Bench) -> str:
     capacity = await bench.capacity()
-    print(f"capacity: {capacity:.2f} answers/s with {len(WORKERS)} workers full", flush=True)
+    print(
+        f"capacity: {capacity:.2f} answers/s of {bench.max_tokens} tokens with {len(WORKERS)} workers full",
+        flush=True,
+    )
     bounds = bench.bounds(capacity)
 
     queued = await bench.burst(capacity, **bounds)
@@ -249,6 +271,7 @@ async def run(bench: Bench) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="shortens every phase (1.0: the issue's)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="each answer's length (see the module)")
     args = parser.parse_args()
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/14")
     model = demo_model_dir()
@@ -271,7 +294,7 @@ def main() -> None:
                 platform.start_worker(name)
             platform.wait_for_workers(*WORKERS)
             keys = {"heavy": heavy, "light": light, "burst": burst, "mixed": mixed}
-            last_line = asyncio.run(run(Bench(platform, keys, args.scale)))
+            last_line = asyncio.run(run(Bench(platform, keys, args.scale, args.max_tokens)))
         finally:
             platform.close()
     print(last_line)

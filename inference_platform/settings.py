@@ -254,6 +254,10 @@ REQUEST_PRIORITIES = env_bool("REQUEST_PRIORITIES", True)
 # A frontend's queued requests stay while its liveness mark does (renewed by every waiting
 # request's poll, at most a second apart): a frontend killed mid-wait leaves none behind past it.
 ROUTER_QUEUE_FRONTEND_TTL_SECS = env_float("ROUTER_QUEUE_FRONTEND_TTL_SECS", 5.0, minimum=2.0)
+# How many requests a frontend process works on at once between arrival and dispatch (limits,
+# preparation, the decision or joining the queue); the others wait in the queue's own order
+# (inference_platform.serving.arrivals), so a flood cannot put its work ahead of other tenants'.
+FRONTEND_ARRIVAL_CONCURRENCY = env_int("FRONTEND_ARRIVAL_CONCURRENCY", 4, minimum=1)
 
 # --- Media (names and defaults from Dynamo's documentation) ------------------------------------
 DYN_MM_FRONTEND_DECODING = env_bool("DYN_MM_FRONTEND_DECODING", False)

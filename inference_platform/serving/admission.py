@@ -66,12 +66,13 @@ def shed(status: int, message: str, code: str, retry_after_s: int) -> ApiError:
 
 
 def queue_full(model: str, full: QueueFull) -> ApiError:
-    """A 429 when the tenant's own queued requests are the bound, else a 503."""
+    """A 429 when the tenant's own queued requests (at the request's priority) are the bound, else
+    a 503."""
     retry_after = wait_estimate_s(full.depth, full.drain_per_s, settings.ROUTER_BUSY_RETRY_AFTER_SECS)
     if full.cause == "tenant":
         return shed(
             429,
-            f"Too many of this tenant's requests wait for '{model}' already "
+            f"Too many of this tenant's requests at this priority wait for '{model}' already "
             f"(ROUTER_QUEUE_MAX_TENANT_DEPTH {settings.ROUTER_QUEUE_MAX_TENANT_DEPTH}); "
             f"retry in {retry_after} s.",
             "tenant_queue_full",

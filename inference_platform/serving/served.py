@@ -2,9 +2,11 @@
 last byte (as vLLM's `AsyncLLM.generate` owns a request and aborts it on cancel).
 
 - `open`: admit (the tenant's slot), prepare (prompt, images, token view), charge the prompt's
-  tokens, then decide and send (`_decide_and_send`); when no worker can take it now, it waits in
-  the admission queue between charge and decide (`_send_in_turn`): the worker is chosen when it
-  leaves the queue, and a queued request holds no tenant slot.
+  tokens, then decide and send (`_decide_and_send`); when no worker can take it now, it joins the
+  admission queue (`_send_or_join`) and waits there between charge and decide (`_wait_in_line`):
+  the worker is chosen when it leaves the queue, and a queued request holds no tenant slot. All
+  of it up to the decision or the join holds a place at the process's arrival gate
+  (serving.arrivals), which lets requests through in the queue's own order.
 - `events()`: the worker's tokens, then its `DoneEvent`. A worker that vanishes makes the request
   move to another worker (`_migrate`), before or after its first token: after it, the new worker
   continues from the tokens already read, so the client sees one uninterrupted answer. A worker
@@ -19,12 +21,14 @@ What the request holds is freed in exactly one place each:
   the liveness mark, and the worker-side cancel of a task the worker did not end;
 - what precedes the lease is freed by `close` itself: the tenant's concurrency slot (with its
   usage) and the metrics clock;
-- a place in the admission queue is left by `_send_in_turn` itself, whatever ends its wait.
+- a place in the admission queue is left by `_wait_in_line` itself, whatever ends its wait, and
+  a place at the arrival gate by `_arrival`'s block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -43,6 +47,7 @@ from inference_platform.serving.admission import (
     turns,
     waiting_here,
 )
+from inference_platform.serving.arrivals import ArrivalTimeout, GateFull, arrival_gate
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.dispatch import (
@@ -68,7 +73,7 @@ from inference_platform.serving.prepare import (
     reserve_worker,
     session_scope_hash,
 )
-from routing.admission.queue import QueuedRequest, QueueFull, wait_estimate_s
+from routing.admission.queue import QueuedRequest, QueueFull, Ticket, wait_estimate_s
 from routing.contract.responses import cancel_key, live_key
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, GenerateTask, TokenEvent
 from routing.fleet.registry import Heartbeat
@@ -128,6 +133,10 @@ class ServedRequest:
         self._closed = False
         self.status: int | None = None
         self.priority: int | None = None  # as the tenant allows it (admission.request_priority)
+        self._arrived = time.monotonic()  # the maximum wait for a turn counts from here
+        self._waiting_since: float | None = None  # waiting for a turn (the gate's, the queue's)
+        self._waited_s = 0.0
+        self._wait_counted = False
 
     # -- what the API reports --------------------------------------------------------------
 
@@ -147,36 +156,45 @@ class ServedRequest:
 
     async def open(self, chat: ChatRequest, headers: Mapping[str, str]) -> ServedRequest:
         """Admit, prepare, charge, decide and send; on any refusal the request is closed (its
-        slot freed, its status counted) and the refusal raised as an ApiError."""
+        slot freed, its status counted) and the refusal raised as an ApiError.
+
+        Everything up to the decision (or to joining the admission queue) is done holding a place
+        at this process's arrival gate (serving.arrivals), which lets requests through in the
+        queue's own order; the wait in the queue itself holds none."""
         self.chat = chat
         try:
             self.scope_key = session_scope_hash(headers, self.caller)
             self.priority = request_priority(chat.priority, headers, self.caller)
             if not self.caller.may_use(chat.model):  # as if it did not exist: a tenant sees its own
                 raise model_not_found(chat.model)
-            await self._admit()
-            if settings.ROUTER_QUEUE_ENABLED:
-                await self._shed_if_full(chat.model)
-            salt = self.caller.cache_salt(chat.cache_salt)
-            prepared = await asyncio.to_thread(
-                prepare, chat, salt, sizes=frontend().image_sizes(), scope_key=self.scope_key
-            )
-            self.prepared = prepared
-            model, view = prepared.model, prepared.view
+            model_name, ticket = chat.model, None
             try:
-                workers = await eligible_workers(model.name, view.block_size, prepared.fingerprint)
-                if not workers:
-                    raise NoWorker
-                # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
-                check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
-                await self._charge(view.prompt_tokens)
-                if settings.ROUTER_QUEUE_ENABLED:
-                    await self._send_in_turn(prepared, workers)
-                else:
-                    await self._send_now(prepared, workers)
+                async with self._arrival(chat.model):
+                    if settings.ROUTER_QUEUE_ENABLED:
+                        await self._shed_if_full(chat.model)
+                    await self._admit()
+                    salt = self.caller.cache_salt(chat.cache_salt)
+                    prepared = await asyncio.to_thread(
+                        prepare, chat, salt, sizes=frontend().image_sizes(), scope_key=self.scope_key
+                    )
+                    self.prepared = prepared
+                    model_name, view = prepared.model.name, prepared.view
+                    workers = await eligible_workers(model_name, view.block_size, prepared.fingerprint)
+                    if not workers:
+                        raise NoWorker
+                    # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
+                    check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
+                    await self._charge(view.prompt_tokens)
+                    if settings.ROUTER_QUEUE_ENABLED:
+                        ticket = await self._send_or_join(prepared, workers)
+                    else:
+                        await self._send_now(prepared, workers)
+                if ticket is not None:
+                    await self._wait_in_line(prepared, ticket)
             except NoWorker:
                 # Why none, naming the workers, with Retry-After (drained, disabled, down).
-                raise await no_worker_error(model.name, view.block_size, self.request_id) from None
+                raise await no_worker_error(model_name, self._block_size(), self.request_id) from None
+            self._end_wait()
         except asyncio.CancelledError:
             await self.close(CLIENT_CLOSED)
             raise
@@ -189,6 +207,10 @@ class ServedRequest:
             raise error from exc
         self._log_sent()
         return self
+
+    def _block_size(self) -> int:
+        assert self.prepared is not None  # no worker is looked for before the prompt's view
+        return self.prepared.view.block_size
 
     async def _admit(self) -> None:
         """Count the request against its tenant's limits (requests per minute, concurrency), or 429;
@@ -277,6 +299,7 @@ class ServedRequest:
             frontend().admission_queue().full_for,
             model,
             self._queue_tenant,
+            self.priority or 0,
             max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
             max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
         )
@@ -297,35 +320,83 @@ class ServedRequest:
                 telemetry.inc("requests_shed", labels={"cause": refused.code})
             raise
 
-    async def _send_in_turn(self, prepared: PreparedRequest, workers: Mapping[str, Heartbeat]) -> None:
-        """Decide and send now if nothing of the model waits and a worker can take it; else wait
-        in the admission queue (routing.admission) and decide and send when the request is first
-        in line and a worker frees, or shed it past ROUTER_QUEUE_MAX_WAIT_SECS.
+    @contextlib.asynccontextmanager
+    async def _arrival(self, model: str) -> AsyncIterator[None]:
+        """Hold a place at this process's arrival gate (serving.arrivals) for the block. While it
+        waits for one, the request counts in the admission queue's depth and wait, as a request
+        in line is; the gate's refusals are the queue's (full, timed out)."""
+        tenant, priority = self._queue_tenant, self.priority or 0
 
-        Only this frontend dispatches its own entry, and only when the queue says it is first
-        (its watch, `admission.Turns`): requests of every frontend leave in one order, each once.
-        The entry is left however the wait ends (dispatched, timed out, the client gone), at once.
-        """
+        def waiting(n: int) -> None:
+            waiting_here().add(model, tenant, priority, n)
+            self._note_wait(n)
+
+        try:
+            async with arrival_gate().turn(
+                tenant,
+                priority,
+                self._queue_weight,
+                timeout_s=settings.ROUTER_QUEUE_MAX_WAIT_SECS,
+                max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
+                max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+                on_wait=waiting,
+            ):
+                yield
+        except GateFull as full:
+            raise queue_full(model, QueueFull(full.cause, full.depth, full.drain_per_s)) from None
+        except ArrivalTimeout as late:
+            retry_after = wait_estimate_s(late.ahead, late.drain_per_s, settings.ROUTER_BUSY_RETRY_AFTER_SECS)
+            raise queue_timeout(model, self.request_id, late.waited_s, retry_after) from None
+
+    def _note_wait(self, n: int) -> None:
+        """A wait for a turn (the gate's or the queue's) starts (1) or ends (-1)."""
+        if n > 0:
+            self._waiting_since = time.monotonic()
+        elif self._waiting_since is not None:
+            self._waited_s += time.monotonic() - self._waiting_since
+            self._waiting_since = None
+
+    def _end_wait(self) -> None:
+        """Count the request's whole wait for its turn once, however it ended (dispatched, shed,
+        abandoned), if it waited at all."""
+        self._note_wait(-1)
+        if self._waited_s and not self._wait_counted:
+            self._wait_counted = True
+            telemetry.observe(
+                "admission_queue_wait_seconds",
+                self._waited_s,
+                labels={"model": self.chat.model if self.chat else "", "priority": str(self.priority or 0)},
+            )
+
+    @property
+    def _queue_weight(self) -> float:
+        """The tenant's share within its band; 0 (arrival order) with ROUTER_QUEUE_ORDER fifo."""
+        return self.caller.queue_weight if settings.ROUTER_QUEUE_ORDER == "fair" else 0.0
+
+    async def _send_or_join(
+        self, prepared: PreparedRequest, workers: Mapping[str, Heartbeat]
+    ) -> Ticket | None:
+        """Decide and send now if nothing of the model waits and a worker can take it (None);
+        else join the admission queue (routing.admission) and hand back the place."""
         model = prepared.model.name
         queue = frontend().admission_queue()
         if not await asyncio.to_thread(queue.waiting, model):
             try:
                 await self._decide_and_send(prepared, self.request_id, workers=workers)
-                return
+                return None
             except ApiError as refused:
                 if refused.code != "all_workers_busy":
                     raise
-        caller = self.caller
         queued = QueuedRequest(
             request_id=self.request_id,
             model=model,
             tenant=self._queue_tenant,
             priority=self.priority or 0,
-            weight=caller.queue_weight if settings.ROUTER_QUEUE_ORDER == "fair" else 0.0,
+            weight=self._queue_weight,
         )
         await self._free_slot()
         try:
-            ticket = await asyncio.to_thread(
+            return await asyncio.to_thread(
                 queue.join,
                 queued,
                 max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
@@ -333,9 +404,23 @@ class ServedRequest:
             )
         except QueueFull as full:
             raise queue_full(model, full) from None
-        waiting_here().add(model, queued.tenant, queued.priority, 1)
+
+    async def _wait_in_line(self, prepared: PreparedRequest, ticket: Ticket) -> None:
+        """Wait in the admission queue, then decide and send when the request is first in line
+        and a worker frees, or shed it past ROUTER_QUEUE_MAX_WAIT_SECS (counted from its
+        arrival: its wait at the gate included).
+
+        Only this frontend dispatches its own entry, and only when the queue says it is first
+        (its watch, `admission.Turns`): requests of every frontend leave in one order, each once.
+        The entry is left however the wait ends (dispatched, timed out, the client gone), at once.
+        """
+        model = prepared.model.name
+        queue = frontend().admission_queue()
+        tenant, priority = self._queue_tenant, self.priority or 0
+        waiting_here().add(model, tenant, priority, 1)
+        self._note_wait(1)
         started = time.monotonic()
-        deadline = started + settings.ROUTER_QUEUE_MAX_WAIT_SECS
+        deadline = self._arrived + settings.ROUTER_QUEUE_MAX_WAIT_SECS
         dispatched = False
         try:
             while True:
@@ -360,12 +445,8 @@ class ServedRequest:
                         raise
         finally:
             await asyncio.shield(asyncio.to_thread(queue.leave, ticket, dispatched=dispatched))
-            waiting_here().add(model, queued.tenant, queued.priority, -1)
-            telemetry.observe(
-                "admission_queue_wait_seconds",
-                time.monotonic() - started,
-                labels={"model": model, "priority": str(queued.priority)},
-            )
+            waiting_here().add(model, tenant, priority, -1)
+            self._note_wait(-1)
             if dispatched:
                 turns().notify(model)  # the next in line may find a worker too
 
@@ -634,6 +715,7 @@ class ServedRequest:
             return
         self._closed = True
         self.status = status
+        self._end_wait()
         done = result if isinstance(result, DoneEvent) else None
         if self.lease is not None:
             outcome = "done" if done is not None else "abandoned" if status == CLIENT_CLOSED else "failed"

@@ -1,0 +1,215 @@
+"""The arrival gate: in which order this frontend process does the work of requests just arrived.
+
+Under a flood the frontend's own work is the first queue a request meets. Each arrival counts
+against its tenant's limits, prepares its prompt, and decides or joins the admission queue, with
+a hand-over to a thread for each; those hand-overs run first come, first served. A tenant that
+sends ten times what the workers can answer fills them, and a light tenant's request, or a
+high-priority one, waits behind the whole flood before it even reaches the admission queue whose
+order would have put it first.
+
+So at most FRONTEND_ARRIVAL_CONCURRENCY requests do that work at once, and the others wait here,
+in the admission queue's own order (routing.admission): priority band first, strictly; then
+start-time fair queuing between tenants within a band, weighted by each tenant's weight (0:
+arrival order); then arrival. Waiting here costs no thread and no Redis call. Bounds, as the
+queue's: a request whose flow (its tenant's requests at its priority) has
+ROUTER_QUEUE_MAX_TENANT_DEPTH requests waiting here already is refused at once, as is any past
+ROUTER_QUEUE_MAX_DEPTH waiting here in all; a request still here after its maximum
+wait is shed as one that waited in the queue (`ArrivalTimeout`). A client that goes away leaves
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+import weakref
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from django.conf import settings
+
+# Passes through the gate kept for its drain rate (a Retry-After for what it turns away).
+DRAIN_WINDOW_S = 10.0
+
+
+class GateFull(Exception):
+    """Too many requests wait at the gate: `cause` "tenant" (the request's flow: its tenant's at its
+    priority) or "total"."""
+
+    def __init__(self, cause: str, depth: int, drain_per_s: float) -> None:
+        self.cause = cause
+        self.depth = depth
+        self.drain_per_s = drain_per_s
+        super().__init__(f"the arrival gate is full ({cause}, {depth} waiting)")
+
+
+class ArrivalTimeout(Exception):
+    """A request waited its whole maximum wait at the gate."""
+
+    def __init__(self, waited_s: float, ahead: int, drain_per_s: float) -> None:
+        self.waited_s = waited_s
+        self.ahead = ahead
+        self.drain_per_s = drain_per_s
+        super().__init__(f"waited {waited_s:.1f} s at the arrival gate")
+
+
+@dataclass(order=True)
+class _Waiter:
+    band: int  # minus the priority: the heap's smallest leaves first
+    start: float  # the tenant's start tag within the band (0: arrival order)
+    seq: int
+    flow: tuple[str, int] = field(compare=False)  # tenant and priority
+    turn: asyncio.Future[None] = field(compare=False)
+
+
+class ArrivalGate:
+    """At most `width` requests at work at once; the rest wait in the queue's order (see the module).
+
+    One per process and event loop; not thread-safe (it is only used on its loop).
+    """
+
+    def __init__(self, width: int) -> None:
+        if width < 1:
+            raise ValueError(f"the arrival gate lets at least one request through, not {width}")
+        self.width = width
+        self._working = 0
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._waiting: Counter[tuple[str, int]] = Counter()  # by flow
+        # Start-time fair queuing per band: each tenant's last finish tag and the band's virtual
+        # time (the start tag of the last request let through); forgotten whenever none wait.
+        self._finish: dict[tuple[int, str], float] = {}
+        self._virtual: dict[int, float] = {}
+        self._passed: deque[float] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(self._waiting.values())
+
+    def waiting_of(self, tenant: str, priority: int) -> int:
+        return self._waiting[(tenant, priority)]
+
+    def drain_per_s(self) -> float:
+        """Requests let through per second lately."""
+        self._trim(time.monotonic())
+        return len(self._passed) / DRAIN_WINDOW_S
+
+    @contextlib.asynccontextmanager
+    async def turn(
+        self,
+        tenant: str,
+        priority: int,
+        weight: float,
+        *,
+        timeout_s: float,
+        max_depth: int,
+        max_tenant_depth: int,
+        on_wait: Callable[[int], None] = lambda n: None,
+    ) -> AsyncIterator[None]:
+        """Hold one of the gate's places for the block, waiting in order for it if none is free;
+        GateFull at once past a bound, ArrivalTimeout after `timeout_s` of waiting. `on_wait(1)`
+        when the request starts waiting, `on_wait(-1)` when it stops, however."""
+        if self._working < self.width:
+            # A free place means nobody waits alive (a place that frees goes to the first who
+            # does): what the heap still holds left already.
+            self._heap.clear()
+            self._working += 1
+        else:
+            await self._wait(tenant, priority, weight, timeout_s, max_depth, max_tenant_depth, on_wait)
+        now = time.monotonic()
+        self._passed.append(now)
+        self._trim(now)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _wait(
+        self,
+        tenant: str,
+        priority: int,
+        weight: float,
+        timeout_s: float,
+        max_depth: int,
+        max_tenant_depth: int,
+        on_wait: Callable[[int], None],
+    ) -> None:
+        flow = (tenant, int(priority))
+        if self._waiting[flow] >= max_tenant_depth:
+            raise GateFull("tenant", self._waiting[flow], self.drain_per_s())
+        if self.waiting >= max_depth:
+            raise GateFull("total", self.waiting, self.drain_per_s())
+        start = 0.0
+        band = -int(priority)
+        if weight > 0:
+            virtual = self._virtual.get(band, 0.0)
+            start = max(virtual, self._finish.get((band, tenant), virtual))
+            self._finish[(band, tenant)] = start + 1.0 / weight
+        waiter = _Waiter(band, start, next(self._seq), flow, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._heap, waiter)
+        self._waiting[flow] += 1
+        started = time.monotonic()
+        on_wait(1)
+        try:
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for loses a cancellation that comes
+            # as the turn is given (the place would stay taken by a request that is gone).
+            done, _ = await asyncio.wait({waiter.turn}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            self._abandon(waiter)
+            raise
+        finally:
+            self._left(waiter)
+            on_wait(-1)
+        if not done:
+            self._abandon(waiter)
+            raise ArrivalTimeout(time.monotonic() - started, self._ahead_of(waiter), self.drain_per_s())
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """The waiter goes: a place already handed to it passes on, else it is skipped."""
+        if waiter.turn.done() and not waiter.turn.cancelled():
+            self._release()
+        else:
+            waiter.turn.cancel()
+
+    def _left(self, waiter: _Waiter) -> None:
+        self._waiting[waiter.flow] -= 1
+        if not self._waiting[waiter.flow]:
+            del self._waiting[waiter.flow]
+
+    def _release(self) -> None:
+        """A place frees: it goes to the first waiter still there, else it is given back."""
+        while self._heap:
+            waiter = heapq.heappop(self._heap)
+            if waiter.turn.done():  # gone (cancelled, timed out)
+                continue
+            self._virtual[waiter.band] = waiter.start
+            waiter.turn.set_result(None)
+            return
+        self._working -= 1
+        self._finish.clear()  # nobody waits: every tenant starts afresh
+        self._virtual.clear()
+
+    def _ahead_of(self, waiter: _Waiter) -> int:
+        return sum(1 for other in self._heap if other < waiter and not other.turn.done())
+
+    def _trim(self, now: float) -> None:
+        while self._passed and self._passed[0] < now - DRAIN_WINDOW_S:
+            self._passed.popleft()
+
+
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ArrivalGate] = weakref.WeakKeyDictionary()
+
+
+def arrival_gate() -> ArrivalGate:
+    """The running event loop's gate (one per process in a deployment), FRONTEND_ARRIVAL_CONCURRENCY
+    wide."""
+    loop = asyncio.get_running_loop()
+    width = settings.FRONTEND_ARRIVAL_CONCURRENCY
+    gate = _gates.get(loop)
+    if gate is None or gate.width != width:
+        gate = _gates[loop] = ArrivalGate(width)
+    return gate
