@@ -176,6 +176,16 @@ def test_a_long_prompt_waits_for_a_step_of_its_own_as_in_the_native_engine():
     assert b.ttft_ms == pytest.approx(5 + 9.9 + 5 + 9.9 + 1)
 
 
+def test_a_waiting_prompt_of_a_higher_priority_prefills_first_as_in_the_native_engine():
+    # given: two long prompts that cannot share a step, the second of a higher priority
+    engine, clock, _ = sim()
+    # when
+    low, high = served(engine, clock, prompt(100, 6, tokens=99), prompt(200, 6, tokens=99, priority=9))
+    # then: the later, higher one prefills first
+    assert high.ttft_ms == pytest.approx(5 + 9.9)
+    assert low.ttft_ms == pytest.approx(5 + 9.9 + 5 + 9.9 + 1)
+
+
 def test_an_image_inside_the_cached_prefix_is_not_encoded_again():
     # given: an image whose placeholders end at token 40, a 99-token prompt
     engine, clock, _ = sim()

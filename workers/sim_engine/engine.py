@@ -104,6 +104,7 @@ class SimEngine(OnTheNativeScheduler, FollowsSubmitted):
             sequence_hashes=hashes,
             local_hashes=[],
             payload=state,
+            priority=request.priority,  # on the native scheduler, as the native engine's prompts
         )
         with self._lock:
             # Stamped with the append, so the inbox is in order of arrival.
