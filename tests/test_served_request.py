@@ -31,6 +31,7 @@ from PIL import Image
 from inference_platform.api.boundary import new_request_id
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.serving import served
+from inference_platform.serving.arrivals import arrival_gate
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.errors import ApiError
@@ -242,6 +243,13 @@ def assert_nothing_left(rid: str, caller: Caller, workers: list[str]) -> None:
     assert not conn.keys(f"{prefix}media:blob:{rid}*")
 
 
+async def nothing_left(rid: str, caller: Caller, workers: list[str]) -> None:
+    """`assert_nothing_left`, and the request's place at the arrival gate given back."""
+    await asyncio.to_thread(assert_nothing_left, rid, caller, workers)
+    gate = arrival_gate()
+    assert (gate.working, gate.waiting) == (0, 0)
+
+
 async def open_request(caller: Caller, chat: ChatRequest) -> ServedRequest:
     return await ServedRequest(new_request_id(), caller).open(chat, {})
 
@@ -272,7 +280,7 @@ async def test_a_served_answer_releases_each_resource_once(served_demo_model, te
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({200: 1})
     assert releases.cancels[rid] == 0  # the worker ended it: nothing to cancel
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -300,7 +308,7 @@ async def test_a_streamed_answer_releases_each_resource_once(
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({200: 1}) and releases.cancels[rid] == 0
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -325,7 +333,7 @@ async def test_a_client_gone_before_the_first_token_cancels_the_worker_and_relea
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({served.CLIENT_CLOSED: 1})
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -350,7 +358,7 @@ async def test_a_client_gone_after_the_first_token_cancels_the_worker_and_releas
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({served.CLIENT_CLOSED: 1})
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -372,7 +380,7 @@ async def test_a_worker_error_answers_its_status_and_releases_each_resource_once
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({502: 1}) and releases.cancels[rid] == 0
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -412,7 +420,7 @@ async def test_a_worker_dying_mid_answer_fault_injected_is_continued_elsewhere_r
     assert releases.cancels == Counter({rid: 1})
     assert releases.tenant_slot[rid] == 1 and releases.media[rid] == 1
     assert releases.lease_callbacks[rid] == 1 and releases.clock == Counter({200: 1})
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1", "w2"])
+    await nothing_left(rid, tenant_caller, ["w1", "w2"])
 
 
 @pytestmark_db
@@ -441,7 +449,7 @@ async def test_a_picture_changed_at_its_origin_fault_injected_is_planned_again_r
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({200: 1}) and releases.cancels[rid] == 0
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -462,7 +470,7 @@ async def test_every_worker_busy_answers_503_and_releases_the_slot_and_clock_onc
     assert (refused.value.status, refused.value.code) == (503, "all_workers_busy")
     assert request.lease is None and not releases.load and not releases.media
     assert releases.tenant_slot[request.request_id] == 1 and releases.clock == Counter({503: 1})
-    await asyncio.to_thread(assert_nothing_left, request.request_id, tenant_caller, ["w1"])
+    await nothing_left(request.request_id, tenant_caller, ["w1"])
 
 
 @pytestmark_db
@@ -509,7 +517,7 @@ async def test_redis_failing_while_following_fault_injected_answers_503_and_rele
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({503: 1}) and releases.cancels[rid] == 1
-    await asyncio.to_thread(assert_nothing_left, rid, tenant_caller, ["w1"])
+    await nothing_left(rid, tenant_caller, ["w1"])
 
 
 # --- a worker killed mid-answer, with real processes -------------------------------------------

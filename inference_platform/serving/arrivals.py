@@ -87,6 +87,11 @@ class ArrivalGate:
         self._passed: deque[float] = deque()
 
     @property
+    def working(self) -> int:
+        """Places held now (requests at their arrival work)."""
+        return self._working
+
+    @property
     def waiting(self) -> int:
         return sum(self._waiting.values())
 
