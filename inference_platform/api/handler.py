@@ -46,7 +46,22 @@ class ApiSecurityMiddleware(SecurityMiddleware):
 
 
 class ApiHandler(ASGIHandler):
-    """An ASGI handler whose middleware chain is `ApiSecurityMiddleware` alone."""
+    """An ASGI handler whose middleware chain is `ApiSecurityMiddleware` alone, and that gives no
+    request a thread of its own.
+
+    Django's handler runs each request in a `ThreadSensitiveContext`: its first thread-sensitive
+    hand-over (the `request_started` signal's receivers, on every request) starts a thread for
+    that request alone, and the request's end joins it. That is most of what an API request
+    that is refused at once costs the frontend (a thread started and joined, ~1 ms of CPU), and
+    under a flood it is what the flood costs everyone else. Here the API's few thread-sensitive
+    calls (the signals, a key not yet verified, closing the response) share asgiref's one
+    thread; the rest of the request's blocking work goes to the event loop's executor as before.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+        await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async: bool = False) -> None:
         if not is_async:  # an ASGIHandler always loads its chain for async
