@@ -103,7 +103,8 @@ _ERRORS = {
     "429": _error_response(
         "`rate_limit_exceeded`: over one of the tenant's limits (requests or prompt tokens per minute, "
         "concurrent requests); `request_too_large`: the prompt alone is over the tenant's tokens per "
-        "minute; `tenant_queue_full`: too many of the tenant's own requests wait for a worker already.",
+        "minute; `tenant_queue_full`: too many of the tenant's own requests at this priority wait for "
+        "a worker already.",
         {
             "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}},
             **{
@@ -772,7 +773,7 @@ def _limits() -> list[tuple[str, str]]:
             "while no worker can take a request it waits, at most "
             f"{settings.ROUTER_QUEUE_MAX_WAIT_SECS:g} s (`ROUTER_QUEUE_MAX_WAIT_SECS`), behind at most "
             f"{settings.ROUTER_QUEUE_MAX_DEPTH} others (`ROUTER_QUEUE_MAX_DEPTH`), "
-            f"{settings.ROUTER_QUEUE_MAX_TENANT_DEPTH} of them its tenant's "
+            f"{settings.ROUTER_QUEUE_MAX_TENANT_DEPTH} of them its tenant's at its priority "
             "(`ROUTER_QUEUE_MAX_TENANT_DEPTH`); a streamed answer sends nothing until it has a worker.",
         ),
     ]
