@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -68,6 +69,7 @@ MAX_WAIT_S = 30.0
 class Answer:
     status: int
     ttft_s: float | None  # None: refused, or no answer
+    sent_s: float = 0.0  # when it was sent, from the start of its offer
 
 
 def body(n: int, priority: int | None = None, *, max_tokens: int) -> dict:
@@ -83,8 +85,13 @@ def body(n: int, priority: int | None = None, *, max_tokens: int) -> dict:
     return request
 
 
-async def ask(client: httpx.AsyncClient, url: str, key: str, request: dict) -> Answer:
+async def ask(client: httpx.AsyncClient, url: str, key: str, request: dict, since: float = 0.0) -> Answer:
     sent = time.perf_counter()
+    answer = await _ask(client, url, key, request, sent)
+    return dataclasses.replace(answer, sent_s=sent - since) if since else answer
+
+
+async def _ask(client: httpx.AsyncClient, url: str, key: str, request: dict, sent: float) -> Answer:
     try:
         async with client.stream(
             "POST", url, json=request, headers={"Authorization": f"Bearer {key}"}
@@ -107,8 +114,14 @@ async def offer(
         delay = started + n / rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(ask(client, url, key, make(n))))
+        tasks.append(asyncio.ensure_future(ask(client, url, key, make(n), since=started)))
     return list(await asyncio.gather(*tasks))
+
+
+def sent_per_s(answers: list[Answer]) -> float:
+    """The rate the requests really left at (a client that falls behind sends fewer than offered)."""
+    last = max((a.sent_s for a in answers), default=0.0)
+    return (len(answers) - 1) / last if last > 0 else math.inf
 
 
 def new_client() -> httpx.AsyncClient:
@@ -270,8 +283,13 @@ async def run(bench: Bench) -> str:
         flush=True,
     )
 
-    _, fair_light = await bench.fairness(capacity, ROUTER_QUEUE_ORDER="fair", **bounds)
-    _, fifo_light = await bench.fairness(capacity, ROUTER_QUEUE_ORDER="fifo", **bounds)
+    fair_heavy, fair_light = await bench.fairness(capacity, ROUTER_QUEUE_ORDER="fair", **bounds)
+    fifo_heavy, fifo_light = await bench.fairness(capacity, ROUTER_QUEUE_ORDER="fifo", **bounds)
+    print(
+        f"fairness: H offered {10 * capacity:.0f}/s, sent {sent_per_s(fair_heavy):.0f}/s fair, "
+        f"{sent_per_s(fifo_heavy):.0f}/s FIFO (below {capacity:.0f}/s nothing needs to wait)",
+        flush=True,
+    )
     fair_ratio = p90(fair_light) / p90(fifo_light)
     print(
         f"fairness: L sent {len(fair_light)}; answered {len(fair_light) - refused(fair_light)} fair, "
