@@ -78,7 +78,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     model, simulated = harness.worker_starts("model"), harness.worker_starts("sim")
     terminalreporter.write_line(
-        f"worker processes started: {model + simulated} ({model} with the model, {simulated} simulated)"
+        f"worker processes started: {model + simulated} ({model} with the model, {simulated} simulated); "
+        f"frontends started: {harness.frontend_starts()}"
     )
 
 
