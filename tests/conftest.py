@@ -230,7 +230,9 @@ def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: st
     re-roles a worker, or needs worker settings of its own; everything it started is stopped
     after. A test that only sends requests uses one of the session's pools, which start no worker
     for it: `pooled_platform` (the model), `pooled_sim_platform` (simulated), `held_platform` (a
-    simulated worker to freeze), `lone_platform` (one model worker alone)."""
+    simulated worker to freeze), `lone_frontend` (one model worker alone); one that needs no
+    frontend settings of its own starts no frontend either (`pooled_frontend`,
+    `pooled_sim_frontend`)."""
     started: list[harness.PlatformProcesses] = []
 
     def start(**env: str) -> harness.PlatformProcesses:
@@ -428,12 +430,6 @@ def lone_worker_pool(
     )
 
 
-@pytest.fixture
-def lone_platform(lone_worker_pool: WorkerPool, tmp_path):
-    """A factory for the session's lone worker behind frontends of the test's own."""
-    yield from _frontends_of(lone_worker_pool, tmp_path)
-
-
 class PrivateRedisPlatform(NamedTuple):
     server: harness.PrivateRedis  # the platform's only Redis, which its tests kill, restart, freeze
     platform: harness.PlatformProcesses
@@ -555,19 +551,57 @@ def observed_platform(platform_harness, tmp_path_factory: pytest.TempPathFactory
             processes.close()
 
 
-@pytest.fixture(scope="session")
-def shared_platform(worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
-    """The worker pool behind one frontend for the whole session, for tests that only send it
-    requests and change nothing (the fuzzer, the body limit); a test that needs frontend settings
-    of its own uses `pooled_platform`, and one that kills a process `platform_processes`."""
+def _session_frontend(
+    pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory, name: str, **env: str
+) -> Iterator[harness.PlatformProcesses]:
+    """One frontend (`env` its settings) before `pool` for the whole session, with a tenant of
+    its own; stopped when the session ends."""
     platform = harness.PlatformProcesses.joining(
-        worker_pool.processes,
-        tmp_path_factory.mktemp("shared-frontend"),
-        worker_pool.fresh_tenant_key(),
-        {"API_MAX_BODY_MB": "4"},
+        pool.processes, tmp_path_factory.mktemp(name), pool.fresh_tenant_key(), env
     )
     try:
         platform.start_server()
         yield platform
     finally:
         platform.close()
+
+
+@pytest.fixture(scope="session")
+def shared_platform(worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
+    """The worker pool behind one frontend for the whole session, for tests that only send it
+    requests and change nothing (the fuzzer, the body limit); a test that needs frontend settings
+    of its own uses `pooled_platform`, and one that kills a process `platform_processes`."""
+    yield from _session_frontend(worker_pool, tmp_path_factory, "shared-frontend", API_MAX_BODY_MB="4")
+
+
+@pytest.fixture
+def pooled_frontend(shared_platform, worker_pool: WorkerPool) -> harness.PlatformProcesses:
+    """`shared_platform`'s frontend as a tenant of the test's own sees it (its cache salt keeps
+    other tests' prompts out of its overlap): for an end-to-end test of the pool that needs no
+    frontend settings of its own and leaves nothing a later test's frontend would read (a routing
+    policy, a disabled worker). Starting a frontend costs about 2 s of CPU; this one is running."""
+    return shared_platform.as_tenant(worker_pool.fresh_tenant_key())
+
+
+@pytest.fixture(scope="session")
+def _sim_pool_frontend(sim_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
+    yield from _session_frontend(sim_pool, tmp_path_factory, "sim-pool-frontend")
+
+
+@pytest.fixture
+def pooled_sim_frontend(_sim_pool_frontend, sim_pool: WorkerPool) -> harness.PlatformProcesses:
+    """`pooled_frontend`'s counterpart for the session's simulated workers: their running
+    frontend (default settings), as a tenant of the test's own sees it."""
+    return _sim_pool_frontend.as_tenant(sim_pool.fresh_tenant_key())
+
+
+@pytest.fixture(scope="session")
+def _lone_worker_frontend(lone_worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
+    yield from _session_frontend(lone_worker_pool, tmp_path_factory, "lone-worker-frontend")
+
+
+@pytest.fixture
+def lone_frontend(_lone_worker_frontend, lone_worker_pool: WorkerPool) -> harness.PlatformProcesses:
+    """`pooled_frontend`'s counterpart for the session's lone worker: its running frontend
+    (default settings), as a tenant of the test's own sees it."""
+    return _lone_worker_frontend.as_tenant(lone_worker_pool.fresh_tenant_key())

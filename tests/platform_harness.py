@@ -8,6 +8,7 @@ database, so the test removes exactly what it wrote.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import os
 import re
@@ -256,6 +257,15 @@ class PlatformProcesses:
         joined._fleet_of = dict(pool._fleet_of)
         joined._pool = pool
         return joined
+
+    def as_tenant(self, api_key: str) -> PlatformProcesses:
+        """This platform's running processes as another tenant (`api_key`) sees them: how a test
+        uses a frontend that the session shares. The view starts and stops nothing; its owner
+        closes the platform."""
+        view = copy.copy(self)
+        view.api_key = api_key
+        view.headers = {"Authorization": f"Bearer {api_key}"}
+        return view
 
     def _fresh_database(self, env: Mapping[str, str]) -> str:
         """A migrated database holding the test's API key; the key's plaintext.

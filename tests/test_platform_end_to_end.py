@@ -1,8 +1,9 @@
 """The whole request path across real processes: uvicorn → Celery (Redis broker) → run_worker → model.
 
 The tests of answers talk HTTP, as a client would, to the session's pool of `run_worker` processes
-with the demo model behind a real ASGI server of their own; those that stop or kill a worker
-start a simulated one of their own (`--engine sim`) to do it to.
+with the demo model behind a real ASGI server (their own where they need settings of their own,
+else the session's); those that stop or kill a worker start a simulated one of their own
+(`--engine sim`) to do it to.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def test_worker_processes_answer_requests_with_the_model(pooled_platform):
     assert other["choices"][0]["message"]["content"] != text
 
 
-def test_streaming_sends_chunks_then_done(pooled_platform):
-    platform = pooled_platform()
-    base_url = platform.start_server()
+def test_streaming_sends_chunks_then_done(pooled_frontend):
+    platform = pooled_frontend
+    base_url = platform.base_url
 
     # The same server serves the admin, styled: its static files come from the ASGI app itself.
     assert httpx.get(f"{base_url}/admin/login/", timeout=10).status_code == 200
@@ -217,11 +218,11 @@ def test_stdlib_platform_module_works_in_each_process(platform_processes):
     assert stdlib_platform.system() in ("Linux", "Darwin", "Windows")
 
 
-def test_the_official_openai_client_works_against_the_platform(pooled_platform):
+def test_the_official_openai_client_works_against_the_platform(pooled_frontend):
     import openai
 
-    platform = pooled_platform()
-    base_url = platform.start_server()
+    platform = pooled_frontend
+    base_url = platform.base_url
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=platform.api_key, max_retries=0)
 
     assert [model.id for model in client.models.list()] == ["demo"]

@@ -138,13 +138,16 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
     # (a further process under the live name refuses to start, naming it: tests/test_faults.py)
 
 
-def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pooled_sim_platform, sim_pool):
-    # given: three idle simulated workers (the session's) and two frontend processes
-    platform = pooled_sim_platform()
+def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(
+    pooled_sim_frontend, pooled_sim_platform, sim_pool
+):
+    # given: three idle simulated workers (the session's) and two frontend processes: theirs
+    # that the session shares, and one of the test's own
+    platform = pooled_sim_frontend
     names = sim_pool.names
     for name in names:  # idle as their reports say: no earlier test's request still counted
         platform.wait_until_idle(name)
-    frontends = [platform.start_server(), platform.start_server()]
+    frontends = [platform.base_url, pooled_sim_platform().start_server()]
     barrier = threading.Barrier(3)
     routed: list[str] = []
 

@@ -20,12 +20,12 @@ from workers.sim_engine.profile import load_profile
 
 
 def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_worker(
-    pooled_sim_platform, sim_pool
+    pooled_sim_frontend, sim_pool
 ):
     # given: three simulated workers in one process, and a frontend (a tenant of the test's own)
-    platform = pooled_sim_platform()
+    platform = pooled_sim_frontend
     names = sim_pool.names
-    base_url = platform.start_server()
+    base_url = platform.base_url
     with ImageServer() as origin:
         url = origin.add("/demo.png", picture(1), content_type="image/png")
         # when
