@@ -2,8 +2,8 @@
 
 The tests of answers talk HTTP, as a client would, to the session's pool of `run_worker` processes
 with the demo model behind a real ASGI server (their own where they need settings of their own,
-else the session's); those that stop or kill a worker start a simulated one of their own
-(`--engine sim`) to do it to.
+else the session's); one that kills a worker starts a simulated one of its own (`--engine sim`)
+to do it to, and a worker stopped with SIGTERM is tests/test_routing_faults.py's.
 """
 
 from __future__ import annotations
@@ -123,22 +123,6 @@ def test_streaming_sends_chunks_then_done(pooled_frontend):
     assert "".join(pieces) == whole
     assert finish in ("stop", "length")
     assert usage and usage["completion_tokens"] > 0
-
-
-def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(pooled_platform):
-    # given the pool's workers, which stay, and one of the test's own beside them, which leaves
-    platform = pooled_platform(ROUTER_MODE="round_robin")
-    platform.start_worker("leaves", *SIMULATED)
-    platform.wait_for_workers("leaves")
-    platform.start_server()
-
-    assert platform.stop_worker("leaves", signal.SIGTERM) == 0
-    assert not platform.redis.exists(platform.heartbeat_key("leaves"))
-    assert "deregistered" in platform.log_tail("worker-leaves")
-
-    routed = [ask(platform, f"Question {i}").headers["X-Routed-Worker"] for i in range(4)]
-    assert set(routed) == set(POOL_WORKERS)  # round robin over those that stayed
-    assert platform.redis.llen(f"{platform.namespace}worker.leaves") == 0
 
 
 def test_a_worker_killed_mid_request_is_a_502_with_the_request_id_and_leaves_the_live_set_after_its_ttl(
