@@ -251,8 +251,8 @@ POOL_TENANTS = 48  # made at once when the pool starts; a test past them makes i
 
 class WorkerPool:
     """Worker processes started once per session, shared by the end-to-end tests that leave them
-    as they found them: each test gets frontends of its own and a tenant of its own, whose cache
-    salt keeps what other tests cached out of its requests' overlap."""
+    as they found them: each test gets frontends of its own (or the pool's running one) and a
+    tenant of its own, whose cache salt keeps what other tests cached out of its requests' overlap."""
 
     def __init__(
         self,
@@ -264,6 +264,7 @@ class WorkerPool:
         self.names = names  # the pool's workers, as they register
         self._tenant_keys = tenant_keys
         self._tenants_used = 0
+        self._frontend: harness.PlatformProcesses | None = None
 
     def fresh_tenant_key(self) -> str:
         """An operator key of a tenant no earlier test used (it may call /v1/route and /metrics)."""
@@ -276,6 +277,18 @@ class WorkerPool:
     def join(self, tmp_path: Path, **env: str) -> harness.PlatformProcesses:
         """Frontends of a test's own (not started yet) in front of the pool, with a fresh tenant."""
         return harness.PlatformProcesses.joining(self.processes, tmp_path, self.fresh_tenant_key(), env)
+
+    def running_frontend(self) -> harness.PlatformProcesses:
+        """The pool's own frontend (default settings), started when a test first asks for it and
+        kept until the pool stops, as a tenant no earlier test used sees it (`as_tenant`)."""
+        if self._frontend is None:
+            self._frontend = self.join(Path(tempfile.mkdtemp(dir=self.processes.tmp, prefix="frontend-")))
+            self._frontend.start_server()
+        return self._frontend.as_tenant(self.fresh_tenant_key())
+
+    def stop_frontend(self) -> None:
+        if self._frontend is not None:
+            self._frontend.close()
 
 
 def _start_pool(
@@ -298,7 +311,11 @@ def _start_pool(
             *({"tenant": f"pool-tenant-{i}", "staff": True} for i in range(tenants, 0, -1))
         )
         processes.wait_for_workers(*names)
-        yield WorkerPool(processes, keys, names)
+        pool = WorkerPool(processes, keys, names)
+        try:
+            yield pool
+        finally:
+            pool.stop_frontend()
     finally:
         processes.close()
 
@@ -551,27 +568,22 @@ def observed_platform(platform_harness, tmp_path_factory: pytest.TempPathFactory
             processes.close()
 
 
-def _session_frontend(
-    pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory, name: str, **env: str
-) -> Iterator[harness.PlatformProcesses]:
-    """One frontend (`env` its settings) before `pool` for the whole session, with a tenant of
-    its own; stopped when the session ends."""
+@pytest.fixture(scope="session")
+def shared_platform(worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
+    """The worker pool behind one frontend for the whole session, for tests that only send it
+    requests and change nothing (the fuzzer, the body limit); a test that needs frontend settings
+    of its own uses `pooled_platform`, and one that kills a process `platform_processes`."""
     platform = harness.PlatformProcesses.joining(
-        pool.processes, tmp_path_factory.mktemp(name), pool.fresh_tenant_key(), env
+        worker_pool.processes,
+        tmp_path_factory.mktemp("shared-frontend"),
+        worker_pool.fresh_tenant_key(),
+        {"API_MAX_BODY_MB": "4"},
     )
     try:
         platform.start_server()
         yield platform
     finally:
         platform.close()
-
-
-@pytest.fixture(scope="session")
-def shared_platform(worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
-    """The worker pool behind one frontend for the whole session, for tests that only send it
-    requests and change nothing (the fuzzer, the body limit); a test that needs frontend settings
-    of its own uses `pooled_platform`, and one that kills a process `platform_processes`."""
-    yield from _session_frontend(worker_pool, tmp_path_factory, "shared-frontend", API_MAX_BODY_MB="4")
 
 
 @pytest.fixture
@@ -583,25 +595,15 @@ def pooled_frontend(shared_platform, worker_pool: WorkerPool) -> harness.Platfor
     return shared_platform.as_tenant(worker_pool.fresh_tenant_key())
 
 
-@pytest.fixture(scope="session")
-def _sim_pool_frontend(sim_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
-    yield from _session_frontend(sim_pool, tmp_path_factory, "sim-pool-frontend")
-
-
 @pytest.fixture
-def pooled_sim_frontend(_sim_pool_frontend, sim_pool: WorkerPool) -> harness.PlatformProcesses:
+def pooled_sim_frontend(sim_pool: WorkerPool) -> harness.PlatformProcesses:
     """`pooled_frontend`'s counterpart for the session's simulated workers: their running
     frontend (default settings), as a tenant of the test's own sees it."""
-    return _sim_pool_frontend.as_tenant(sim_pool.fresh_tenant_key())
-
-
-@pytest.fixture(scope="session")
-def _lone_worker_frontend(lone_worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory):
-    yield from _session_frontend(lone_worker_pool, tmp_path_factory, "lone-worker-frontend")
+    return sim_pool.running_frontend()
 
 
 @pytest.fixture
-def lone_frontend(_lone_worker_frontend, lone_worker_pool: WorkerPool) -> harness.PlatformProcesses:
+def lone_frontend(lone_worker_pool: WorkerPool) -> harness.PlatformProcesses:
     """`pooled_frontend`'s counterpart for the session's lone worker: its running frontend
     (default settings), as a tenant of the test's own sees it."""
-    return _lone_worker_frontend.as_tenant(lone_worker_pool.fresh_tenant_key())
+    return lone_worker_pool.running_frontend()
