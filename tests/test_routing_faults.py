@@ -35,6 +35,16 @@ def text_request(text: str, max_tokens: int = 2, stream: bool = False) -> dict:
     }
 
 
+def chat(platform: PlatformProcesses, text: str) -> httpx.Response:
+    """A short chat request to the platform's first frontend."""
+    return httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=text_request(text),
+        headers=platform.headers,
+        timeout=60,
+    )
+
+
 @pytest.fixture
 def origin():
     with ImageServer() as server:
@@ -156,12 +166,7 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
     ):
         time.sleep(0.2)
     assert LoadTracker(redis_client, key_namespace).snapshot(["a"])["a"].active_requests == 0
-    again = httpx.post(
-        f"{base_url}/v1/chat/completions",
-        json=text_request("Hello again."),
-        headers=platform.headers,
-        timeout=60,
-    )
+    again = chat(platform, "Hello again.")
     assert again.status_code == 200, again.text
     # (a further process under the live name refuses to start, naming it: tests/test_faults.py)
 
@@ -170,15 +175,7 @@ def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue_at_once(la
     # given: the worker "a", whose heartbeat would take 60 s to lapse, serving
     platform = lasting
     serving(platform, "a")
-    assert (
-        httpx.post(
-            f"{platform.base_url}/v1/chat/completions",
-            json=text_request("Hello."),
-            headers=platform.headers,
-            timeout=60,
-        ).status_code
-        == 200
-    )
+    assert chat(platform, "Hello.").status_code == 200
 
     # when: it is stopped as a deployment stops it (SIGTERM)
     assert platform.stop_worker("a", signal.SIGTERM) == 0
@@ -187,12 +184,7 @@ def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue_at_once(la
     # the frontend no longer routes to it: no worker is live, and nothing went to its queue
     assert not platform.redis.exists(platform.heartbeat_key("a"))
     assert "deregistered" in platform.log_tail("worker-a")
-    refused = httpx.post(
-        f"{platform.base_url}/v1/chat/completions",
-        json=text_request("Anyone there?"),
-        headers=platform.headers,
-        timeout=60,
-    )
+    refused = chat(platform, "Anyone there?")
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "no_live_worker"
     assert platform.redis.llen(f"{platform.namespace}worker.a") == 0
