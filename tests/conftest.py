@@ -78,7 +78,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     model, simulated = harness.worker_starts("model"), harness.worker_starts("sim")
     terminalreporter.write_line(
-        f"worker processes started: {model + simulated} ({model} with the model, {simulated} simulated)"
+        f"worker processes started: {model + simulated} ({model} with the model, {simulated} simulated); "
+        f"frontends started: {harness.frontend_starts()}"
     )
 
 
@@ -229,7 +230,9 @@ def platform_processes(platform_harness, tmp_path, demo_model_dir, redis_url: st
     re-roles a worker, or needs worker settings of its own; everything it started is stopped
     after. A test that only sends requests uses one of the session's pools, which start no worker
     for it: `pooled_platform` (the model), `pooled_sim_platform` (simulated), `held_platform` (a
-    simulated worker to freeze), `lone_platform` (one model worker alone)."""
+    simulated worker to freeze), `lone_frontend` (one model worker alone); one that needs no
+    frontend settings of its own starts no frontend either (`pooled_frontend`,
+    `pooled_sim_frontend`)."""
     started: list[harness.PlatformProcesses] = []
 
     def start(**env: str) -> harness.PlatformProcesses:
@@ -248,8 +251,8 @@ POOL_TENANTS = 48  # made at once when the pool starts; a test past them makes i
 
 class WorkerPool:
     """Worker processes started once per session, shared by the end-to-end tests that leave them
-    as they found them: each test gets frontends of its own and a tenant of its own, whose cache
-    salt keeps what other tests cached out of its requests' overlap."""
+    as they found them: each test gets frontends of its own (or the pool's running one) and a
+    tenant of its own, whose cache salt keeps what other tests cached out of its requests' overlap."""
 
     def __init__(
         self,
@@ -261,6 +264,7 @@ class WorkerPool:
         self.names = names  # the pool's workers, as they register
         self._tenant_keys = tenant_keys
         self._tenants_used = 0
+        self._frontend: harness.PlatformProcesses | None = None
 
     def fresh_tenant_key(self) -> str:
         """An operator key of a tenant no earlier test used (it may call /v1/route and /metrics)."""
@@ -273,6 +277,18 @@ class WorkerPool:
     def join(self, tmp_path: Path, **env: str) -> harness.PlatformProcesses:
         """Frontends of a test's own (not started yet) in front of the pool, with a fresh tenant."""
         return harness.PlatformProcesses.joining(self.processes, tmp_path, self.fresh_tenant_key(), env)
+
+    def running_frontend(self) -> harness.PlatformProcesses:
+        """The pool's own frontend (default settings), started when a test first asks for it and
+        kept until the pool stops, as a tenant no earlier test used sees it (`as_tenant`)."""
+        if self._frontend is None:
+            self._frontend = self.join(Path(tempfile.mkdtemp(dir=self.processes.tmp, prefix="frontend-")))
+            self._frontend.start_server()
+        return self._frontend.as_tenant(self.fresh_tenant_key())
+
+    def stop_frontend(self) -> None:
+        if self._frontend is not None:
+            self._frontend.close()
 
 
 def _start_pool(
@@ -295,7 +311,11 @@ def _start_pool(
             *({"tenant": f"pool-tenant-{i}", "staff": True} for i in range(tenants, 0, -1))
         )
         processes.wait_for_workers(*names)
-        yield WorkerPool(processes, keys, names)
+        pool = WorkerPool(processes, keys, names)
+        try:
+            yield pool
+        finally:
+            pool.stop_frontend()
     finally:
         processes.close()
 
@@ -425,12 +445,6 @@ def lone_worker_pool(
         4,
         namespace,
     )
-
-
-@pytest.fixture
-def lone_platform(lone_worker_pool: WorkerPool, tmp_path):
-    """A factory for the session's lone worker behind frontends of the test's own."""
-    yield from _frontends_of(lone_worker_pool, tmp_path)
 
 
 class PrivateRedisPlatform(NamedTuple):
@@ -570,3 +584,26 @@ def shared_platform(worker_pool: WorkerPool, tmp_path_factory: pytest.TempPathFa
         yield platform
     finally:
         platform.close()
+
+
+@pytest.fixture
+def pooled_frontend(shared_platform, worker_pool: WorkerPool) -> harness.PlatformProcesses:
+    """`shared_platform`'s frontend as a tenant of the test's own sees it (its cache salt keeps
+    other tests' prompts out of its overlap): for an end-to-end test of the pool that needs no
+    frontend settings of its own and leaves nothing a later test's frontend would read (a routing
+    policy, a disabled worker). Starting a frontend costs about 2 s of CPU; this one is running."""
+    return shared_platform.as_tenant(worker_pool.fresh_tenant_key())
+
+
+@pytest.fixture
+def pooled_sim_frontend(sim_pool: WorkerPool) -> harness.PlatformProcesses:
+    """`pooled_frontend`'s counterpart for the session's simulated workers: their running
+    frontend (default settings), as a tenant of the test's own sees it."""
+    return sim_pool.running_frontend()
+
+
+@pytest.fixture
+def lone_frontend(lone_worker_pool: WorkerPool) -> harness.PlatformProcesses:
+    """`pooled_frontend`'s counterpart for the session's lone worker: its running frontend
+    (default settings), as a tenant of the test's own sees it."""
+    return lone_worker_pool.running_frontend()

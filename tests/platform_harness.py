@@ -8,6 +8,7 @@ database, so the test removes exactly what it wrote.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import os
 import re
@@ -29,8 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Each worker process a test starts is a line in this file (tests/conftest.py names it for the
 # whole session, parallel test processes included), so the run's summary can say how many it
-# started: starting one costs seconds, and the count is what keeps the suite fast.
+# started: starting one costs seconds, and the count is what keeps the suite fast. Each frontend
+# (uvicorn) is a line too: one costs about 2 s of CPU, and the suite starts dozens.
 WORKER_STARTS_FILE = "TEST_WORKER_STARTS_FILE"
+WORKER_KINDS = ("model", "sim")
 
 # Set by tests/conftest.py before each test's fixtures: only a test marked `integration` (which
 # the fixtures that lead here mark) may start the platform's processes, so none can forget it.
@@ -39,22 +42,35 @@ guard_starts = False
 starts_allowed_for: str | None = None
 
 
-def count_worker_start(name: str, *, simulated: bool = False) -> None:
-    """Record one started `run_worker` process (see WORKER_STARTS_FILE)."""
+def _count_start(name: str, kind: str) -> None:
     path = os.environ.get(WORKER_STARTS_FILE)
     if path:
         with open(path, "a", encoding="utf-8") as starts:
-            starts.write(f"{name} {'sim' if simulated else 'model'}\n")
+            starts.write(f"{name} {kind}\n")
+
+
+def count_worker_start(name: str, *, simulated: bool = False) -> None:
+    """Record one started `run_worker` process (see WORKER_STARTS_FILE)."""
+    _count_start(name, "sim" if simulated else "model")
+
+
+def _starts(kinds: tuple[str, ...]) -> int:
+    path = os.environ.get(WORKER_STARTS_FILE)
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as starts:
+        return sum(1 for line in starts if line.split()[-1] in kinds)
 
 
 def worker_starts(kind: str | None = None) -> int:
     """How many `run_worker` processes this session has started so far: of `kind` ("model" or
     "sim") or of either."""
-    path = os.environ.get(WORKER_STARTS_FILE)
-    if not path or not os.path.exists(path):
-        return 0
-    with open(path, encoding="utf-8") as starts:
-        return sum(1 for line in starts if kind is None or line.split()[-1] == kind)
+    return _starts(WORKER_KINDS if kind is None else (kind,))
+
+
+def frontend_starts() -> int:
+    """How many frontend (uvicorn) processes this session has started so far."""
+    return _starts(("frontend",))
 
 
 def _require_integration_marker(what: str) -> None:
@@ -242,6 +258,15 @@ class PlatformProcesses:
         joined._pool = pool
         return joined
 
+    def as_tenant(self, api_key: str) -> PlatformProcesses:
+        """This platform's running processes as another tenant (`api_key`) sees them: how a test
+        uses a frontend that the session shares. The view starts and stops nothing; its owner
+        closes the platform."""
+        view = copy.copy(self)
+        view.api_key = api_key
+        view.headers = {"Authorization": f"Bearer {api_key}"}
+        return view
+
     def _fresh_database(self, env: Mapping[str, str]) -> str:
         """A migrated database holding the test's API key; the key's plaintext.
 
@@ -426,6 +451,7 @@ class PlatformProcesses:
             ],
             env,
         )
+        _count_start(label, "frontend")
         self.servers.append(server)
         base_url = f"http://127.0.0.1:{port}"
         self.server_urls.append(base_url)

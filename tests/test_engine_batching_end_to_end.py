@@ -15,11 +15,11 @@ from tests.conftest import LONE_WORKER
 CONCURRENT = 8
 
 
-def test_eight_concurrent_requests_run_in_one_batch_with_fewer_steps_than_tokens(lone_platform):
+def test_eight_concurrent_requests_run_in_one_batch_with_fewer_steps_than_tokens(lone_frontend):
     # given one worker with the default engine settings, which never had more than one request
     # in a batch, and a frontend
-    platform = lone_platform()
-    base_url = platform.start_server()
+    platform = lone_frontend
+    base_url = platform.base_url
     platform.wait_until_idle(LONE_WORKER)
     key = platform.heartbeat_key(LONE_WORKER)
     before = json.loads(platform.redis.get(key))

@@ -2,7 +2,8 @@
 gets, that nothing hangs past its deadline, and that load counters come back to zero.
 
 Two platforms serve the tests: the module's, with two simulated workers and two frontends (a
-worker killed, then a frontend killed: each test leaves the part it did not kill serving), and
+worker killed, then a frontend killed: each test leaves the part it did not kill serving, but the
+last, which kills the worker that is left), and
 the session's on a Redis of its own (`private_redis_platform`, which tests/test_routing_faults.py
 shares: Redis killed and restarted mid-load, restarted while idle, frozen; each test ends with the
 platform serving again).
@@ -21,6 +22,7 @@ import uuid
 import httpx
 import pytest
 
+from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from tests.platform_harness import SIMULATED, run_worker_args
 
@@ -347,7 +349,6 @@ def test_a_second_process_under_a_running_workers_name_never_deregisters_the_fir
     # given spare serving, with blocks in the router's index
     import json
 
-    from routing.kv.index import KvIndex
     from tests.platform_harness import REPO
 
     platform = two_workers
@@ -384,3 +385,54 @@ def test_a_second_process_under_a_running_workers_name_never_deregisters_the_fir
     time.sleep(0.5)
     beat = platform.redis.get(platform.heartbeat_key("spare"))
     assert beat and json.loads(beat)["pid"] == first_pid
+
+
+# --- the last worker killed -----------------------------------------------------------------------
+# Last in the module: it kills spare, which the tests above need (doomed, if a test above has not
+# killed it yet, goes first).
+def test_the_last_worker_killed_mid_request_is_a_502_naming_the_request_and_leaves_the_live_set_in_its_ttl(
+    two_workers,
+):
+    # given spare, the platform's only worker now, whose KV events put a prompt's blocks in the index
+    platform = two_workers
+    if platform.workers["doomed"].poll() is None:
+        platform.stop_worker("doomed", signal.SIGKILL)
+    set_enabled(platform, "spare", True)
+    while platform.redis.exists(platform.heartbeat_key("doomed")):  # its 2 s TTL lapses
+        time.sleep(0.1)
+    assert chat(platform, "Hello").headers["X-Routed-Worker"] == "spare"
+    index = KvIndex(platform.redis, platform.namespace)
+    assert index.worker_blocks("spare"), "the worker's KV events reached the index"
+
+    # when it is SIGKILLed once it has started streaming tokens for a long request
+    streams_before = set(platform.redis.scan_iter(match=f"{platform.namespace}resp:*"))
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(
+        target=lambda: result.setdefault("r", chat(platform, "Write a very long story.", max_tokens=2000))
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not set(platform.redis.scan_iter(match=f"{platform.namespace}resp:*")) - streams_before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    platform.stop_worker("spare", signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    # then the request is a 502 that names it (no worker is left to continue it)
+    thread.join(timeout=30)
+    response = result["r"]
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["code"] == "worker_vanished"
+    assert response.headers["X-Request-Id"] in error["message"]
+    # and the worker leaves the live set when its heartbeat lapses (a 2 s TTL)
+    while platform.redis.exists(platform.heartbeat_key("spare")):
+        assert time.monotonic() - killed_at < 2 + 1.5, "heartbeat outlived its 2 s TTL"
+        time.sleep(0.1)
+    time.sleep(2.0)  # the frontend sweeps lapsed workers at most every 2 s
+    response = chat(platform, "Anyone there?")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_live_worker"
+    # What it had cached left the index with it: nobody will be routed there for its blocks.
+    assert index.worker_blocks("spare") == set()

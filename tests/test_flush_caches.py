@@ -24,14 +24,14 @@ def flush(platform, *args: str) -> dict:
 
 
 def test_flush_caches_drops_kv_embeddings_images_and_shared_images_and_dry_run_changes_nothing(
-    lone_platform,
+    lone_frontend,
 ):
     # given the session's lone worker, its caches emptied first (other tests may have used it),
-    # and a frontend of the test's own
-    platform = lone_platform()
+    # and its frontend
+    platform = lone_frontend
     shared_prefix = platform.env["SHARED_IMAGE_CACHE_KEY_PREFIX"]
     flush(platform)
-    base_url = platform.start_server()
+    base_url = platform.base_url
     buffer = io.BytesIO()
     Image.effect_noise((200, 150), 50).convert("RGB").save(buffer, format="PNG")
     with ImageServer() as origin:

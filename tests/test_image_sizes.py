@@ -186,11 +186,11 @@ def _chat(url: str, question: str = "What is in the picture?") -> dict:
     }
 
 
-def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(pooled_platform) -> None:
+def test_a_picture_that_changed_size_at_its_origin_is_read_afresh_and_answered(pooled_frontend) -> None:
     with ImageServer() as origin:
         url = origin.add("/product.png", noise_png("before", 448))
-        platform = pooled_platform()
-        base_url = platform.start_server()
+        platform = pooled_frontend
+        base_url = platform.base_url
         with httpx.Client(base_url=base_url, headers=platform.headers, timeout=120) as client:
             first = client.post("/v1/chat/completions", json=_chat(url))
             assert first.status_code == 200, first.text

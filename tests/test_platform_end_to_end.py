@@ -1,8 +1,9 @@
 """The whole request path across real processes: uvicorn → Celery (Redis broker) → run_worker → model.
 
 The tests of answers talk HTTP, as a client would, to the session's pool of `run_worker` processes
-with the demo model behind a real ASGI server of their own; those that stop or kill a worker
-start a simulated one of their own (`--engine sim`) to do it to.
+with the demo model behind a real ASGI server (their own where they need settings of their own,
+else the session's). A worker stopped or killed is a fault: tests/test_routing_faults.py (SIGTERM)
+and tests/test_faults.py (SIGKILL) do it to simulated workers of their own.
 """
 
 from __future__ import annotations
@@ -10,21 +11,17 @@ from __future__ import annotations
 import importlib
 import io
 import json
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from PIL import Image
 
-from routing.kv.index import KvIndex
 from tests.conftest import POOL_WORKERS
 from tests.image_server import ImageServer
-from tests.platform_harness import REPO, SIMULATED
+from tests.platform_harness import REPO
 
 
 def ask(platform, text: str, *, max_tokens: int = 8, **extra) -> httpx.Response:
@@ -85,9 +82,9 @@ def test_worker_processes_answer_requests_with_the_model(pooled_platform):
     assert other["choices"][0]["message"]["content"] != text
 
 
-def test_streaming_sends_chunks_then_done(pooled_platform):
-    platform = pooled_platform()
-    base_url = platform.start_server()
+def test_streaming_sends_chunks_then_done(pooled_frontend):
+    platform = pooled_frontend
+    base_url = platform.base_url
 
     # The same server serves the admin, styled: its static files come from the ASGI app itself.
     assert httpx.get(f"{base_url}/admin/login/", timeout=10).status_code == 200
@@ -124,68 +121,6 @@ def test_streaming_sends_chunks_then_done(pooled_platform):
     assert usage and usage["completion_tokens"] > 0
 
 
-def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue(pooled_platform):
-    # given the pool's workers, which stay, and one of the test's own beside them, which leaves
-    platform = pooled_platform(ROUTER_MODE="round_robin")
-    platform.start_worker("leaves", *SIMULATED)
-    platform.wait_for_workers("leaves")
-    platform.start_server()
-
-    assert platform.stop_worker("leaves", signal.SIGTERM) == 0
-    assert not platform.redis.exists(platform.heartbeat_key("leaves"))
-    assert "deregistered" in platform.log_tail("worker-leaves")
-
-    routed = [ask(platform, f"Question {i}").headers["X-Routed-Worker"] for i in range(4)]
-    assert set(routed) == set(POOL_WORKERS)  # round robin over those that stayed
-    assert platform.redis.llen(f"{platform.namespace}worker.leaves") == 0
-
-
-def test_a_worker_killed_mid_request_is_a_502_with_the_request_id_and_leaves_the_live_set_after_its_ttl(
-    platform_processes,
-):
-    # given the platform's only worker, whose KV events put a prompt's blocks in the index
-    platform = platform_processes()
-    platform.start_worker("doomed", *SIMULATED)
-    platform.wait_for_workers("doomed")
-    platform.start_server()
-    assert ask(platform, "Hello").status_code == 200
-    index = KvIndex(platform.redis, platform.namespace)
-    assert index.worker_blocks("doomed"), "the worker's KV events reached the index"
-
-    # when it is SIGKILLed once it has started streaming tokens for a long request
-    streams_before = set(platform.redis.scan_iter(match=f"{platform.namespace}resp:*"))
-    result: dict[str, httpx.Response] = {}
-    thread = threading.Thread(
-        target=lambda: result.setdefault("r", ask(platform, "Write a very long story.", max_tokens=2000))
-    )
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not set(platform.redis.scan_iter(match=f"{platform.namespace}resp:*")) - streams_before:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(0.3)
-    platform.stop_worker("doomed", signal.SIGKILL)
-    killed_at = time.monotonic()
-
-    # then the request is a 502 that names it
-    thread.join(timeout=30)
-    response = result["r"]
-    assert response.status_code == 502
-    error = response.json()["error"]
-    assert error["code"] == "worker_vanished"
-    assert response.headers["X-Request-Id"] in error["message"]
-    # and the worker leaves the live set when its heartbeat lapses (a 2 s TTL)
-    while platform.redis.exists(platform.heartbeat_key("doomed")):
-        assert time.monotonic() - killed_at < 2 + 1.5, "heartbeat outlived its 2 s TTL"
-        time.sleep(0.1)
-    time.sleep(2.0)  # the frontend sweeps lapsed workers at most every 2 s
-    response = ask(platform, "Anyone there?")
-    assert response.status_code == 503
-    assert response.json()["error"]["code"] == "no_live_worker"
-    # What it had cached left the index with it: nobody will be routed there for its blocks.
-    assert index.worker_blocks("doomed") == set()
-
-
 @pytest.mark.django_db  # importing the ASGI app reads the deployment id, in this process too
 def test_stdlib_platform_module_works_in_each_process(platform_processes):
     """Our project package is not called `platform`, so the standard library's stays importable."""
@@ -217,11 +152,11 @@ def test_stdlib_platform_module_works_in_each_process(platform_processes):
     assert stdlib_platform.system() in ("Linux", "Darwin", "Windows")
 
 
-def test_the_official_openai_client_works_against_the_platform(pooled_platform):
+def test_the_official_openai_client_works_against_the_platform(pooled_frontend):
     import openai
 
-    platform = pooled_platform()
-    base_url = platform.start_server()
+    platform = pooled_frontend
+    base_url = platform.base_url
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=platform.api_key, max_retries=0)
 
     assert [model.id for model in client.models.list()] == ["demo"]

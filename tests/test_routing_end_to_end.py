@@ -119,10 +119,11 @@ def test_the_same_image_twice_goes_back_to_the_worker_that_served_it(pooled_plat
     assert rate > 0
 
 
-def test_two_frontend_processes_make_identical_choices(pooled_platform, origin):
-    platform = pooled_platform()
-    first_frontend = platform.start_server()
-    second_frontend = platform.start_server()
+def test_two_frontend_processes_make_identical_choices(pooled_frontend, pooled_platform, origin):
+    # the session's running frontend, and one of the test's own that has served nothing
+    platform = pooled_frontend
+    first_frontend = platform.base_url
+    second_frontend = pooled_platform().start_server()
     url = origin.add("/shared.png", picture(3), content_type="image/png")
 
     served = httpx.post(

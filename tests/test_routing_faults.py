@@ -10,15 +10,18 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from routing.kv.load import LoadTracker
 from tests.conftest import HELD_WORKER as HELD
+from tests.conftest import TEST_REDIS_URL
 from tests.image_server import ImageServer
-from tests.platform_harness import SIMULATED
+from tests.platform_harness import SIMULATED, PlatformProcesses
 from tests.test_routing_end_to_end import image_request, overlap_of, picture, route_until_overlap
 
 
@@ -30,6 +33,16 @@ def text_request(text: str, max_tokens: int = 2, stream: bool = False) -> dict:
         "temperature": 0,
         "stream": stream,
     }
+
+
+def chat(platform: PlatformProcesses, text: str) -> httpx.Response:
+    """A short chat request to the platform's first frontend."""
+    return httpx.post(
+        f"{platform.base_url}/v1/chat/completions",
+        json=text_request(text),
+        headers=platform.headers,
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -79,15 +92,40 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(privat
     assert repeat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over_at_once(
-    platform_processes, redis_client, key_namespace
-):
+@pytest.fixture(scope="module")
+def lasting(platform_harness, tmp_path_factory, demo_model_dir) -> Iterator[PlatformProcesses]:
+    """One simulated worker, "a", whose heartbeat would take 60 s to lapse, and a frontend: what
+    takes it out of the live set sooner is the platform's doing, not the heartbeat's expiry. The
+    module's tests stop it (each starts it again if an earlier one left it stopped)."""
+    platform = platform_harness(
+        tmp_path_factory.mktemp("lasting"),
+        demo_model_dir,
+        TEST_REDIS_URL,
+        f"test:{uuid.uuid4().hex[:12]}:",
+        {"WORKER_HEARTBEAT_TTL_SECS": "60", "WORKER_CONCURRENCY": "2"},
+    )
+    try:
+        platform.start_worker("a", *SIMULATED)
+        platform.wait_for_workers("a")
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
+
+
+def serving(platform: PlatformProcesses, name: str) -> None:
+    """Starts worker `name` again if an earlier test of the module stopped it."""
+    if platform.workers[name].poll() is not None:
+        platform.start_worker(name, *SIMULATED)
+        platform.wait_for_workers(name)
+
+
+def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over_at_once(lasting):
     # given: one (simulated) worker "a" whose heartbeat would take 60 s to lapse, busy with six
     # requests
-    platform = platform_processes(WORKER_HEARTBEAT_TTL_SECS="60", WORKER_CONCURRENCY="2")
-    platform.start_worker("a", *SIMULATED)
-    platform.wait_for_workers("a")
-    base_url = platform.start_server()
+    platform, base_url = lasting, lasting.base_url
+    redis_client, key_namespace = platform.redis, platform.namespace
+    serving(platform, "a")
     answers: list[tuple[int, float]] = []  # status, when it came (monotonic)
 
     def ask(i: int) -> None:
@@ -128,23 +166,40 @@ def test_a_worker_restarted_under_the_same_name_mid_load_fails_its_requests_over
     ):
         time.sleep(0.2)
     assert LoadTracker(redis_client, key_namespace).snapshot(["a"])["a"].active_requests == 0
-    again = httpx.post(
-        f"{base_url}/v1/chat/completions",
-        json=text_request("Hello again."),
-        headers=platform.headers,
-        timeout=60,
-    )
+    again = chat(platform, "Hello again.")
     assert again.status_code == 200, again.text
     # (a further process under the live name refuses to start, naming it: tests/test_faults.py)
 
 
-def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(pooled_sim_platform, sim_pool):
-    # given: three idle simulated workers (the session's) and two frontend processes
-    platform = pooled_sim_platform()
+def test_sigterm_takes_a_worker_out_of_the_live_set_and_off_its_queue_at_once(lasting):
+    # given: the worker "a", whose heartbeat would take 60 s to lapse, serving
+    platform = lasting
+    serving(platform, "a")
+    assert chat(platform, "Hello.").status_code == 200
+
+    # when: it is stopped as a deployment stops it (SIGTERM)
+    assert platform.stop_worker("a", signal.SIGTERM) == 0
+
+    # then: it deregistered on its way out, its heartbeat gone with it (not left to lapse), and
+    # the frontend no longer routes to it: no worker is live, and nothing went to its queue
+    assert not platform.redis.exists(platform.heartbeat_key("a"))
+    assert "deregistered" in platform.log_tail("worker-a")
+    refused = chat(platform, "Anyone there?")
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "no_live_worker"
+    assert platform.redis.llen(f"{platform.namespace}worker.a") == 0
+
+
+def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(
+    pooled_sim_frontend, pooled_sim_platform, sim_pool
+):
+    # given: three idle simulated workers (the session's) and two frontend processes: theirs
+    # that the session shares, and one of the test's own
+    platform = pooled_sim_frontend
     names = sim_pool.names
     for name in names:  # idle as their reports say: no earlier test's request still counted
         platform.wait_until_idle(name)
-    frontends = [platform.start_server(), platform.start_server()]
+    frontends = [platform.base_url, pooled_sim_platform().start_server()]
     barrier = threading.Barrier(3)
     routed: list[str] = []
 

@@ -8,24 +8,29 @@ bench/workload.py compares)."""
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
 
 import httpx
+import pytest
 
 from routing.fleet.registry import WorkerRegistry
 from routing.kv.index import KvIndex
+from tests.conftest import TEST_REDIS_URL
 from tests.image_server import ImageServer
+from tests.platform_harness import PlatformProcesses
 from tests.test_observability_end_to_end import eventually, scrape
 from tests.test_routing_end_to_end import image_request, overlap_of, picture
 from workers.sim_engine.profile import load_profile
 
 
 def test_simulated_workers_serve_chat_and_a_repeated_image_goes_back_to_its_worker(
-    pooled_sim_platform, sim_pool
+    pooled_sim_frontend, sim_pool
 ):
     # given: three simulated workers in one process, and a frontend (a tenant of the test's own)
-    platform = pooled_sim_platform()
+    platform = pooled_sim_frontend
     names = sim_pool.names
-    base_url = platform.start_server()
+    base_url = platform.base_url
     with ImageServer() as origin:
         url = origin.add("/demo.png", picture(1), content_type="image/png")
         # when
@@ -82,16 +87,37 @@ def cached_tokens(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next_request_is_cold(
-    platform_processes,
-):
-    # given: a simulated worker whose pool is given a size of its own (as bench/workload.py gives
-    # it a native worker's KV_CAPACITY_BLOCKS), which has served a picture twice
-    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
-    (name,) = platform.start_sim_workers("flushed", 1, "--sim-kv-blocks", "64", "--sim-speedup", "4")
-    platform.wait_for_workers(name)
-    base_url = platform.start_server()
+TUNED = "tuned"
+
+
+@pytest.fixture(scope="module")
+def tuned(platform_harness, tmp_path_factory, demo_model_dir) -> Iterator[PlatformProcesses]:
+    """One simulated worker, TUNED, given a pool size of its own (as bench/workload.py gives it a
+    native worker's KV_CAPACITY_BLOCKS) and running 50 times faster than real time, and a
+    frontend: the module's tests each read it from a state they make or measure from."""
+    platform = platform_harness(
+        tmp_path_factory.mktemp("tuned"),
+        demo_model_dir,
+        TEST_REDIS_URL,
+        f"test:{uuid.uuid4().hex[:12]}:",
+        {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+    )
+    try:
+        platform.start_sim_workers(TUNED, 1, "--sim-kv-blocks", "64", "--sim-speedup", "50")
+        platform.wait_for_workers(TUNED)
+        platform.start_server()
+        yield platform
+    finally:
+        platform.close()
+
+
+def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next_request_is_cold(tuned):
+    # given: a simulated worker whose pool is given a size of its own, emptied first (the other
+    # test of the module may have used it), which has served a picture twice
+    platform, name, base_url = tuned, TUNED, tuned.base_url
+    platform.manage("flush_caches")
     index = KvIndex(platform.redis, platform.namespace)
+    assert not index.worker_blocks(name)
     with ImageServer() as origin:
         url = origin.add("/flushed.png", picture(7), content_type="image/png")
         ask(base_url, platform, url)
@@ -110,24 +136,26 @@ def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next
         assert index.worker_blocks(name) == blocks
 
 
-def test_a_simulated_workers_engine_ttft_is_on_its_simulated_clock(platform_processes):
-    # given: a simulated worker running 50 times faster than real time
-    platform = platform_processes(MEDIA_ALLOWED_HOSTS="127.0.0.1")
-    (name,) = platform.start_sim_workers("fast", 1, "--sim-speedup", "50")
-    platform.wait_for_workers(name)
-    base_url = platform.start_server()
+def test_a_simulated_workers_engine_ttft_is_on_its_simulated_clock(tuned):
+    # given: a simulated worker running 50 times faster than real time, its caches emptied and
+    # its engine's TTFT figures so far read (the other test of the module may have used it)
+    platform, base_url = tuned, tuned.base_url
+    platform.manage("flush_caches")
+    labels = (("worker", TUNED),)
+    count, total = ("mmr_engine_ttft_seconds_count", labels), ("mmr_engine_ttft_seconds_sum", labels)
+    before = scrape(base_url, platform.headers)
     with ImageServer() as origin:
         url = origin.add("/fast.png", picture(8), content_type="image/png")
         # when: a prompt no cache holds
         answer = ask(base_url, platform, url)
+    assert cached_tokens(answer) == 0
     # then: the engine TTFT /metrics shows is at least what the profile models for its prefill, in
     # simulated seconds (the wall clock saw a fiftieth of it); the engine takes it as a difference of two
     # clock readings, so it may round a few ulps under the profile's own figure
     modelled = load_profile("cpu-demo").step_seconds(answer.json()["usage"]["prompt_tokens"], 0, images=1)
-    labels = (("worker", name),)
     samples = eventually(
         lambda: scrape(base_url, platform.headers),
-        lambda s: s.get(("mmr_engine_ttft_seconds_count", labels)) == 1,
+        lambda s: s.get(count, 0) == before.get(count, 0) + 1,
     )
-    assert samples.get(("mmr_engine_ttft_seconds_count", labels)) == 1
-    assert samples[("mmr_engine_ttft_seconds_sum", labels)] >= modelled * (1 - 1e-9)
+    assert samples.get(count, 0) == before.get(count, 0) + 1
+    assert samples[total] - before.get(total, 0) >= modelled * (1 - 1e-9)

@@ -31,11 +31,11 @@ def ask(base_url: str, headers: dict[str, str], url: str, question: str) -> http
 
 
 def test_the_same_video_twice_goes_back_to_its_worker_with_its_blocks_cached_and_no_encoder(
-    pooled_platform,
+    pooled_frontend,
 ):
     # given idle workers (the session's pool), a frontend, and a clip at an origin
-    platform = pooled_platform()
-    base_url = platform.start_server()
+    platform = pooled_frontend
+    base_url = platform.base_url
     with ImageServer() as origin:
         url = origin.add(
             "/clip.mp4", make_clip(frames=96, width=160, height=120, fps=12), content_type="video/mp4"
