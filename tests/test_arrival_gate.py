@@ -4,12 +4,13 @@ the others let through in the admission queue's own order, within its bounds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
-from inference_platform.serving.arrivals import ArrivalGate, ArrivalTimeout, GateFull
+from inference_platform.serving.arrivals import ArrivalGate, ArrivalTimeout, Bounds, GateFull
 
-BOUNDS = {"timeout_s": 10.0, "max_depth": 100, "max_tenant_depth": 100}
+BOUNDS = Bounds(max_wait_s=10.0, max_depth=100, max_flow_depth=100)
 
 
 class Arrivals:
@@ -21,11 +22,11 @@ class Arrivals:
         self._release: dict[str, asyncio.Event] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def arrive(self, name: str, tenant: str, priority: int = 0, weight: float = 1.0, **bounds) -> None:
+    def arrive(self, name: str, tenant: str, priority: int = 0, weight: float = 1.0, **bounds: float) -> None:
         release = self._release[name] = asyncio.Event()
 
         async def request() -> None:
-            async with self.gate.turn(tenant, priority, weight, **(BOUNDS | bounds)):
+            async with self.gate.turn(tenant, priority, weight, dataclasses.replace(BOUNDS, **bounds)):
                 self.order.append(name)
                 await release.wait()
 
@@ -65,52 +66,42 @@ def test_at_most_its_width_work_at_once_and_the_rest_wait():
     asyncio.run(scenario())
 
 
-def test_a_light_tenant_goes_ahead_of_a_flood_that_came_first():
-    async def scenario():
-        arrivals = Arrivals(ArrivalGate(1))
-        arrivals.arrive("h0", "heavy")
-        await settle()
-        for n in range(1, 6):
-            arrivals.arrive(f"h{n}", "heavy")
-        arrivals.arrive("l0", "light")
-        arrivals.arrive("l1", "light")
-        await settle()
-        await arrivals.release_all()
-        # one turn each while both wait, then the flood's remainder
-        assert arrivals.order == ["h0", "h1", "l0", "h2", "l1", "h3", "h4", "h5"]
+def order_behind_a_busy_gate(*requests: tuple[str, str, dict]) -> list[str]:
+    """The order in which `requests` (name, tenant, options), all arriving while a one-place
+    gate is taken, are let through."""
 
-    asyncio.run(scenario())
-
-
-def test_a_tenant_of_twice_the_weight_gets_twice_the_turns():
-    async def scenario():
+    async def scenario() -> list[str]:
         arrivals = Arrivals(ArrivalGate(1))
         arrivals.arrive("first", "other")
         await settle()
-        for n in range(4):
-            arrivals.arrive(f"a{n}", "a", weight=1.0)
-            arrivals.arrive(f"b{n}", "b", weight=2.0)
+        for name, tenant, options in requests:
+            arrivals.arrive(name, tenant, **options)
         await settle()
         await arrivals.release_all()
-        assert arrivals.order[1:7] == ["a0", "b0", "b1", "a1", "b2", "b3"]
+        return arrivals.order[1:]
 
-    asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_light_tenant_goes_ahead_of_a_flood_that_came_first():
+    flood = [(f"h{n}", "heavy", {}) for n in range(5)]
+    order = order_behind_a_busy_gate(*flood, ("l0", "light", {}), ("l1", "light", {}))
+    # one turn each while both wait, then the flood's remainder
+    assert order == ["h0", "l0", "h1", "l1", "h2", "h3", "h4"]
+
+
+def test_a_tenant_of_twice_the_weight_gets_twice_the_turns():
+    both = [(f"{t}{n}", t, {"weight": w}) for n in range(4) for t, w in (("a", 1.0), ("b", 2.0))]
+    assert order_behind_a_busy_gate(*both)[:6] == ["a0", "b0", "b1", "a1", "b2", "b3"]
 
 
 def test_a_higher_priority_always_goes_first_and_weight_zero_is_arrival_order():
-    async def scenario():
-        arrivals = Arrivals(ArrivalGate(1))
-        arrivals.arrive("first", "t", weight=0)
-        await settle()
-        for n in range(3):
-            arrivals.arrive(f"low{n}", "flood", priority=0, weight=0)
-        arrivals.arrive("high", "flood", priority=9, weight=0)
-        arrivals.arrive("low3", "light", priority=0, weight=0)
-        await settle()
-        await arrivals.release_all()
-        assert arrivals.order == ["first", "high", "low0", "low1", "low2", "low3"]
-
-    asyncio.run(scenario())
+    order = order_behind_a_busy_gate(
+        *[(f"low{n}", "flood", {"weight": 0}) for n in range(3)],
+        ("high", "flood", {"priority": 9, "weight": 0}),
+        ("low3", "light", {"weight": 0}),
+    )
+    assert order == ["high", "low0", "low1", "low2", "low3"]
 
 
 def test_a_request_that_goes_away_while_waiting_is_skipped_and_its_turn_passes_on():
@@ -161,19 +152,19 @@ def test_past_its_bounds_a_request_is_refused_at_once_and_past_its_wait_timed_ou
         gate = ArrivalGate(1)
         arrivals = Arrivals(gate)
         arrivals.arrive("busy", "x")
-        arrivals.arrive("h0", "heavy", max_tenant_depth=2)
-        arrivals.arrive("h1", "heavy", max_tenant_depth=2)
+        arrivals.arrive("h0", "heavy", max_flow_depth=2)
+        arrivals.arrive("h1", "heavy", max_flow_depth=2)
         await settle()
         with pytest.raises(GateFull) as tenant_full:
-            async with gate.turn("heavy", 0, 1.0, timeout_s=10, max_depth=100, max_tenant_depth=2):
+            async with gate.turn("heavy", 0, 1.0, Bounds(10, 100, 2)):
                 pass
         assert tenant_full.value.cause == "tenant"
         with pytest.raises(GateFull) as total_full:
-            async with gate.turn("light", 0, 1.0, timeout_s=10, max_depth=2, max_tenant_depth=100):
+            async with gate.turn("light", 0, 1.0, Bounds(10, 2, 100)):
                 pass
         assert total_full.value.cause == "total"
         with pytest.raises(ArrivalTimeout) as late:
-            async with gate.turn("light", 0, 1.0, timeout_s=0.05, max_depth=100, max_tenant_depth=100):
+            async with gate.turn("light", 0, 1.0, Bounds(0.05, 100, 100)):
                 pass
         # the light tenant's first request would have gone after heavy's first, before its second
         assert late.value.ahead == 1 and late.value.waited_s >= 0.05
@@ -193,9 +184,7 @@ def test_every_wait_is_reported_begun_and_ended_however_it_ends():
         reported: list[int] = []
 
         async def waits(timeout_s: float) -> None:
-            async with gate.turn(
-                "t", 0, 1.0, timeout_s=timeout_s, max_depth=9, max_tenant_depth=9, on_wait=reported.append
-            ):
+            async with gate.turn("t", 0, 1.0, Bounds(timeout_s, 9, 9), on_wait=reported.append):
                 pass
 
         with pytest.raises(ArrivalTimeout):

@@ -57,6 +57,17 @@ class ArrivalTimeout(Exception):
         super().__init__(f"waited {waited_s:.1f} s at the arrival gate")
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What the gate holds (the admission queue's own bounds): at most `max_depth` waiting in all
+    and `max_flow_depth` of one flow (a tenant's requests at one priority), each for at most
+    `max_wait_s`."""
+
+    max_wait_s: float
+    max_depth: int
+    max_flow_depth: int
+
+
 @dataclass(order=True)
 class _Waiter:
     band: int  # minus the priority: the heap's smallest leaves first
@@ -109,22 +120,19 @@ class ArrivalGate:
         tenant: str,
         priority: int,
         weight: float,
-        *,
-        timeout_s: float,
-        max_depth: int,
-        max_tenant_depth: int,
+        bounds: Bounds,
         on_wait: Callable[[int], None] = lambda n: None,
     ) -> AsyncIterator[None]:
         """Hold one of the gate's places for the block, waiting in order for it if none is free;
-        GateFull at once past a bound, ArrivalTimeout after `timeout_s` of waiting. `on_wait(1)`
-        when the request starts waiting, `on_wait(-1)` when it stops, however."""
+        GateFull at once past a bound, ArrivalTimeout after `bounds.max_wait_s` of waiting.
+        `on_wait(1)` when the request starts waiting, `on_wait(-1)` when it stops, however."""
         if self._working < self.width:
             # A free place means nobody waits alive (a place that frees goes to the first who
             # does): what the heap still holds left already.
             self._heap.clear()
             self._working += 1
         else:
-            await self._wait(tenant, priority, weight, timeout_s, max_depth, max_tenant_depth, on_wait)
+            await self._wait((tenant, int(priority)), weight, bounds, on_wait)
         now = time.monotonic()
         self._passed.append(now)
         self._trim(now)
@@ -134,22 +142,15 @@ class ArrivalGate:
             self._release()
 
     async def _wait(
-        self,
-        tenant: str,
-        priority: int,
-        weight: float,
-        timeout_s: float,
-        max_depth: int,
-        max_tenant_depth: int,
-        on_wait: Callable[[int], None],
+        self, flow: tuple[str, int], weight: float, bounds: Bounds, on_wait: Callable[[int], None]
     ) -> None:
-        flow = (tenant, int(priority))
-        if self._waiting[flow] >= max_tenant_depth:
+        if self._waiting[flow] >= bounds.max_flow_depth:
             raise GateFull("tenant", self._waiting[flow], self.drain_per_s())
-        if self.waiting >= max_depth:
+        if self.waiting >= bounds.max_depth:
             raise GateFull("total", self.waiting, self.drain_per_s())
+        tenant, priority = flow
         start = 0.0
-        band = -int(priority)
+        band = -priority
         if weight > 0:
             virtual = self._virtual.get(band, 0.0)
             start = max(virtual, self._finish.get((band, tenant), virtual))
@@ -162,7 +163,7 @@ class ArrivalGate:
         try:
             # asyncio.wait, not wait_for: on Python 3.11 wait_for loses a cancellation that comes
             # as the turn is given (the place would stay taken by a request that is gone).
-            done, _ = await asyncio.wait({waiter.turn}, timeout=timeout_s)
+            done, _ = await asyncio.wait({waiter.turn}, timeout=bounds.max_wait_s)
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise

@@ -47,7 +47,7 @@ from inference_platform.serving.admission import (
     turns,
     waiting_here,
 )
-from inference_platform.serving.arrivals import ArrivalTimeout, GateFull, arrival_gate
+from inference_platform.serving.arrivals import ArrivalTimeout, Bounds, GateFull, arrival_gate
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.dispatch import (
@@ -336,9 +336,11 @@ class ServedRequest:
                 tenant,
                 priority,
                 self._queue_weight,
-                timeout_s=settings.ROUTER_QUEUE_MAX_WAIT_SECS,
-                max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
-                max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+                Bounds(
+                    settings.ROUTER_QUEUE_MAX_WAIT_SECS,
+                    settings.ROUTER_QUEUE_MAX_DEPTH,
+                    settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+                ),
                 on_wait=waiting,
             ):
                 yield
