@@ -131,6 +131,14 @@ class ModelPool:
             self._rows.put(None, (generation, catalogue), MAX_AGE_S)
         return catalogue
 
+    def known(self, name: str) -> bool:
+        """Whether `name` is a model or an alias of the catalogue last read, without reading it
+        again (False before the first read, or once it aged out): a metric's label may carry it."""
+        kept = self._rows.get(None)
+        if kept is None:
+            return False
+        return name in kept[1].models or name in kept[1].aliases
+
     def resolve(self, name: str) -> ServedModel:
         """The model a request names (an alias: one of its models, by weight), or the OpenAI
         error a client gets for it: 404 for a name no row, alias or directory knows and for a

@@ -324,11 +324,14 @@ class ServedRequest:
     async def _arrival(self, model: str) -> AsyncIterator[None]:
         """Hold a place at this process's arrival gate (serving.arrivals) for the block. While it
         waits for one, the request counts in the admission queue's depth and wait, as a request
-        in line is; the gate's refusals are the queue's (full, timed out)."""
+        in line is (under the model it names, once that is known to be a model or an alias); the
+        gate's refusals are the queue's (full, timed out)."""
         tenant, priority = self._queue_tenant, self.priority or 0
+        # Not resolved yet: a name the client sent becomes a label only once it is known to be one.
+        label = model if frontend().models().known(model) else ""
 
         def waiting(n: int) -> None:
-            waiting_here().add(model, tenant, priority, n)
+            waiting_here().add(label, tenant, priority, n)
             self._note_wait(n)
 
         try:
@@ -367,7 +370,11 @@ class ServedRequest:
             telemetry.observe(
                 "admission_queue_wait_seconds",
                 self._waited_s,
-                labels={"model": self.chat.model if self.chat else "", "priority": str(self.priority or 0)},
+                # the model it was resolved to ("" if it never was: a name the client sent is no label)
+                labels={
+                    "model": self.prepared.model.name if self.prepared else "",
+                    "priority": str(self.priority or 0),
+                },
             )
 
     @property
