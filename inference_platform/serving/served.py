@@ -428,7 +428,6 @@ class ServedRequest:
         tenant, priority = self._queue_tenant, self.priority or 0
         waiting_here().add(model, tenant, priority, 1)
         self._note_wait(1)
-        started = time.monotonic()
         deadline = self._arrived + settings.ROUTER_QUEUE_MAX_WAIT_SECS
         dispatched = False
         try:
@@ -441,7 +440,7 @@ class ServedRequest:
                     retry_after = wait_estimate_s(
                         ahead, ticket.drain_per_s, settings.ROUTER_BUSY_RETRY_AFTER_SECS
                     )
-                    raise queue_timeout(model, self.request_id, time.monotonic() - started, retry_after)
+                    raise queue_timeout(model, self.request_id, time.monotonic() - self._arrived, retry_after)
                 if not await turns().wait(queue, model, ticket.member, left_s):
                     continue
                 try:
