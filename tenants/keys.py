@@ -20,9 +20,11 @@ import functools
 import hashlib
 import hmac
 import logging
+import math
 import re
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -202,6 +204,8 @@ GENERATION_KEY = "keys:generation"  # Redis: set anew by every change to a key o
 # the check ask the database instead, and costs the request no more than this wait (its own
 # Redis operations then fail within REDIS_TIMEOUT_SECS, as they would have anyway).
 _GENERATION_TIMEOUT_S = 0.25
+_GENERATION_RETRY_S = 1.0
+_generation_failed: tuple[str, float] = ("", -math.inf)  # the Redis URL a read last failed on, and when
 
 
 class VerifiedKeys:
@@ -256,13 +260,23 @@ def verified_keys() -> VerifiedKeys:
 
 
 def _generation() -> bytes | None:
-    """The current generation of keys and tenants; None: keep nothing (turned off, or no Redis)."""
+    """The current generation of keys and tenants; None: keep nothing (turned off, or no Redis).
+
+    After a read that failed, the next _GENERATION_RETRY_S do not ask Redis: the API's key checks
+    share one thread (inference_platform.api.handler), so a frozen Redis would otherwise cost
+    every waiting request its timeout, one after another. None is always safe: the key is then
+    checked against the database."""
+    global _generation_failed
     if settings.API_KEY_CACHE_SECS <= 0:
+        return None
+    failed_url, failed_at = _generation_failed
+    if failed_url == settings.REDIS_URL and time.monotonic() - failed_at < _GENERATION_RETRY_S:
         return None
     try:
         client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
         return read_generation(client, f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:
+        _generation_failed = (settings.REDIS_URL, time.monotonic())
         return None
 
 

@@ -434,6 +434,44 @@ async def test_a_redis_that_never_answers_fault_injected_is_a_503_not_a_hang(
     assert time.monotonic() - started < 5
 
 
+async def test_with_redis_silent_requests_waiting_at_the_arrival_gate_meet_their_own_timeout_fault_injected(
+    client, settings, served_demo_model, silent_redis_url, monkeypatch
+):
+    from inference_platform.serving import dispatch
+    from inference_platform.serving.arrivals import Bounds, arrival_gate
+    from routing.state import redis_keys
+
+    monkeypatch.setattr(redis_keys, "SOCKET_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(dispatch, "_redis_failed_at", float("-inf"))  # no failure of another test's
+    settings.REDIS_URL = silent_redis_url
+    settings.FRONTEND_ARRIVAL_CONCURRENCY = 1
+    await Worker.objects.acreate(name="unreachable", model_name=served_demo_model)
+    gate, release = arrival_gate(), asyncio.Event()
+
+    async def hold_the_one_place() -> None:
+        async with gate.turn("test", 9, 1.0, Bounds(30, 100, 100)):
+            await release.wait()
+
+    # given: four requests waiting at the gate behind the one place
+    holder = asyncio.ensure_future(hold_the_one_place())
+    requests = [asyncio.ensure_future(post(client, chat_body(served_demo_model))) for _ in range(4)]
+    deadline = time.monotonic() + 30
+    while gate.waiting < 4:
+        assert time.monotonic() < deadline, "the requests never reached the gate"
+        await asyncio.sleep(0.05)
+    # when: the place goes to the first, which finds Redis silent
+    release.set()
+    await holder
+    answers = await asyncio.gather(*requests)
+    # then: every one is a 503, and the three behind the first did not wait for a place one
+    # after another's timeout: they went on when the first found Redis gone
+    for status, body, _ in answers:
+        assert status == 503
+        assert_openai_error(body, code="state_unavailable")
+    assert gate.unplaced == 3
+    assert (gate.working, gate.waiting) == (0, 0)
+
+
 async def test_a_malformed_session_header_is_a_400_naming_the_header(client, served_demo_model):
     raw = json.dumps(chat_body(served_demo_model)).encode()
     response = await client.post(

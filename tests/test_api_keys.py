@@ -354,6 +354,30 @@ def test_without_the_cache_or_without_redis_every_use_asks_the_database(
             assert authenticate(plaintext).tenant_name == "acme"
 
 
+def test_after_redis_failed_the_next_key_checks_ask_the_database_without_waiting_on_redis(
+    settings, monkeypatch, redis_url
+):
+    from tenants import keys
+
+    # given: a Redis that refuses, and no failure remembered from before
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    monkeypatch.setattr(keys, "_generation_failed", ("", float("-inf")))
+    tenant = Tenant.objects.create(name="acme")
+    _key, plaintext = create_api_key(tenant, "ci")
+    asked: list[str] = []
+    real_read = keys.read_generation
+    monkeypatch.setattr(keys, "read_generation", lambda *args: (asked.append("redis"), real_read(*args))[1])
+    # when: two key checks in a row
+    callers = [authenticate(plaintext) for _ in range(2)]
+    # then: both are answered by the database, and only the first waited on Redis
+    assert [caller.tenant_name for caller in callers] == ["acme", "acme"]
+    assert asked == ["redis"]
+    # and: another Redis is asked at once
+    settings.REDIS_URL = redis_url
+    authenticate(plaintext)
+    assert asked == ["redis", "redis"]
+
+
 def test_the_admin_revokes_keys(admin_client):
     tenant = Tenant.objects.create(name="acme")
     key, plaintext = create_api_key(tenant, "old")

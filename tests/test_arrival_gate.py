@@ -203,3 +203,29 @@ def test_every_wait_is_reported_begun_and_ended_however_it_ends():
         assert len(reported) == 6
 
     asyncio.run(scenario())
+
+
+def test_while_the_shared_state_is_out_of_reach_nobody_waits_for_a_place():
+    async def scenario():
+        gate = ArrivalGate(1)
+        arrivals = Arrivals(gate)
+        arrivals.arrive("holder", "x")
+        arrivals.arrive("waiting", "y")
+        await settle()
+        assert arrivals.order == ["holder"]
+        # when: the holder finds Redis gone, and sends the waiting on
+        gate.let_everyone_through()
+        await settle()
+        # then: the waiting one works beside it, without a place; a newcomer passes while bypass() says so
+        assert arrivals.order == ["holder", "waiting"] and gate.working == 1
+        async with gate.turn("z", 0, 1.0, BOUNDS, bypass=lambda: True):
+            assert gate.working == 1
+        assert gate.unplaced == 2
+        # and: the places are as before once they leave (the unplaced give back none)
+        await arrivals.release_all()
+        assert (gate.working, gate.waiting) == (0, 0)
+        arrivals.arrive("after", "z")
+        await settle()
+        assert arrivals.order[-1] == "after" and gate.working == 1
+
+    asyncio.run(scenario())

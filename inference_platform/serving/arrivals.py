@@ -16,6 +16,12 @@ ROUTER_QUEUE_MAX_TENANT_DEPTH requests waiting here already is refused at once, 
 ROUTER_QUEUE_MAX_DEPTH waiting here in all; a request still here after its maximum
 wait is shed as one that waited in the queue (`ArrivalTimeout`). A client that goes away leaves
 at once.
+
+While the shared state cannot be reached (`bypass()`: Redis failed within its timeout), nobody
+waits here: each request would only wait behind the others' Redis timeouts, one place at a time,
+before failing on its own. `let_everyone_through` sends those already waiting on, holding no
+place, and new arrivals pass without one, so each meets its own timeout at once, as it would
+without the gate.
 """
 
 from __future__ import annotations
@@ -68,13 +74,17 @@ class Bounds:
     max_flow_depth: int
 
 
+# A waiter's turn resolves to PLACED (it holds a place now) or UNPLACED (it goes on without one).
+PLACED, UNPLACED = True, False
+
+
 @dataclass(order=True)
 class _Waiter:
     band: int  # minus the priority: the heap's smallest leaves first
     start: float  # the tenant's start tag within the band (0: arrival order)
     seq: int
     flow: tuple[str, int] = field(compare=False)  # tenant and priority
-    turn: asyncio.Future[None] = field(compare=False)
+    turn: asyncio.Future[bool] = field(compare=False)
 
 
 class ArrivalGate:
@@ -96,6 +106,7 @@ class ArrivalGate:
         self._finish: dict[tuple[int, str], float] = {}
         self._virtual: dict[int, float] = {}
         self._passed: deque[float] = deque()
+        self.unplaced = 0  # requests let through without a place (the shared state out of reach)
 
     @property
     def working(self) -> int:
@@ -122,28 +133,44 @@ class ArrivalGate:
         weight: float,
         bounds: Bounds,
         on_wait: Callable[[int], None] = lambda n: None,
+        bypass: Callable[[], bool] = lambda: False,
     ) -> AsyncIterator[None]:
         """Hold one of the gate's places for the block, waiting in order for it if none is free;
         GateFull at once past a bound, ArrivalTimeout after `bounds.max_wait_s` of waiting.
-        `on_wait(1)` when the request starts waiting, `on_wait(-1)` when it stops, however."""
+        `on_wait(1)` when the request starts waiting, `on_wait(-1)` when it stops, however. While
+        `bypass()`, the request goes on without a place (see the module)."""
         if self._working < self.width:
             # A free place means nobody waits alive (a place that frees goes to the first who
             # does): what the heap still holds left already.
             self._heap.clear()
             self._working += 1
+            placed = PLACED
+        elif bypass():
+            placed = UNPLACED
         else:
-            await self._wait((tenant, int(priority)), weight, bounds, on_wait)
+            placed = await self._wait((tenant, int(priority)), weight, bounds, on_wait)
+        if placed is UNPLACED:
+            self.unplaced += 1
         now = time.monotonic()
         self._passed.append(now)
         self._trim(now)
         try:
             yield
         finally:
-            self._release()
+            if placed is PLACED:
+                self._release()
+
+    def let_everyone_through(self) -> None:
+        """Send every waiting request on without a place (the shared state is out of reach)."""
+        while self._heap:
+            waiter = heapq.heappop(self._heap)
+            if not waiter.turn.done():
+                waiter.turn.set_result(UNPLACED)
 
     async def _wait(
         self, flow: tuple[str, int], weight: float, bounds: Bounds, on_wait: Callable[[int], None]
-    ) -> None:
+    ) -> bool:
+        """Wait for a turn: PLACED or UNPLACED."""
         if self._waiting[flow] >= bounds.max_flow_depth:
             raise GateFull("tenant", self._waiting[flow], self.drain_per_s())
         if self.waiting >= bounds.max_depth:
@@ -173,11 +200,13 @@ class ArrivalGate:
         if not done:
             self._abandon(waiter)
             raise ArrivalTimeout(time.monotonic() - started, self._ahead_of(waiter), self.drain_per_s())
+        return waiter.turn.result()
 
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiter goes: a place already handed to it passes on, else it is skipped."""
         if waiter.turn.done() and not waiter.turn.cancelled():
-            self._release()
+            if waiter.turn.result() is PLACED:
+                self._release()
         else:
             waiter.turn.cancel()
 
@@ -193,7 +222,7 @@ class ArrivalGate:
             if waiter.turn.done():  # gone (cancelled, timed out)
                 continue
             self._virtual[waiter.band] = waiter.start
-            waiter.turn.set_result(None)
+            waiter.turn.set_result(PLACED)
             return
         self._working -= 1
         self._finish.clear()  # nobody waits: every tenant starts afresh

@@ -334,8 +334,9 @@ class ServedRequest:
             waiting_here().add(label, tenant, priority, n)
             self._note_wait(n)
 
+        gate = arrival_gate()
         try:
-            async with arrival_gate().turn(
+            async with gate.turn(
                 tenant,
                 priority,
                 self._queue_weight,
@@ -345,8 +346,18 @@ class ServedRequest:
                     settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
                 ),
                 on_wait=waiting,
+                bypass=redis_recently_failed,
             ):
-                yield
+                try:
+                    yield
+                except Exception as exc:
+                    if isinstance(exc, redis.RedisError):
+                        note_redis_failure()
+                    if redis_recently_failed():
+                        # Redis is out of reach: the others would only wait behind each one's
+                        # timeout before meeting their own (serving.arrivals): none waits now.
+                        gate.let_everyone_through()
+                    raise
         except GateFull as full:
             raise queue_full(model, QueueFull(full.cause, full.depth, full.drain_per_s)) from None
         except ArrivalTimeout as late:
