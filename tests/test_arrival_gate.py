@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from inference_platform.serving.arrivals import ArrivalGate, ArrivalTimeout, Bounds, GateFull
+from inference_platform.serving.arrivals import ArrivalGate, ArrivalTimeout, Bounds
+from routing.admission.queue import QueueFull
 
 BOUNDS = Bounds(max_wait_s=10.0, max_depth=100, max_flow_depth=100)
 
@@ -155,11 +156,11 @@ def test_past_its_bounds_a_request_is_refused_at_once_and_past_its_wait_timed_ou
         arrivals.arrive("h0", "heavy", max_flow_depth=2)
         arrivals.arrive("h1", "heavy", max_flow_depth=2)
         await settle()
-        with pytest.raises(GateFull) as tenant_full:
+        with pytest.raises(QueueFull) as tenant_full:
             async with gate.turn("heavy", 0, 1.0, Bounds(10, 100, 2)):
                 pass
         assert tenant_full.value.cause == "tenant"
-        with pytest.raises(GateFull) as total_full:
+        with pytest.raises(QueueFull) as total_full:
             async with gate.turn("light", 0, 1.0, Bounds(10, 2, 100)):
                 pass
         assert total_full.value.cause == "total"

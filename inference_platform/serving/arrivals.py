@@ -38,19 +38,10 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from routing.admission.queue import QueueFull
+
 # Passes through the gate kept for its drain rate (a Retry-After for what it turns away).
 DRAIN_WINDOW_S = 10.0
-
-
-class GateFull(Exception):
-    """Too many requests wait at the gate: `cause` "tenant" (the request's flow: its tenant's at its
-    priority) or "total"."""
-
-    def __init__(self, cause: str, depth: int, drain_per_s: float) -> None:
-        self.cause = cause
-        self.depth = depth
-        self.drain_per_s = drain_per_s
-        super().__init__(f"the arrival gate is full ({cause}, {depth} waiting)")
 
 
 class ArrivalTimeout(Exception):
@@ -117,9 +108,6 @@ class ArrivalGate:
     def waiting(self) -> int:
         return sum(self._waiting.values())
 
-    def waiting_of(self, tenant: str, priority: int) -> int:
-        return self._waiting[(tenant, priority)]
-
     def drain_per_s(self) -> float:
         """Requests let through per second lately."""
         self._trim(time.monotonic())
@@ -136,9 +124,10 @@ class ArrivalGate:
         bypass: Callable[[], bool] = lambda: False,
     ) -> AsyncIterator[None]:
         """Hold one of the gate's places for the block, waiting in order for it if none is free;
-        GateFull at once past a bound, ArrivalTimeout after `bounds.max_wait_s` of waiting.
-        `on_wait(1)` when the request starts waiting, `on_wait(-1)` when it stops, however. While
-        `bypass()`, the request goes on without a place (see the module)."""
+        QueueFull (the queue's own refusal) at once past a bound, ArrivalTimeout after
+        `bounds.max_wait_s` of waiting. `on_wait(1)` when the request starts waiting,
+        `on_wait(-1)` when it stops, however. While `bypass()`, the request goes on without a
+        place (see the module)."""
         if self._working < self.width:
             # A free place means nobody waits alive (a place that frees goes to the first who
             # does): what the heap still holds left already.
@@ -172,9 +161,9 @@ class ArrivalGate:
     ) -> bool:
         """Wait for a turn: PLACED or UNPLACED."""
         if self._waiting[flow] >= bounds.max_flow_depth:
-            raise GateFull("tenant", self._waiting[flow], self.drain_per_s())
+            raise QueueFull("tenant", self._waiting[flow], self.drain_per_s())
         if self.waiting >= bounds.max_depth:
-            raise GateFull("total", self.waiting, self.drain_per_s())
+            raise QueueFull("total", self.waiting, self.drain_per_s())
         tenant, priority = flow
         start = 0.0
         band = -priority

@@ -47,7 +47,7 @@ from inference_platform.serving.admission import (
     turns,
     waiting_here,
 )
-from inference_platform.serving.arrivals import ArrivalTimeout, Bounds, GateFull, arrival_gate
+from inference_platform.serving.arrivals import ArrivalTimeout, Bounds, arrival_gate
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.dispatch import (
@@ -358,8 +358,8 @@ class ServedRequest:
                         # timeout before meeting their own (serving.arrivals): none waits now.
                         gate.let_everyone_through()
                     raise
-        except GateFull as full:
-            raise queue_full(model, QueueFull(full.cause, full.depth, full.drain_per_s)) from None
+        except QueueFull as full:  # the gate's bounds are the queue's
+            raise queue_full(model, full) from None
         except ArrivalTimeout as late:
             retry_after = wait_estimate_s(late.ahead, late.drain_per_s, settings.ROUTER_BUSY_RETRY_AFTER_SECS)
             raise queue_timeout(model, self.request_id, late.waited_s, retry_after) from None
