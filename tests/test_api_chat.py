@@ -174,6 +174,41 @@ async def test_a_disabled_or_draining_worker_receives_nothing(client, served_dem
     assert "ghost disabled in the admin" in body["error"]["message"]
 
 
+def _disable_as_another_process_would(name: str) -> None:
+    """The row changed and the generation renewed, as another frontend's admin does: without this
+    process's own signal, which would make it forget its read at once."""
+    from django.db import connection
+
+    from routing.fleet.worker_rows import announce_change
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {Worker._meta.db_table} SET enabled = %s WHERE name = %s", [False, name])
+    announce_change(redis.Redis.from_url(django_settings.REDIS_URL), django_settings.REDIS_KEY_PREFIX)
+
+
+async def test_a_worker_disabled_elsewhere_after_this_frontends_last_read_receives_nothing(
+    client, served_demo_model, ghost_worker
+):
+    # given: this frontend read the fleet with the ghost eligible (the read a request uses
+    # without checking the rows' generation itself: its decision checks it)
+    from asgiref.sync import sync_to_async
+
+    from inference_platform.serving.dispatch import eligible_workers
+
+    assert "ghost" in await eligible_workers(served_demo_model, django_settings.KV_BLOCK_SIZE)
+
+    # when: another process disables it, then a request comes
+    await sync_to_async(_disable_as_another_process_would)("ghost")
+    status, body, _ = await post(client, chat_body(served_demo_model))
+
+    # then: the decision saw the generation move, read again, and sent nothing to the ghost
+    assert status == 503
+    assert body["error"]["code"] == "no_worker_accepting"
+    assert "ghost disabled in the admin" in body["error"]["message"]
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    assert conn.llen(f"{django_settings.REDIS_KEY_PREFIX}worker.ghost") == 0
+
+
 async def test_a_worker_that_never_answers_fault_injected_is_a_504_with_the_request_id(
     client, served_demo_model, ghost_worker
 ):

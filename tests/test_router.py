@@ -16,7 +16,7 @@ import redis
 
 from routing.contract.kv_events import KvEvent
 from routing.kv.affinity import SessionAffinity
-from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, WorkerReport
+from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, StaleWorkers, WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
@@ -498,6 +498,32 @@ def test_busy_workers_are_no_candidates_and_all_busy_reserves_nothing(router: Kv
     with pytest.raises(AllWorkersBusy):
         router.decide("e", hashes, 160, BS, ["gpu0", "gpu1", "gpu2"], policy, reports=reports)
     assert router.load.snapshot(["gpu2"])["gpu2"].active_requests == 2
+
+
+@pytest.mark.parametrize("fleet", [WORKERS, tuple(f"w{i:03d}" for i in range(100))])
+def test_a_decision_conditional_on_a_generation_that_moved_reserves_nothing(
+    router: KvRouter, redis_client: redis.Redis, key_namespace: str, fleet: tuple[str, ...]
+) -> None:
+    # given: the workers were read under generation "g1" (a whole fleet, and one past the
+    # candidates' threshold, whose decision reads candidates first)
+    key = f"{key_namespace}workers:generation"
+    redis_client.set(key, b"g1")
+    hashes = block_hashes(_tokens(16, 160), BS)
+    first = router.decide("a", hashes, 160, BS, list(fleet), RoutingPolicy(), only_if=(key, b"g1"))
+    assert first.worker in fleet
+
+    # when: the rows move on (an operator disabled a worker) before the next decision
+    redis_client.set(key, b"g2")
+
+    # then: it refuses, and nothing of it is reserved; unconditional, it decides as before
+    with pytest.raises(StaleWorkers):
+        router.decide("b", hashes, 160, BS, list(fleet), RoutingPolicy(), only_if=(key, b"g1"))
+    redis_client.delete(key)
+    with pytest.raises(StaleWorkers):  # a generation gone (Redis restarted empty) moved too
+        router.decide("b", hashes, 160, BS, list(fleet), RoutingPolicy(), only_if=(key, b"g1"))
+    loads = router.load.snapshot(list(fleet))
+    assert sum(load.active_requests for load in loads.values()) == 1
+    assert router.decide("b", hashes, 160, BS, list(fleet), RoutingPolicy()).worker in fleet
 
 
 def test_a_worker_past_its_kv_fraction_is_busy(router: KvRouter) -> None:

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -128,7 +128,20 @@ def _eligibility(
 class EligibleWorkers(dict[str, Heartbeat]):
     """The workers that may take a request, by name, from one read of the fleet, with what a
     decision tells the router about them: worked out once per read (`FleetRead`), not once per
-    request, which at a thousand workers cost more than the decision itself."""
+    request, which at a thousand workers cost more than the decision itself.
+
+    `rows_generation`: (the generation key, its value) the read was made under; a reserving
+    decision over these workers is conditional on it (`KvRouter.decide`'s `only_if`), so a
+    decision never uses a read the operator's rows have moved past, whether or not the read was
+    checked before it (`eligible_workers`' `checked`)."""
+
+    rows_generation: tuple[str, bytes] | None = None
+
+    def without(self, names: Collection[str]) -> EligibleWorkers:
+        """These workers but `names` (those a request already tried), under the same generation."""
+        kept = EligibleWorkers((name, beat) for name, beat in self.items() if name not in names)
+        kept.rows_generation = self.rows_generation
+        return kept
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
@@ -161,8 +174,9 @@ class FleetRead:
     """One read of the fleet by this frontend: the operator's rows (under their generation) and
     the live heartbeats, and what was worked out from them, by question.
 
-    A frontend reads a model's pool again when the rows' generation moves (checked per request:
-    one GET, so a drain or a disable still reaches the next request) or when the read is older
+    A frontend reads a model's pool again when the rows' generation moves (checked by the
+    decision itself, or with a GET for a read no decision follows: a drain or a disable still
+    reaches the next request) or when the read is older
     than FLEET_VIEW_MAX_AGE_SECS; in between, a request's eligibility is a lookup, whatever the
     number of workers. A heartbeat that lapsed since the read may be chosen meanwhile: the
     request then finds the worker gone (`follow_task`) and moves on, as when it dies mid-request.
@@ -225,8 +239,12 @@ def _states(
     ]
 
 
-async def _fleet_read(model: str) -> FleetRead:
+async def _fleet_read(model: str, *, checked: bool = True) -> FleetRead:
     """This frontend's read of the model's pool, read again if the rows moved or it is too old.
+
+    `checked=False` leaves out the rows' generation check (a GET, and a thread to make it in)
+    for a caller that decides with the read: the decision checks the generation itself, in the
+    same atomic step (EligibleWorkers.rows_generation), and the caller reads again when it moved.
 
     A read past its age but not twice its age still serves while a fresh one is made in the
     background: under load every request finds a read at hand and none pays for reading a
@@ -237,9 +255,12 @@ async def _fleet_read(model: str) -> FleetRead:
     if read is not None and kept is not None and kept[1] is read.every_row:
         age = time.monotonic() - read.read_at
         if age < 2 * max_age:
-            generation = await asyncio.to_thread(
-                current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
-            )
+            if checked:
+                generation = await asyncio.to_thread(
+                    current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+                )
+            else:
+                generation = read.generation
             if generation == read.generation:
                 if age >= max_age:
                     _read_again_in_background(model)
@@ -320,13 +341,22 @@ def _heartbeats(rows: tuple[WorkerRow, ...]) -> dict[str, Heartbeat]:
     return alive
 
 
-async def eligible_workers(model: str, block_size: int, fingerprint: str = "") -> EligibleWorkers:
+async def eligible_workers(
+    model: str, block_size: int, fingerprint: str = "", *, checked: bool = True
+) -> EligibleWorkers:
     """Workers an operator allows (enabled, not draining) that are live and serve this model
-    (with `fingerprint`: announce the model's own routing files)."""
-    read = await _fleet_read(model)
-    return read.derived(
+    (with `fingerprint`: announce the model's own routing files).
+
+    `checked=False`: for a decision over them, which checks the rows' generation itself (see
+    `_fleet_read`); a read that finds none is checked all the same, since no decision follows it.
+    """
+    read = await _fleet_read(model, checked=checked)
+    found = read.derived(
         ("eligible", block_size, fingerprint), lambda r: _eligible(r, model, block_size, False, fingerprint)
     )
+    if not found and not checked:
+        return await eligible_workers(model, block_size, fingerprint)
+    return found
 
 
 async def eligible_encoders(model: str, block_size: int) -> EligibleWorkers:
@@ -342,11 +372,13 @@ def _eligible(
         ("states", block_size, encoders, fingerprint),
         lambda r: _states(r, model, block_size, encoders, fingerprint),
     )
-    return EligibleWorkers(
+    eligible = EligibleWorkers(
         (state.name, state.heartbeat)
         for state in states
         if state.ineligible_because is None and state.heartbeat is not None
     )
+    eligible.rows_generation = (f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}", read.generation)
+    return eligible
 
 
 def _mark_followed(follow_id: str) -> None:

@@ -449,14 +449,30 @@ def preview_worker(
 
 
 def reserve_worker(
-    prepared: PreparedRequest, workers: Mapping[str, Heartbeat], scope_key: str | None, request_id: str
+    prepared: PreparedRequest,
+    workers: Mapping[str, Heartbeat],
+    scope_key: str | None,
+    request_id: str,
+    *,
+    conditional: bool = True,
 ) -> RequestLease:
-    """Decide and reserve in one atomic step (the baselines, round robin and random, too)."""
+    """Decide and reserve in one atomic step (the baselines, round robin and random, too).
+
+    Workers from a fleet read (`EligibleWorkers`) are decided over only while the rows'
+    generation is still the read's (`conditional`): StaleWorkers, nothing reserved, when it moved.
+    """
     args, options, eligible = _decision_inputs(prepared, workers, scope_key)
     return (
         frontend()
         .router()
-        .decide(request_id, *args, instances=eligible.instances, reservation_ttl_s=lease_ttl_s(), **options)
+        .decide(
+            request_id,
+            *args,
+            instances=eligible.instances,
+            reservation_ttl_s=lease_ttl_s(),
+            only_if=eligible.rows_generation if conditional else None,
+            **options,
+        )
     )
 
 

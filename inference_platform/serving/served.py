@@ -51,6 +51,7 @@ from inference_platform.serving.arrivals import ArrivalTimeout, Bounds, arrival_
 from inference_platform.serving.chat import ChatRequest
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.dispatch import (
+    EligibleWorkers,
     WorkerLost,
     eligible_workers,
     follow_task,
@@ -77,7 +78,7 @@ from routing.admission.queue import QueuedRequest, QueueFull, Ticket, wait_estim
 from routing.contract.responses import cancel_key, live_key
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, GenerateTask, TokenEvent
 from routing.fleet.registry import Heartbeat
-from routing.kv.decision import AllWorkersBusy
+from routing.kv.decision import AllWorkersBusy, StaleWorkers
 from routing.kv.lease import RESERVED, RequestLease
 from routing.media.store import MediaRef, MediaStoreError
 from routing.observe import telemetry
@@ -93,6 +94,10 @@ CLIENT_CLOSED = 499
 
 # How long a worker-side cancel mark lives: far past any task's first-token timeout.
 _CANCEL_TTL_S = 600
+
+# How many times a decision reads the workers again when the operator's rows moved since its
+# read (StaleWorkers) before it decides on the freshest read without the condition.
+_STALE_READS_RETRIED = 2
 
 _background: set[asyncio.Task] = set()  # held until done (the loop keeps only weak references)
 
@@ -179,11 +184,21 @@ class ServedRequest:
                     )
                     self.prepared = prepared
                     model_name, view = prepared.model.name, prepared.view
-                    workers = await eligible_workers(model_name, view.block_size, prepared.fingerprint)
+                    # Unchecked: the decision checks the rows' generation itself (an empty read
+                    # is checked here all the same).
+                    workers = await eligible_workers(
+                        model_name, view.block_size, prepared.fingerprint, checked=False
+                    )
                     if not workers:
                         raise NoWorker
                     # Before the tenant is charged: a prompt no worker can hold costs its tokens nothing.
-                    check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
+                    try:
+                        check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
+                    except ApiError:  # refused on what the workers say now, not on an unchecked read
+                        workers = await eligible_workers(model_name, view.block_size, prepared.fingerprint)
+                        if not workers:
+                            raise NoWorker from None
+                        check_context_length(view.prompt_tokens, chat.max_tokens, workers, view.block_size)
                     await self._charge(view.prompt_tokens)
                     if settings.ROUTER_QUEUE_ENABLED:
                         ticket = await self._send_or_join(prepared, workers)
@@ -491,19 +506,31 @@ class ServedRequest:
         leaves the reservation to the lease, which `close` releases).
         """
         view = prepared.view
-        if workers is None:
-            workers = await eligible_workers(prepared.model.name, view.block_size, prepared.fingerprint)
-        if self.tried:  # a copy without them (the fleet read's own mapping is shared)
-            workers = {name: beat for name, beat in workers.items() if name not in self.tried}
-        if not workers:
-            raise NoWorker
         started = time.perf_counter()
-        try:
-            lease = await asyncio.to_thread(
-                reserve_worker, prepared, workers, self.scope_key, self.request_id
-            )
-        except AllWorkersBusy as busy:
-            raise all_busy(prepared.model.name, self.request_id, busy) from busy
+        for attempt in range(_STALE_READS_RETRIED + 1):
+            if workers is None:
+                workers = await eligible_workers(
+                    prepared.model.name, view.block_size, prepared.fingerprint, checked=attempt > 0
+                )
+            if self.tried:
+                workers = _without(workers, self.tried)
+            if not workers:
+                raise NoWorker
+            try:
+                lease = await asyncio.to_thread(
+                    reserve_worker,
+                    prepared,
+                    workers,
+                    self.scope_key,
+                    self.request_id,
+                    # Rows that keep moving: the last try decides on the freshest read it has.
+                    conditional=attempt < _STALE_READS_RETRIED,
+                )
+                break
+            except AllWorkersBusy as busy:
+                raise all_busy(prepared.model.name, self.request_id, busy) from busy
+            except StaleWorkers:  # the operator's rows moved since the read: read them again
+                workers = None
         telemetry.observe("routing_decision_seconds", time.perf_counter() - started)
         record_decision(lease.decision)
         if self.lease is None:
@@ -811,6 +838,13 @@ async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -
         note_redis_failure()
         # The slot expires on its own; a lost usage increment must not fail an answered request.
         logger.warning("could not record the end of request %s for %s", request_id, caller.label)
+
+
+def _without(workers: Mapping[str, Heartbeat], tried: list[str]) -> Mapping[str, Heartbeat]:
+    """The workers but those tried, a copy (the fleet read's own mapping is shared)."""
+    if isinstance(workers, EligibleWorkers):
+        return workers.without(tried)
+    return {name: beat for name, beat in workers.items() if name not in tried}
 
 
 def _count_refusal(usage_id: str) -> None:

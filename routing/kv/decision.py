@@ -1,5 +1,5 @@
 """What a routing decision is: its outcome (`RoutingDecision`), what a worker's heartbeat says of
-its engine (`WorkerReport`), and the two refusals. The router makes decisions and the lease carries
+its engine (`WorkerReport`), and the refusals. The router makes decisions and the lease carries
 one; both import these types from here, so neither imports the other for them.
 
 Pure: no Redis, no Django.
@@ -15,6 +15,12 @@ from routing.kv.selection import Score
 
 class NoEligibleWorker(Exception):
     """No worker can take the request (none live, enabled and compatible)."""
+
+
+class StaleWorkers(Exception):
+    """The key a reserving decision was made conditional on no longer holds the value the caller
+    read its workers under (`KvRouter.decide`'s `only_if`): nothing was reserved, and the caller
+    reads its workers again before deciding."""
 
 
 class AllWorkersBusy(Exception):

@@ -38,7 +38,7 @@ import redis
 
 from routing.fleet.registry import ROUND_ROBIN_KEY
 from routing.kv.affinity import SessionAffinity
-from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, WorkerReport
+from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, StaleWorkers, WorkerReport
 from routing.kv.index import (
     DEFAULT_APPROXIMATE_TTL_S,
     INDEX_LUA_FUNCTIONS,
@@ -61,6 +61,7 @@ CANDIDATES_ABOVE = 64
 HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
+STALE = (b"stale", "stale")  # the decision script's reason when its `only_if` key moved
 
 
 # Embeds the index's and the load tracker's own Lua, so each key family is still read and
@@ -161,12 +162,16 @@ class KvRouter:
         mode: str = "kv",
         rng: random.Random | None = None,
         reservation_ttl_s: float | None = None,
+        only_if: tuple[str, bytes] | None = None,
     ) -> RequestLease:
         """Decide and reserve in one atomic step; the lease frees the reservation exactly once.
 
         reservation_ttl_s: the reservation's expiry until the lease renews it (None: the load
         tracker's entry TTL). AllWorkersBusy when every eligible worker is past a busy threshold
-        (nothing reserved).
+        (nothing reserved). only_if: (key, value): decide only while that Redis key holds that
+        value, checked in the same atomic step (a frontend's fleet read is checked against the
+        rows' generation there instead of with a round trip of its own before); StaleWorkers
+        when it does not (nothing reserved).
         """
         if not request_id:
             raise ValueError("a reservation needs a request id")
@@ -184,6 +189,7 @@ class KvRouter:
             mode=mode,
             rng=rng,
             reservation_ttl_ms=None if reservation_ttl_s is None else max(int(reservation_ttl_s * 1000), 1),
+            only_if=only_if,
         )
         return RequestLease(
             self._load,
@@ -208,6 +214,7 @@ class KvRouter:
         mode: str,
         rng: random.Random | None,
         reservation_ttl_ms: int | None = None,
+        only_if: tuple[str, bytes] | None = None,
     ) -> RoutingDecision:
         packed = self._packed(workers, reports, approximate_workers, policy)
         eligible = packed.eligible
@@ -243,15 +250,18 @@ class KvRouter:
             self._affinity.ttl_ms if self._affinity is not None else 1,
             ROUND_ROBIN_KEY,
         ]
+        condition = only_if or ("", b"")
         full = packed
         if mode == "kv" and len(eligible) > self.candidates_above:
             # A large fleet: the script reads candidates, not every worker (`_candidates`); only
             # when every one of them is busy does it look at the whole fleet.
             packed = self._candidates(block_hashes, full, reports, affinity_key, rng)
-        reply = self._decide_over(args, packed, policy)
+        reply = self._decide_over(args, packed, policy, condition)
+        if not reply[0] and reply[1] in STALE and only_if is not None:
+            raise StaleWorkers(f"{only_if[0]} moved since the workers were read")
         if not reply[0] and packed is not full:
             packed = full
-            reply = self._decide_over(args, packed, policy)
+            reply = self._decide_over(args, packed, policy, condition)
         eligible = packed.eligible
         chosen_at, reason, best_overlap, *packed_columns, busy_at = reply
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
@@ -288,7 +298,13 @@ class KvRouter:
             self._log(decision, policy)
         return decision
 
-    def _decide_over(self, common: list[object], packed: _PackedWorkers, policy: RoutingPolicy) -> list:
+    def _decide_over(
+        self,
+        common: list[object],
+        packed: _PackedWorkers,
+        policy: RoutingPolicy,
+        condition: tuple[str, bytes],
+    ) -> list:
         """The decision script over these workers. A reserving decision must run once: it only
         goes again if Redis lost the script, in which case the first attempt did nothing."""
         return self._decision(
@@ -301,6 +317,7 @@ class KvRouter:
             packed.approximate_at,
             packed.schedules,
             packed.overlaps,
+            *condition,
         )
 
     def _candidates(

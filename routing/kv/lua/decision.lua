@@ -19,8 +19,14 @@
 -- prompt only what it would wait for there), '0' where it computes them in arrival order.
 -- 28 each worker's overlap in blocks, one big-endian i32 each in order, when the caller read them
 -- a moment ago (a large fleet's candidates, KvIndex.candidates); '' to read them here.
+-- 29, 30: a key and the value it must hold for the script to do anything ('' for none): the
+-- frontend's read of its workers was made under that generation of the rows; a reply of false,
+-- 'stale' when it moved (nothing read, nothing reserved).
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
+if ARGV[29] ~= '' and redis.call('GET', ARGV[29]) ~= ARGV[30] then
+  return {false, 'stale', 0, '', '', '', {}}
+end
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
 local credit, scale, temperature = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
