@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import struct
 import time
 
 import pytest
 import redis
 
 from routing.contract.kv_events import KvEvent
-from routing.kv.index import KvIndex
+from routing.kv.index import INLINE_HOLDER_BYTES, KvIndex
 from routing.prompt.hashing import MediaPlacement, block_hashes
 
 
@@ -104,6 +105,103 @@ def test_removed_blocks_and_a_purge_leave_no_key_of_the_family_behind(
 
     # then
     assert _keys(redis_client, key_namespace, "kv:") == []
+
+
+def _bucket(namespace: str, block: int) -> bytes:
+    return f"{namespace}kv:b:".encode() + struct.pack(">Q", block)[:2]
+
+
+def _own_key(namespace: str, block: int) -> bytes:
+    return f"{namespace}kv:blk:".encode() + struct.pack(">Q", block)
+
+
+def test_a_block_held_by_many_workers_gets_a_key_of_its_own_and_its_bucket_stays_a_listpack(
+    redis_client: redis.Redis, key_namespace: str, index: KvIndex
+) -> None:
+    # given: one more worker holding the first 8 blocks than a bucket value can list inline
+    many = INLINE_HOLDER_BYTES // 2 + 1
+    hashes = block_hashes(_prompt(30), 16)
+    workers = [f"w{i}" for i in range(many)]
+    for k, worker in enumerate(workers):
+        index.apply(KvEvent("stored", worker, tuple(hashes[: 8 + k % 5])))
+    walker = KvIndex(redis_client, key_namespace, prefix_closed=False)
+    expected = {worker: 8 + k % 5 for k, worker in enumerate(workers)} | {"outsider": 0}
+
+    # then: its holders moved out, the bucket stays compact, and every overlap is exact
+    assert redis_client.exists(_own_key(key_namespace, hashes[0]))
+    assert redis_client.object("encoding", _bucket(key_namespace, hashes[0])) == b"listpack"
+    assert not redis_client.exists(_own_key(key_namespace, hashes[9])), "held by fewer"
+    assert index.overlaps(hashes, list(expected)) == expected == walker.overlaps(hashes, list(expected))
+
+    # when: all but 16 remove the blocks (leaves first), the holders go back inline
+    for worker in workers[16:]:
+        index.apply(KvEvent("removed", worker, tuple(reversed(hashes[:13]))))
+    kept = {worker: expected[worker] for worker in workers[:16]}
+
+    # then
+    assert not redis_client.exists(_own_key(key_namespace, hashes[0]))
+    assert index.overlaps(hashes, [*kept, *workers[16:]]) == kept | dict.fromkeys(workers[16:], 0)
+    for worker in workers[:16]:
+        index.purge_worker(worker)
+    assert _keys(redis_client, key_namespace, "kv:") == []
+
+
+def test_a_purged_workers_id_goes_to_a_new_worker_without_its_blocks(
+    redis_client: redis.Redis, key_namespace: str, index: KvIndex
+) -> None:
+    # given: a holds a prompt, b another; a is purged
+    first, second, third = (block_hashes(_prompt(seed), 16) for seed in (31, 32, 33))
+    index.apply(KvEvent("stored", "a", tuple(first)))
+    index.apply(KvEvent("stored", "b", tuple(second)))
+    id_of_a = redis_client.hget(f"{key_namespace}kv:wid", "a")
+    index.purge_worker("a")
+
+    # when: a new worker stores a third prompt
+    index.apply(KvEvent("stored", "c", tuple(third)))
+
+    # then: it has a's old id, and none of a's blocks
+    assert redis_client.hget(f"{key_namespace}kv:wid", "c") == id_of_a
+    assert index.overlaps(first, ["a", "b", "c"]) == {"a": 0, "b": 0, "c": 0}
+    assert index.overlaps(third, ["a", "b", "c"]) == {"a": 0, "b": 0, "c": 20}
+    assert index.worker_blocks("c") == set(third)
+    assert index.block_counts(["a", "b", "c"]) == {"a": 0, "b": 20, "c": 20}
+
+
+def test_a_workers_log_of_blocks_stays_within_half_again_what_it_holds_under_eviction(
+    redis_client: redis.Redis, key_namespace: str, index: KvIndex
+) -> None:
+    # given: a worker whose cache turns over: each round stores a prompt and evicts the oldest
+    prompts = [block_hashes(_prompt(100 + i), 16) for i in range(60)]
+    log_key = f"{key_namespace}kv:w:w"
+    longest = 0
+    for i, prompt in enumerate(prompts):
+        index.apply(KvEvent("stored", "w", tuple(prompt)))
+        # then: the log is bounded by what the worker holds once the stored blocks are in
+        length = redis_client.strlen(log_key) // 8
+        assert length <= 1.5 * index.block_counts(["w"])["w"] + 64
+        longest = max(longest, length)
+        if i >= 5:
+            index.apply(KvEvent("removed", "w", tuple(reversed(prompts[i - 5]))))
+        # and what the index says it holds is exact
+        held = {h for kept in prompts[max(0, i - 4) : i + 1] for h in kept}
+        assert index.worker_blocks("w") == held
+        assert index.block_counts(["w"]) == {"w": len(held)}
+    assert longest > 1.5 * 100, "removals did pile up in the log before a rewrite"
+    assert index.purge_worker("w") == 100
+
+
+def test_a_new_worker_beyond_the_ids_an_index_can_give_is_refused_clearly(
+    redis_client: redis.Redis, key_namespace: str, index: KvIndex
+) -> None:
+    hashes = block_hashes(_prompt(40), 16)
+    index.apply(KvEvent("stored", "a", tuple(hashes)))
+    redis_client.set(f"{key_namespace}kv:wid:next", 65535)
+    with pytest.raises(redis.ResponseError, match="65535 workers"):
+        index.apply(KvEvent("stored", "late", tuple(hashes)))
+    assert index.overlaps(hashes, ["a", "late"]) == {"a": 20, "late": 0}
+    index.purge_worker("a")  # its freed id goes to the next newcomer
+    index.apply(KvEvent("stored", "late", tuple(hashes)))
+    assert index.overlaps(hashes, ["a", "late"]) == {"a": 0, "late": 20}
 
 
 def test_cleared_event_drops_every_block_of_that_worker_only(index: KvIndex) -> None:

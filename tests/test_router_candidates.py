@@ -104,3 +104,21 @@ def test_every_candidate_comes_with_its_exact_overlap_even_where_holders_were_dr
     assert set(sample) <= set(found)
     assert len(found) <= 4 * HOLDERS_PER_PREFIX + LOAD_SAMPLE
     assert {found[name] for name in found if name in depth} == {10, 25, 40, 50}
+
+
+def test_the_holders_drawn_for_a_widely_held_prefix_change_from_one_decision_to_the_next(
+    redis_client: redis.Redis, key_namespace: str, publisher
+):
+    # given: 120 workers all holding the same 30 blocks (a shared system prompt)
+    index = KvIndex(redis_client, key_namespace)
+    hashes = block_hashes(_tokens(12, 1_000), BS)
+    holders = FLEET[:120]
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:30])) for name in holders])
+
+    # when: candidates are asked for ten times, with no sample
+    draws = [index.candidates(hashes, HOLDERS_PER_PREFIX, []) for _ in range(10)]
+
+    # then: each draw is bounded and exact, and the draws do not keep naming the same holders
+    assert all(len(found) == HOLDERS_PER_PREFIX for found in draws)
+    assert all(set(found.values()) == {30} and set(found) <= set(holders) for found in draws)
+    assert len({name for found in draws for name in found}) > 2 * HOLDERS_PER_PREFIX

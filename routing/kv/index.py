@@ -2,12 +2,26 @@
 
 Layout (every key under the deployment namespace; block hashes are u64s packed as 8 big-endian
 bytes, against up to 20 as decimal text: shorter keys, and one Lua argument carries a whole
-prompt's hashes, sliced with string.sub instead of parsed):
+prompt's hashes, sliced with string.sub instead of parsed). Memory is what bounds the index on a
+fleet: a key of its own per block cost ~120 bytes before its first holder, and a set member ~50,
+so the index keeps blocks in buckets and workers as 2-byte ids:
 
-- `kv:blk:<hash>`: a Redis hash whose fields are the workers holding the block. A small hash is
-  stored as a listpack, far smaller than a set of strings; HLEN counts its holders in O(1),
-  which the overlap query bisects on (see kv_overlaps_bisect).
-- `kv:w:<worker>`: a set of the worker's block hashes, so a purge finds what to drop.
+- `kv:b:<first 2 bytes of the hash>`: a Redis hash, one of 65,536 buckets, whose fields are the
+  other 6 bytes of its blocks' hashes and whose values are the holders: the 2-byte ids of the
+  workers holding the block, concatenated. A bucket of up to `hash-max-listpack-entries` (512
+  by default; 128 in the sample redis.conf) fields of up to 64 bytes stays a listpack: ~12 bytes
+  for a block with one holder, 2 more per holder. Up to 65,536 x 512 blocks it stays so; past
+  that buckets turn into hash tables, ~70 bytes a block, still correct. The holder count the
+  overlap query bisects on is the value's length over 2 (one HGET).
+- `kv:blk:<hash>`: the holder string of a block held by more than 32 workers (a shared system
+  prompt on a large fleet), whose bucket field then holds `*`: a value over 64 bytes would turn
+  its whole bucket into a hash table. It goes back inline once the holders are down to 16.
+- `kv:wid` (name -> id) and `kv:wname` (id -> name): a worker's id, given on its first stored
+  block (a freed one first, `kv:wid:free`, else the next of `kv:wid:next`) and freed when it
+  holds nothing: at most 65,535 workers hold blocks at once.
+- `kv:w:<worker>`: the worker's log, its stored blocks' hashes appended, so a purge finds what to
+  drop; a removal leaves its block there, and the log is rewritten to the blocks held once it is
+  half again as long (amortized constant per stored block). `kv:wn` counts each worker's blocks.
 - `kv:approx:<worker>`: the blocks the router itself sent to a worker, scored by expiry (Redis
   server time, milliseconds): for a worker that publishes no events (approximate mode) its
   only credit, for the others predicted blocks with a short TTL that cover the time until the
@@ -15,8 +29,9 @@ prompt's hashes, sliced with string.sub instead of parsed):
   `kv:approximate` is the set of workers that have one (at most one entry per worker), so the
   overlap query looks for approximate blocks only where there can be some.
 
-Both event-backed keys are kept consistent inside Lua, and Redis deletes a hash or set when its
-last member goes, so nothing stays behind after a worker removes its blocks or is purged.
+Every event-backed key is kept consistent inside Lua (routing/kv/lua/index_functions.lua), and
+nothing stays behind after a worker removes its blocks or is purged: an emptied bucket field is
+deleted, and so is an emptied hash, a worker's log, count and id.
 """
 
 from __future__ import annotations
@@ -34,8 +49,18 @@ from routing.state.lua import LuaScript, lua_constants, lua_script, lua_text
 if TYPE_CHECKING:
     from routing.contract.kv_events import KvEvent
 
-BLOCK_FAMILY = "kv:blk:"
+BUCKET_FAMILY = "kv:b:"
+HOLDERS_FAMILY = "kv:blk:"
+# A bucket field's value for a block whose holders live under HOLDERS_FAMILY (a holder string
+# has an even length, so it can never be this).
+PROMOTED = "*"
+INLINE_HOLDER_BYTES = 64  # Redis's default hash-max-listpack-value: 32 holders
 WORKER_FAMILY = "kv:w:"
+WORKER_COUNTS_KEY = "kv:wn"
+WORKER_IDS_KEY = "kv:wid"
+WORKER_NAMES_KEY = "kv:wname"
+FREE_IDS_KEY = "kv:wid:free"
+NEXT_ID_KEY = "kv:wid:next"
 APPROXIMATE_FAMILY = "kv:approx:"
 APPROXIMATE_KEY = "kv:approximate"
 # `kv:pred:<hash>`: the worker the router last sent a prompt holding this block to, for the
@@ -59,8 +84,16 @@ _U64_MAX = (1 << 64) - 1
 INDEX_LUA_FUNCTIONS = lua_constants(
     PREDICTED_FAMILY=PREDICTED_FAMILY,
     PREDICTED_STRIDE=str(PREDICTED_STRIDE),
-    BLOCK_FAMILY=BLOCK_FAMILY,
+    BUCKET_FAMILY=BUCKET_FAMILY,
+    HOLDERS_FAMILY=HOLDERS_FAMILY,
+    PROMOTED=PROMOTED,
+    INLINE_HOLDER_BYTES=str(INLINE_HOLDER_BYTES),
     WORKER_FAMILY=WORKER_FAMILY,
+    WORKER_COUNTS_KEY=WORKER_COUNTS_KEY,
+    WORKER_IDS_KEY=WORKER_IDS_KEY,
+    WORKER_NAMES_KEY=WORKER_NAMES_KEY,
+    FREE_IDS_KEY=FREE_IDS_KEY,
+    NEXT_ID_KEY=NEXT_ID_KEY,
     APPROXIMATE_FAMILY=APPROXIMATE_FAMILY,
     APPROXIMATE_KEY=APPROXIMATE_KEY,
 ) + lua_text(__package__, "index_functions.lua")

@@ -1,31 +1,163 @@
--- The index's functions (routing.kv.index): every write to `kv:blk:`, `kv:w:`, `kv:approx:` and
--- `kv:approximate` goes through them. Composed in front of the index's scripts, the event
--- publisher's and the router's decision, after the key names routing.kv.index gives them as
--- locals (BLOCK_FAMILY, WORKER_FAMILY, APPROXIMATE_FAMILY, APPROXIMATE_KEY): each is named once,
--- in Python.
+-- The index's functions (routing.kv.index): every write to the index's key families goes through
+-- them. Composed in front of the index's scripts, the event publisher's and the router's decision,
+-- after the key names routing.kv.index gives them as locals (BUCKET_FAMILY, HOLDERS_FAMILY,
+-- WORKER_FAMILY, ...): each is named once, in Python. The layout and why: routing.kv.index.
+
+-- A block's bucket key and its field there: the hash's first two bytes pick one of 65,536 buckets,
+-- its other six are the field.
+local function kv_slot(ns, h)
+  return ns .. BUCKET_FAMILY .. string.sub(h, 1, 2), string.sub(h, 3, 8)
+end
+
+-- Where worker `id` (2 bytes) sits in a holder string (1-based, at an odd place), or nil: a plain
+-- find can match across two ids, so a match at an even place is passed over.
+local function kv_id_at(holders, id)
+  local from = 1
+  while true do
+    local at = string.find(holders, id, from, true)
+    if not at or at % 2 == 1 then return at end
+    from = at + 1
+  end
+end
+
+-- The block's holder string ('' when nobody holds it), and whether it lives in a key of its own.
+local function kv_holders(ns, h)
+  local bucket, field = kv_slot(ns, h)
+  local held = redis.call('HGET', bucket, field)
+  if not held then return '', false end
+  if held == PROMOTED then return redis.call('GET', ns .. HOLDERS_FAMILY .. h) or '', true end
+  return held, false
+end
+
+-- How many workers hold the block, without reading a long holder string.
+local function kv_holder_count(ns, h)
+  local bucket, field = kv_slot(ns, h)
+  local held = redis.call('HGET', bucket, field)
+  if not held then return 0 end
+  if held == PROMOTED then return redis.call('STRLEN', ns .. HOLDERS_FAMILY .. h) / 2 end
+  return #held / 2
+end
+
+-- Writes a block's holder string back where it belongs: inline up to INLINE_HOLDER_BYTES (so the
+-- bucket stays a listpack), in its own string key past that, back inline once it has shrunk to
+-- half (no flapping between the two at the boundary); nothing at all when it is empty.
+local function kv_set_holders(ns, h, holders, own)
+  local bucket, field = kv_slot(ns, h)
+  local limit = tonumber(INLINE_HOLDER_BYTES)
+  if #holders == 0 then
+    redis.call('HDEL', bucket, field)
+    if own then redis.call('DEL', ns .. HOLDERS_FAMILY .. h) end
+  elseif #holders > limit or (own and #holders > limit / 2) then
+    redis.call('SET', ns .. HOLDERS_FAMILY .. h, holders)
+    if not own then redis.call('HSET', bucket, field, PROMOTED) end
+  else
+    redis.call('HSET', bucket, field, holders)
+    if own then redis.call('DEL', ns .. HOLDERS_FAMILY .. h) end
+  end
+end
+
+-- Worker `id` no longer holds block h; whether it did.
+local function kv_drop(ns, h, id)
+  local holders, own = kv_holders(ns, h)
+  local at = kv_id_at(holders, id)
+  if not at then return false end
+  kv_set_holders(ns, h, string.sub(holders, 1, at - 1) .. string.sub(holders, at + 2), own)
+  return true
+end
+
+-- A worker's 2-byte id ('' for none), given it on its first stored block: from the freed ids,
+-- else the next unused one.
+local function kv_worker_id(ns, worker, give)
+  local id = redis.call('HGET', ns .. WORKER_IDS_KEY, worker)
+  if id or not give then return id or '' end
+  id = redis.call('SPOP', ns .. FREE_IDS_KEY)
+  if not id then
+    local n = redis.call('INCR', ns .. NEXT_ID_KEY)
+    if n > 65535 then
+      redis.call('DECR', ns .. NEXT_ID_KEY)
+      return nil
+    end
+    id = struct.pack('>I2', n)
+  end
+  redis.call('HSET', ns .. WORKER_IDS_KEY, worker, id)
+  redis.call('HSET', ns .. WORKER_NAMES_KEY, id, worker)
+  return id
+end
+
+-- A worker that holds nothing leaves nothing: its log, its count and its id go (the id is free
+-- for the next new worker: no holder string names it any more), and after the last worker the
+-- id counter too.
+local function kv_forget_worker(ns, worker, id)
+  redis.call('DEL', ns .. WORKER_FAMILY .. worker)
+  redis.call('HDEL', ns .. WORKER_COUNTS_KEY, worker)
+  redis.call('HDEL', ns .. WORKER_IDS_KEY, worker)
+  redis.call('HDEL', ns .. WORKER_NAMES_KEY, id)
+  if redis.call('EXISTS', ns .. WORKER_IDS_KEY) == 0 then
+    -- The last one: ids start again from 1.
+    redis.call('DEL', ns .. FREE_IDS_KEY, ns .. NEXT_ID_KEY)
+  else
+    redis.call('SADD', ns .. FREE_IDS_KEY, id)
+  end
+end
+
+-- The worker's log rewritten to the blocks it still holds, each once.
+local function kv_compact(ns, worker, id)
+  local log_key = ns .. WORKER_FAMILY .. worker
+  local log = redis.call('GET', log_key) or ''
+  local seen, kept = {}, {}
+  for i = 1, #log, 8 do
+    local h = string.sub(log, i, i + 7)
+    if not seen[h] then
+      seen[h] = true
+      if kv_id_at((kv_holders(ns, h)), id) then kept[#kept + 1] = h end
+    end
+  end
+  redis.call('SET', log_key, table.concat(kept))
+end
+
 local function kv_store(ns, worker, packed)
-  local worker_key = ns .. WORKER_FAMILY .. worker
+  local id = kv_worker_id(ns, worker, true)
+  if not id then return redis.error_reply('the index holds 65535 workers: no id is left for ' .. worker) end
+  local added = {}
   for i = 1, #packed, 8 do
     local h = string.sub(packed, i, i + 7)
-    redis.call('HSET', ns .. BLOCK_FAMILY .. h, worker, '1')
-    redis.call('SADD', worker_key, h)
+    local holders, own = kv_holders(ns, h)
+    if not kv_id_at(holders, id) then
+      kv_set_holders(ns, h, holders .. id, own)
+      added[#added + 1] = h
+    end
+  end
+  if #added > 0 then
+    local log_key = ns .. WORKER_FAMILY .. worker
+    local length = redis.call('APPEND', log_key, table.concat(added)) / 8
+    local count = redis.call('HINCRBY', ns .. WORKER_COUNTS_KEY, worker, #added)
+    -- Removals leave their blocks in the log; rewriting it once it is half again the blocks
+    -- held keeps it within that, at an amortized constant cost per stored block.
+    if length > count + count / 2 + 64 then kv_compact(ns, worker, id) end
   end
 end
 
 local function kv_remove(ns, worker, packed)
-  local worker_key = ns .. WORKER_FAMILY .. worker
+  local id = kv_worker_id(ns, worker, false)
+  if id == '' then return end
+  local removed = 0
   for i = 1, #packed, 8 do
-    local h = string.sub(packed, i, i + 7)
-    redis.call('HDEL', ns .. BLOCK_FAMILY .. h, worker)
-    redis.call('SREM', worker_key, h)
+    if kv_drop(ns, string.sub(packed, i, i + 7), id) then removed = removed + 1 end
+  end
+  if removed > 0 and redis.call('HINCRBY', ns .. WORKER_COUNTS_KEY, worker, -removed) <= 0 then
+    kv_forget_worker(ns, worker, id)
   end
 end
 
 local function kv_purge(ns, worker)
-  local worker_key = ns .. WORKER_FAMILY .. worker
-  local held = redis.call('SMEMBERS', worker_key)
-  for _, h in ipairs(held) do
-    redis.call('HDEL', ns .. BLOCK_FAMILY .. h, worker)
+  local id = kv_worker_id(ns, worker, false)
+  local held = 0
+  if id ~= '' then
+    local log = redis.call('GET', ns .. WORKER_FAMILY .. worker) or ''
+    for i = 1, #log, 8 do
+      if kv_drop(ns, string.sub(log, i, i + 7), id) then held = held + 1 end
+    end
+    kv_forget_worker(ns, worker, id)
   end
   -- Its predicted marks (kv_predict) that its approximate blocks lead to go too (those of an
   -- event-publishing worker lapse with the predicted TTL; a decision weighs only eligible names).
@@ -35,14 +167,46 @@ local function kv_purge(ns, worker)
     local named = redis.call('GET', mark)
     if named and string.sub(named, 1, #worker + 1) == worker .. '\n' then redis.call('DEL', mark) end
   end
-  redis.call('DEL', worker_key, approximate)
+  redis.call('DEL', approximate)
   redis.call('SREM', ns .. APPROXIMATE_KEY, worker)
-  return #held
+  return held
+end
+
+-- The event-backed blocks a worker holds, each once: its log, less what it removed since.
+local function kv_worker_held(ns, worker)
+  local id = kv_worker_id(ns, worker, false)
+  local out = {}
+  if id == '' then return out end
+  local log = redis.call('GET', ns .. WORKER_FAMILY .. worker) or ''
+  local seen = {}
+  for i = 1, #log, 8 do
+    local h = string.sub(log, i, i + 7)
+    if not seen[h] then
+      seen[h] = true
+      if kv_id_at((kv_holders(ns, h)), id) then out[#out + 1] = h end
+    end
+  end
+  return out
+end
+
+-- The values of `field`s of a hash, in order, a few thousand per HMGET (unpack's results are
+-- bounded by Lua's C stack).
+local function kv_hmget(key, fields)
+  if #fields <= 4000 then
+    if #fields == 0 then return {} end
+    return redis.call('HMGET', key, unpack(fields))
+  end
+  local out = {}
+  for from = 1, #fields, 4000 do
+    local part = redis.call('HMGET', key, unpack(fields, from, math.min(from + 3999, #fields)))
+    for k = 1, #part do out[#out + 1] = part[k] end
+  end
+  return out
 end
 
 local function kv_apply(ns, kind, worker, packed)
   if kind == 'stored' then
-    kv_store(ns, worker, packed)
+    return kv_store(ns, worker, packed)
   elseif kind == 'removed' then
     kv_remove(ns, worker, packed)
   elseif kind == 'cleared' then

@@ -1,10 +1,13 @@
 -- The overlap query (routing.kv.index), in two variants; composed in front of the index's overlap
 -- script and the router's decision after index_functions.lua, whose server_time_ms it calls.
 -- Both look for approximate blocks only for workers listed in `kv:approximate` (one SMISMEMBER).
+-- A block's holders are a string of 2-byte worker ids (kv_holders); the names asked about are
+-- turned into ids with one HMGET, and only the names of holders a draw meets are looked up.
 local function kv_overlap_probe(ns, packed, workers)
   local approximate = {}
   local any_approximate = false
   local now = 0
+  local idof = {}
   if #packed > 0 and #workers > 0 then
     local flags = redis.call('SMISMEMBER', ns .. APPROXIMATE_KEY, unpack(workers))
     for j, worker in ipairs(workers) do
@@ -14,14 +17,17 @@ local function kv_overlap_probe(ns, packed, workers)
       end
     end
     if any_approximate then now = server_time_ms() end
+    local ids = kv_hmget(ns .. WORKER_IDS_KEY, workers)
+    for j = 1, #workers do idof[workers[j]] = ids[j] end
   end
-  -- Splits a group into the workers that hold block b and the others, in one HMGET.
+  -- Splits a group into the workers that hold block b and the others, from one holder string.
   return function(b, group)
     local h = string.sub(packed, b * 8 - 7, b * 8)
-    local held = redis.call('HMGET', ns .. BLOCK_FAMILY .. h, unpack(group))
+    local held = kv_holders(ns, h)
     local yes, no = {}, {}
     for j, worker in ipairs(group) do
-      local holds = held[j]
+      local id = idof[worker]
+      local holds = id and kv_id_at(held, id)
       if not holds and any_approximate and approximate[worker] then
         local expiry = redis.call('ZSCORE', approximate[worker], h)
         holds = expiry and tonumber(expiry) > now
@@ -106,8 +112,9 @@ end
 
 -- Change points of the holder count. When every worker's blocks are prefix-closed (holding
 -- block b means holding every block before it), the holders of the request's blocks are
--- nested, shrinking sets, so equal HLENs at two blocks mean the same holders at every block
--- between them. Bisecting on HLEN (O(1) each) finds the blocks after which some workers drop
+-- nested, shrinking sets, so equal holder counts at two blocks mean the same holders at every
+-- block between them. Bisecting on the count (one HGET of a bucket field each, kv_holder_count)
+-- finds the blocks after which some workers drop
 -- out, about (distinct overlaps) x log2(blocks) calls whatever the number of workers; reading
 -- the holders of those blocks alone, deepest first, gives each worker its overlap. A prefix
 -- cache that evicts leaves first (ours, vLLM's, SGLang's) keeps its blocks prefix-closed:
@@ -117,12 +124,12 @@ end
 --
 -- kv_change_points: the blocks b of the request after which some holders drop out (the holders of b are not
 -- all holders of b + 1; the last block if anyone holds it), deepest first: about (distinct
--- overlaps) x log2(blocks) HLENs, whatever the number of workers. Nothing when nobody holds
+-- overlaps) x log2(blocks) counts, whatever the number of workers. Nothing when nobody holds
 -- the first block.
 local function kv_change_points(ns, packed)
   local n = #packed / 8
-  local prefix, sub, call = ns .. BLOCK_FAMILY, string.sub, redis.call
-  local function count(b) return call('HLEN', prefix .. sub(packed, b * 8 - 7, b * 8)) end
+  local sub = string.sub
+  local function count(b) return kv_holder_count(ns, sub(packed, b * 8 - 7, b * 8)) end
   local changes = {}
   if n == 0 then return changes end
   local first = count(1)
@@ -162,39 +169,42 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
   local out = {}
   for i = 1, m do out[i] = 0 end
   local unassigned = m
-  if unassigned > 0 then
+  if unassigned > 0 and n > 0 then
     local changes = kv_change_points(ns, packed)
-    local prefix, sub, call = ns .. BLOCK_FAMILY, string.sub, redis.call
+    local ids, at_id = {}, {}
+    if #changes > 0 then
+      -- Workers that never stored a block have no id: they hold nothing.
+      ids = kv_hmget(ns .. WORKER_IDS_KEY, workers)
+      for i = 1, m do
+        if ids[i] then at_id[ids[i]] = i else out[i], unassigned = -1, unassigned - 1 end
+      end
+    end
+    local sub = string.sub
     for k = 1, #changes do
+      if unassigned == 0 then break end
       local b = changes[k]
-      local key = prefix .. sub(packed, b * 8 - 7, b * 8)
-      if call('HLEN', key) > unassigned then
+      local holders = kv_holders(ns, sub(packed, b * 8 - 7, b * 8))
+      if #holders / 2 > unassigned then
         -- More hold it than are still asked about (a shared system prompt on a large fleet):
-        -- ask about those alone, so the cost follows the workers asked, not the holders.
-        local asked = {}
+        -- look for those alone, so the cost follows the workers asked, not the holders.
         for i = 1, m do
-          if out[i] == 0 then asked[#asked + 1] = i end
-        end
-        local names = {}
-        for a = 1, #asked do names[a] = workers[asked[a]] end
-        local held = call('HMGET', key, unpack(names))
-        for a = 1, #asked do
-          if held[a] then
-            out[asked[a]] = b
+          if out[i] == 0 and kv_id_at(holders, ids[i]) then
+            out[i] = b
             unassigned = unassigned - 1
           end
         end
       else
-        local holders = call('HKEYS', key)
-        for i = 1, #holders do
-          local j = position[holders[i]]
+        for at = 1, #holders, 2 do
+          local j = at_id[sub(holders, at, at + 1)]
           if j and out[j] == 0 then
             out[j] = b
             unassigned = unassigned - 1
           end
         end
       end
-      if unassigned == 0 then break end
+    end
+    for i = 1, m do
+      if out[i] < 0 then out[i] = 0 end
     end
   end
   kv_approximate_overlaps(ns, packed, workers, out)
@@ -211,7 +221,7 @@ end
 -- a name first met at a shallow change point is asked about the deeper ones whose holders were
 -- drawn, not all read. Returns {names, their overlaps as big-endian i32s}.
 local function kv_candidates(ns, packed, cap, sample)
-  local prefix, sub, call = ns .. BLOCK_FAMILY, string.sub, redis.call
+  local sub = string.sub
   local names, out, position = {}, {}, {}
   local function add(name, b)
     local j = position[name]
@@ -223,16 +233,26 @@ local function kv_candidates(ns, packed, cap, sample)
     end
     return j
   end
+  local idof, nameof, held_at = {}, {}, {}
+  local function holders_of(b)
+    local held = held_at[b]
+    if not held then
+      held = kv_holders(ns, sub(packed, b * 8 - 7, b * 8))
+      held_at[b] = held
+    end
+    return held
+  end
   -- Asks about `asking` at the blocks `levels` (deepest first), each at the deepest it holds;
   -- returns those that hold none of them.
   local function ask_at(levels, asking)
     for k = 1, #levels do
       if #asking == 0 then break end
       local b = levels[k]
-      local held = call('HMGET', prefix .. sub(packed, b * 8 - 7, b * 8), unpack(asking))
+      local held = holders_of(b)
       local rest = {}
       for i = 1, #asking do
-        if held[i] then add(asking[i], b) else rest[#rest + 1] = asking[i] end
+        local id = idof[asking[i]]
+        if id and kv_id_at(held, id) then add(asking[i], b) else rest[#rest + 1] = asking[i] end
       end
       asking = rest
     end
@@ -240,15 +260,41 @@ local function kv_candidates(ns, packed, cap, sample)
   end
   local changes = kv_change_points(ns, packed)
   local drawn = {}  -- the deeper change points whose holders were drawn, not all read
+  -- Where a draw starts in a long holder string: the server clock's microseconds, so draws
+  -- differ from one decision to the next (Lua's math.random restarts from one seed per script).
+  local start = #changes > 0 and tonumber(redis.call('TIME')[2]) or 0
   for k = 1, #changes do
     local b = changes[k]
-    local key = prefix .. sub(packed, b * 8 - 7, b * 8)
-    local holders, partial = nil, call('HLEN', key) > cap
-    if partial then holders = call('HRANDFIELD', key, cap) else holders = call('HKEYS', key) end
+    local held = holders_of(b)
+    local count = #held / 2
+    local partial = count > cap
+    local ids = {}
+    if partial then
+      -- `cap` holders spread evenly over the string from a moving start.
+      for i = 0, cap - 1 do
+        local at = (start + math.floor(i * count / cap)) % count
+        ids[#ids + 1] = sub(held, at * 2 + 1, at * 2 + 2)
+      end
+    else
+      for at = 1, #held, 2 do ids[#ids + 1] = sub(held, at, at + 1) end
+    end
+    local unknown = {}
+    for i = 1, #ids do
+      if not nameof[ids[i]] then unknown[#unknown + 1] = ids[i] end
+    end
+    if #unknown > 0 then
+      local found = kv_hmget(ns .. WORKER_NAMES_KEY, unknown)
+      for i = 1, #unknown do
+        if found[i] then nameof[unknown[i]], idof[found[i]] = found[i], unknown[i] end
+      end
+    end
     local met = {}
-    for i = 1, #holders do
-      if not position[holders[i]] then met[#met + 1] = holders[i] end
-      add(holders[i], b)
+    for i = 1, #ids do
+      local name = nameof[ids[i]]
+      if name then
+        if not position[name] then met[#met + 1] = name end
+        add(name, b)
+      end
     end
     -- Newcomers may hold a deeper drawn level too: ask there, deepest first.
     ask_at(drawn, met)
@@ -257,6 +303,12 @@ local function kv_candidates(ns, packed, cap, sample)
   local asked = {}
   for i = 1, #sample do
     if not position[sample[i]] then asked[#asked + 1] = sample[i] end
+  end
+  if #changes > 0 and #asked > 0 then
+    local ids = kv_hmget(ns .. WORKER_IDS_KEY, asked)
+    for i = 1, #asked do
+      if ids[i] then idof[asked[i]] = ids[i] end
+    end
   end
   for _, name in ipairs(ask_at(changes, asked)) do add(name, 0) end
   for _, mark in ipairs(kv_predicted_marks(ns, packed)) do add(mark[2], mark[1]) end
