@@ -9,7 +9,8 @@ reads it per request, unchecked as a request's first decision reads it: the deci
 rows' generation), then `reserve_worker` (the router's atomic decide-and-reserve), and frees
 each lease. It prints, per size: decision p50/p99 split into eligibility and decide, Redis-side
 µs per decision, decisions per second one Redis core sustains at that cost, Redis memory per
-(block, worker) entry (used-memory delta over entries), and the hit rate against the oracle
+(block, worker) entry (used-memory delta over the distinct entries, the event stream's last
+10,000 events included), and the hit rate against the oracle
 (the chosen worker's overlap over the best overlap any worker had).
 
 Redis-side time, from INFO commandstats around each decision: the usec of the scripts the
@@ -174,15 +175,17 @@ def run_size(n: int) -> dict[str, float]:
     index = KvIndex(client, namespace)
     publisher = KvEventPublisher(client, namespace, index=index)
     before = client.info("memory")["used_memory"]
-    entries = 0
+    entries = 0  # distinct (block, worker) pairs: a worker storing a block it holds adds none
     held: dict[int, list[int]] = {}  # image -> one of its cached prompts' hashes
     for w, name in enumerate(names):
+        blocks: set[int] = set()
         for _ in range(PROMPTS_PER_WORKER):
             image = (zipf(rng, N_IMAGES) + w) % N_IMAGES
             hashes = prompt_hashes(rng, systems[image % N_SYSTEMS], images[image])
             held.setdefault(image, hashes)
             publisher.publish([KvEvent("stored", name, tuple(hashes))])
-            entries += len(hashes)
+            blocks.update(hashes)
+        entries += len(blocks)
     bytes_per_entry = (client.info("memory")["used_memory"] - before) / entries
 
     requests = []

@@ -23,7 +23,7 @@ from routing.contract.kv_events import KvEvent
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.decision import WorkerReport
 from routing.kv.events import KvEventPublisher
-from routing.kv.index import KvIndex
+from routing.kv.index import BUCKET_FAMILY, KvIndex
 from routing.kv.load import LoadTracker
 from routing.kv.router import KvRouter
 from routing.kv.selection import RoutingPolicy
@@ -142,7 +142,10 @@ def run(client: redis.Redis, namespace: str, rng: random.Random) -> str:
     for i in range(0, len(events), EVENTS_PER_PUBLISH):
         publisher.publish(events[i : i + EVENTS_PER_PUBLISH])
     fill_s = time.perf_counter() - t0
-    distinct_blocks = sum(1 for _ in client.scan_iter(match=f"{namespace}kv:blk:*", count=10_000))
+    # A block is a field of one bucket (routing/kv/index.py), whatever its number of holders.
+    distinct_blocks = sum(
+        client.hlen(key) for key in client.scan_iter(match=f"{namespace}{BUCKET_FAMILY}*", count=10_000)
+    )
 
     # Some requests in flight, so the load terms are not all zero.
     for i in range(256):
