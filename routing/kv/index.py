@@ -18,7 +18,9 @@ so the index keeps blocks in buckets and workers as 2-byte ids:
   its whole bucket into a hash table. It goes back inline once the holders are down to 16.
 - `kv:wid` (name -> id) and `kv:wname` (id -> name): a worker's id, given on its first stored
   block (a freed one first, `kv:wid:free`, else the next of `kv:wid:next`) and freed when it
-  holds nothing: at most 65,535 workers hold blocks at once.
+  holds nothing: at most 65,535 workers hold blocks at once. Each map also holds one field no
+  name or id can be (three newlines) whose 1 KB value keeps it a hash table: a decision reads
+  every weighed worker's id with one HMGET, which a listpack answers by a linear scan per name.
 - `kv:w:<worker>`: the worker's log, its stored blocks' hashes appended, so a purge finds what to
   drop; a removal leaves its block there, and the log is rewritten to the blocks held once it is
   half again as long (amortized constant per stored block). `kv:wn` counts each worker's blocks.

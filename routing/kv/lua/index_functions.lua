@@ -31,11 +31,11 @@ end
 
 -- How many workers hold the block, without reading a long holder string.
 local function kv_holder_count(ns, h)
-  local bucket, field = kv_slot(ns, h)
-  local held = redis.call('HGET', bucket, field)
-  if not held then return 0 end
-  if held == PROMOTED then return redis.call('STRLEN', ns .. HOLDERS_FAMILY .. h) / 2 end
-  return #held / 2
+  -- HSTRLEN: the length alone, no string made in Lua; 1 is the PROMOTED mark (a holder string
+  -- has an even length), 0 a block nobody holds.
+  local length = redis.call('HSTRLEN', ns .. BUCKET_FAMILY .. string.sub(h, 1, 2), string.sub(h, 3, 8))
+  if length == 1 then return redis.call('STRLEN', ns .. HOLDERS_FAMILY .. h) / 2 end
+  return length / 2
 end
 
 -- Writes a block's holder string back where it belongs: inline up to INLINE_HOLDER_BYTES (so the
@@ -67,6 +67,10 @@ end
 
 -- A worker's 2-byte id ('' for none), given it on its first stored block: from the freed ids,
 -- else the next unused one.
+-- A field of both id maps that no name (names hold no newline) and no 2-byte id can be: its long
+-- value keeps each map a hash table.
+local TABLE_FIELD = '\n\n\n'
+
 local function kv_worker_id(ns, worker, give)
   local id = redis.call('HGET', ns .. WORKER_IDS_KEY, worker)
   if id or not give then return id or '' end
@@ -78,6 +82,14 @@ local function kv_worker_id(ns, worker, give)
       return nil
     end
     id = struct.pack('>I2', n)
+  end
+  if redis.call('EXISTS', ns .. WORKER_IDS_KEY) == 0 then
+    -- A new map starts as a hash table: a decision asks for every weighed worker's id (HMGET),
+    -- and a listpack finds each by a linear scan (64 ids in 24 us, 10 as a table). A value
+    -- longer than hash-max-listpack-value converts it for good; the field is of no id or name.
+    local pad = string.rep('.', 1024)
+    redis.call('HSET', ns .. WORKER_IDS_KEY, TABLE_FIELD, pad)
+    redis.call('HSET', ns .. WORKER_NAMES_KEY, TABLE_FIELD, pad)
   end
   redis.call('HSET', ns .. WORKER_IDS_KEY, worker, id)
   redis.call('HSET', ns .. WORKER_NAMES_KEY, id, worker)
@@ -92,9 +104,9 @@ local function kv_forget_worker(ns, worker, id)
   redis.call('HDEL', ns .. WORKER_COUNTS_KEY, worker)
   redis.call('HDEL', ns .. WORKER_IDS_KEY, worker)
   redis.call('HDEL', ns .. WORKER_NAMES_KEY, id)
-  if redis.call('EXISTS', ns .. WORKER_IDS_KEY) == 0 then
-    -- The last one: ids start again from 1.
-    redis.call('DEL', ns .. FREE_IDS_KEY, ns .. NEXT_ID_KEY)
+  if redis.call('HLEN', ns .. WORKER_IDS_KEY) <= 1 then
+    -- The last one (only TABLE_FIELD is left): ids start again from 1.
+    redis.call('DEL', ns .. WORKER_IDS_KEY, ns .. WORKER_NAMES_KEY, ns .. FREE_IDS_KEY, ns .. NEXT_ID_KEY)
   else
     redis.call('SADD', ns .. FREE_IDS_KEY, id)
   end

@@ -171,22 +171,32 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
   local unassigned = m
   if unassigned > 0 and n > 0 then
     local changes = kv_change_points(ns, packed)
+    -- Each asked worker's position by its id as a number (hi * 256 + lo): a holder string is
+    -- read with string.byte, which makes no Lua string per holder as string.sub would.
     local ids, at_id = {}, {}
     if #changes > 0 then
       -- Workers that never stored a block have no id: they hold nothing.
       ids = kv_hmget(ns .. WORKER_IDS_KEY, workers)
+      local byte = string.byte
       for i = 1, m do
-        if ids[i] then at_id[ids[i]] = i else out[i], unassigned = -1, unassigned - 1 end
+        local id = ids[i]
+        if id then
+          local hi, lo = byte(id, 1, 2)
+          at_id[hi * 256 + lo] = i
+        else
+          out[i], unassigned = -1, unassigned - 1
+        end
       end
     end
-    local sub = string.sub
+    local sub, byte = string.sub, string.byte
     for k = 1, #changes do
       if unassigned == 0 then break end
       local b = changes[k]
       local holders = kv_holders(ns, sub(packed, b * 8 - 7, b * 8))
-      if #holders / 2 > unassigned then
-        -- More hold it than are still asked about (a shared system prompt on a large fleet):
-        -- look for those alone, so the cost follows the workers asked, not the holders.
+      if #holders / 2 > 4 * unassigned then
+        -- Many more hold it than are still asked about (a shared system prompt on a large
+        -- fleet): look for those alone, so the cost follows the workers asked, not the holders.
+        -- (A search is a call; a holder read in the loop below, a few times cheaper.)
         for i = 1, m do
           if out[i] == 0 and kv_id_at(holders, ids[i]) then
             out[i] = b
@@ -195,7 +205,8 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
         end
       else
         for at = 1, #holders, 2 do
-          local j = at_id[sub(holders, at, at + 1)]
+          local hi, lo = byte(holders, at, at + 1)
+          local j = at_id[hi * 256 + lo]
           if j and out[j] == 0 then
             out[j] = b
             unassigned = unassigned - 1
