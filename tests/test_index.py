@@ -146,6 +146,22 @@ def test_a_block_held_by_many_workers_gets_a_key_of_its_own_and_its_bucket_stays
     assert _keys(redis_client, key_namespace, "kv:") == []
 
 
+def test_the_worker_id_maps_are_hash_tables_from_their_first_worker_and_go_with_the_last(
+    redis_client: redis.Redis, key_namespace: str, index: KvIndex
+) -> None:
+    # A decision reads every weighed worker's id with one HMGET: a listpack would scan for each.
+    index.apply(KvEvent("stored", "a", (1, 2)))
+    index.apply(KvEvent("stored", "b", (1,)))
+    for family in ("kv:wid", "kv:wname"):
+        assert redis_client.object("encoding", f"{key_namespace}{family}") == b"hashtable"
+    assert index.overlaps([1, 2], ["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
+
+    index.purge_worker("a")
+    assert redis_client.hlen(f"{key_namespace}kv:wid") == 2  # b and the field that keeps it a table
+    index.apply(KvEvent("removed", "b", (1,)))
+    assert _keys(redis_client, key_namespace, "kv:") == []
+
+
 def test_a_purged_workers_id_goes_to_a_new_worker_without_its_blocks(
     redis_client: redis.Redis, key_namespace: str, index: KvIndex
 ) -> None:
