@@ -122,3 +122,33 @@ def test_the_holders_drawn_for_a_widely_held_prefix_change_from_one_decision_to_
     assert all(len(found) == HOLDERS_PER_PREFIX for found in draws)
     assert all(set(found.values()) == {30} and set(found) <= set(holders) for found in draws)
     assert len({name for found in draws for name in found}) > 2 * HOLDERS_PER_PREFIX
+
+
+@pytest.mark.parametrize("key", [(True, True, True), (False, False, False), (True, False, True)])
+def test_a_fleets_candidates_are_packed_as_packing_them_on_their_own_would(key) -> None:
+    from routing.kv.decision import WorkerReport
+    from routing.kv.router import _PackedWorkers
+
+    rng = random.Random(7)
+    reports = {
+        name: WorkerReport(
+            capacity_blocks=rng.randrange(0, 5_000),
+            running_and_waiting=rng.choice((None, rng.randrange(0, 40))),
+            kv_used_blocks=rng.choice((None, rng.randrange(0, 5_000))),
+            prefill_tokens_per_s=rng.choice((0.0, 1e4 * rng.random())),
+            shortest_first=rng.choice((None, True, False)),
+        )
+        for name in FLEET
+        if rng.random() < 0.8  # some workers report nothing
+    }
+    approximate = frozenset(rng.sample(FLEET, 20))
+    fleet = _PackedWorkers.pack(FLEET, reports, approximate, key)
+    names = tuple(rng.sample(FLEET, 40))
+    overlaps = [rng.randrange(0, 9) for _ in names]
+
+    subset = fleet.subset(names, overlaps)
+    alone = _PackedWorkers.pack(names, reports, approximate, key)
+
+    for column in ("eligible", "busy_facts", "names", "prefill_rates", "approximate_at", "schedules"):
+        assert getattr(subset, column) == getattr(alone, column), column
+    assert subset.overlaps == b"".join(o.to_bytes(4, "big") for o in overlaps)

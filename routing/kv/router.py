@@ -24,7 +24,6 @@ ones it chose by.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -346,9 +345,7 @@ class KvRouter:
         sample = (rng or self._rng).sample(fleet.eligible, min(LOAD_SAMPLE, len(fleet.eligible)))
         found = self._index.candidates(block_hashes, HOLDERS_PER_PREFIX, sample, affinity_key)
         chosen = {name: overlap for name, overlap in found.items() if name in eligible}
-        packed = _PackedWorkers.pack(tuple(chosen), reports, fleet.approximate, fleet.key)
-        overlaps = list(chosen.values())
-        return dataclasses.replace(packed, overlaps=struct.pack(f">{len(overlaps)}i", *overlaps))
+        return fleet.subset(tuple(chosen), list(chosen.values()))
 
     def pack_workers(
         self,
@@ -473,6 +470,44 @@ class _PackedWorkers:
             prefill_rates=_prefill_rates(eligible, found) if drains and found else b"",
             approximate_at=struct.pack(f">{len(approximate_at)}i", *approximate_at),
             schedules=_schedules(eligible, found, assumed),
+        )
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, tuple[bytes, bytes, int]]:
+        """Each worker's share of the packed columns: its busy facts after the index (b"" when it
+        reports none), its prefill rate (b"" when nothing drains) and its schedule byte. Made
+        once per packed fleet, for the subsets of its candidates."""
+        tails = {
+            self.eligible[j - 1]: self.busy_facts[at + 4 : at + 16]
+            for at in range(0, len(self.busy_facts), 16)
+            for (j,) in [struct.unpack_from(">i", self.busy_facts, at)]
+        }
+        rates = self.prefill_rates
+        return {
+            name: (tails.get(name, b""), rates[k * 8 : k * 8 + 8], self.schedules[k])
+            for k, name in enumerate(self.eligible)
+        }
+
+    def subset(self, names: tuple[str, ...], overlaps: Sequence[int]) -> _PackedWorkers:
+        """These workers of the fleet (a large fleet's candidates), with the overlaps read with
+        them, packed from this fleet's columns: what `pack` would make of the same names and
+        reports, at a cost that follows the candidates, not the reports' parsing."""
+        by_name = self._by_name
+        picked = [by_name[name] for name in names]
+        index = struct.Struct(">i").pack
+        approximate_at = [j for j, name in enumerate(names, start=1) if name in self.approximate]
+        return _PackedWorkers(
+            sources=(names, None, None),
+            key=self.key,
+            eligible=list(names),
+            eligible_set=frozenset(names),
+            approximate=self.approximate,
+            busy_facts=b"".join(index(j) + tail for j, (tail, _, _) in enumerate(picked, start=1) if tail),
+            names="\n".join(names),
+            prefill_rates=b"".join(rate for _, rate, _ in picked),
+            approximate_at=struct.pack(f">{len(approximate_at)}i", *approximate_at),
+            schedules=bytes(flag for _, _, flag in picked),
+            overlaps=struct.pack(f">{len(overlaps)}i", *overlaps),
         )
 
 
