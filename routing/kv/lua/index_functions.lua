@@ -81,7 +81,10 @@ local function kv_worker_id(ns, worker, give)
       redis.call('DECR', ns .. NEXT_ID_KEY)
       return nil
     end
-    id = struct.pack('>I2', n)
+    -- Low byte first: a search for an id in a holder string (string.find, plain) scans for its
+    -- first byte, and a fleet's high bytes are nearly all 0 to 3, so high byte first made it stop
+    -- at every other byte (a 1,024-worker decision's candidates: 23 us of 153).
+    id = struct.pack('<I2', n)
   end
   if redis.call('EXISTS', ns .. WORKER_IDS_KEY) == 0 then
     -- A new map starts as a hash table: a decision asks for every weighed worker's id (HMGET),

@@ -171,8 +171,8 @@ local function kv_overlaps_bisect(ns, packed, workers, position)
   local unassigned = m
   if unassigned > 0 and n > 0 then
     local changes = kv_change_points(ns, packed)
-    -- Each asked worker's position by its id as a number (hi * 256 + lo): a holder string is
-    -- read with string.byte, which makes no Lua string per holder as string.sub would.
+    -- Each asked worker's position by its id as a number (first * 256 + second byte): a holder
+    -- string is read with string.byte, which makes no Lua string per holder as string.sub would.
     local ids, at_id = {}, {}
     if #changes > 0 then
       -- Workers that never stored a block have no id: they hold nothing.
