@@ -12,9 +12,10 @@ import pytest
 import redis
 
 from routing.contract.kv_events import KvEvent
+from routing.kv.decision import WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
-from routing.kv.router import HOLDERS_PER_PREFIX, LOAD_SAMPLE
+from routing.kv.router import FLEET_MAP_FAMILY, HOLDERS_PER_PREFIX, LOAD_SAMPLE
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import block_hashes
 from tests.test_router import BS, _router, _tokens
@@ -124,31 +125,59 @@ def test_the_holders_drawn_for_a_widely_held_prefix_change_from_one_decision_to_
     assert len({name for found in draws for name in found}) > 2 * HOLDERS_PER_PREFIX
 
 
-@pytest.mark.parametrize("key", [(True, True, True), (False, False, False), (True, False, True)])
-def test_a_fleets_candidates_are_packed_as_packing_them_on_their_own_would(key) -> None:
-    from routing.kv.decision import WorkerReport
-    from routing.kv.router import _PackedWorkers
+def test_a_large_fleet_decides_the_same_after_its_position_map_is_gone(
+    router, publisher, redis_client: redis.Redis, key_namespace: str
+):
+    # given: one worker holding a long prefix, and a first decision (which writes the fleet's map)
+    hashes = block_hashes(_tokens(13, 1_000), BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
+    publisher.publish([KvEvent("stored", "w201", tuple(hashes[:50]))])
+    first = router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
+    maps = list(redis_client.scan_iter(match=f"{key_namespace}{FLEET_MAP_FAMILY}*"))
+    assert len(maps) == 1 and redis_client.pttl(maps[0]) > 0
 
-    rng = random.Random(7)
-    reports = {
-        name: WorkerReport(
-            capacity_blocks=rng.randrange(0, 5_000),
-            running_and_waiting=rng.choice((None, rng.randrange(0, 40))),
-            kv_used_blocks=rng.choice((None, rng.randrange(0, 5_000))),
-            prefill_tokens_per_s=rng.choice((0.0, 1e4 * rng.random())),
-            shortest_first=rng.choice((None, True, False)),
-        )
-        for name in FLEET
-        if rng.random() < 0.8  # some workers report nothing
-    }
-    approximate = frozenset(rng.sample(FLEET, 20))
-    fleet = _PackedWorkers.pack(FLEET, reports, approximate, key)
-    names = tuple(rng.sample(FLEET, 40))
-    overlaps = [rng.randrange(0, 9) for _ in names]
+    # when: the map is gone (expired, or Redis restarted), and the next decision comes
+    redis_client.delete(*maps)
+    again = router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
 
-    subset = fleet.subset(names, overlaps)
-    alone = _PackedWorkers.pack(names, reports, approximate, key)
+    # then: the same decision, and the map is back
+    assert first.worker == again.worker == "w201" and again.overlap == 50
+    assert redis_client.exists(*maps) == 1
 
-    for column in ("eligible", "busy_facts", "names", "prefill_rates", "approximate_at", "schedules"):
-        assert getattr(subset, column) == getattr(alone, column), column
-    assert subset.overlaps == b"".join(o.to_bytes(4, "big") for o in overlaps)
+
+def test_a_worker_outside_the_fleet_read_is_never_weighed_however_much_it_holds(router, publisher):
+    # given: w137 holds the longest prefix but is not among the workers read (disabled, another
+    # model, no heartbeat)
+    hashes = block_hashes(_tokens(14, 1_000), BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
+    publisher.publish([KvEvent("stored", "w137", tuple(hashes[:50]))])
+    fleet = tuple(name for name in FLEET if name != "w137")
+
+    # when
+    decisions = [
+        router.route(hashes, 1_000, BS, fleet, RoutingPolicy(), rng=random.Random(seed)) for seed in range(5)
+    ]
+
+    # then
+    for decision in decisions:
+        assert decision.worker != "w137" and decision.best_overlap == 20
+        assert "w137" not in {score.worker for score in decision.scores}
+
+
+def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router, publisher):
+    # given: w250 holds the longest prefix, but its engine reports a full queue
+    hashes = block_hashes(_tokens(15, 1_000), BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
+    publisher.publish([KvEvent("stored", "w250", tuple(hashes[:50]))])
+    reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
+    reports["w250"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=64)
+    policy = RoutingPolicy(busy_max_requests=32)
+
+    # when
+    decision = router.route(hashes, 1_000, BS, FLEET, policy, reports=reports, rng=random.Random(2))
+
+    # then: it was among those weighed, and left out as busy
+    assert decision.busy == ("w250",)
+    assert decision.worker != "w250" and decision.overlap == 20
+    # and without the report it wins
+    assert router.route(hashes, 1_000, BS, FLEET, policy, rng=random.Random(2)).worker == "w250"

@@ -25,6 +25,7 @@ ones it chose by.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import random
@@ -54,13 +55,20 @@ from routing.state.lua import LuaScript, lua_script
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 # Above this many eligible workers a decision weighs candidates, not the whole fleet
-# (KvRouter._candidates): at most HOLDERS_PER_PREFIX holders per cached prefix length, and
+# (KvRouter._decide_among): at most HOLDERS_PER_PREFIX holders per cached prefix length, and
 # LOAD_SAMPLE workers drawn at random. At or below it, every worker, exactly as before.
 CANDIDATES_ABOVE = 64
 HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 STALE = (b"stale", "stale")  # the decision script's reason when its `only_if` key moved
+NO_FLEET_MAP = (b"nofleet", "nofleet")  # its reason when the fleet's position map is gone
+# `fleet:pos:<digest of the names>`: a fleet read's position map (each eligible worker's place
+# in the decision's columns, 1-based), for decisions among a large fleet's candidates. Frontends
+# that read the same fleet share it; a new read of other workers makes another, and the old one
+# expires.
+FLEET_MAP_FAMILY = "fleet:pos:"
+FLEET_MAP_TTL_MS = 10 * 60 * 1000
 
 
 # Embeds the index's and the load tracker's own Lua, so each key family is still read and
@@ -250,19 +258,21 @@ class KvRouter:
             ROUND_ROBIN_KEY,
         ]
         condition = only_if or ("", b"")
-        full = packed
+        reply = None
         if mode == "kv" and len(eligible) > self.candidates_above:
-            # A large fleet: the script reads candidates, not every worker (`_candidates`); only
-            # when every one of them is busy does it look at the whole fleet.
-            packed = self._candidates(block_hashes, full, reports, affinity_key, rng)
-        reply = self._decide_over(args, packed, policy, condition)
-        if not reply[0] and reply[1] in STALE and only_if is not None:
-            raise StaleWorkers(f"{only_if[0]} moved since the workers were read")
-        if not reply[0] and packed is not full:
-            packed = full
+            # A large fleet: the script weighs candidates, not every worker (`_decide_among`);
+            # only when none of them can take the request does it look at the whole fleet.
+            sample = (rng or self._rng).sample(eligible, LOAD_SAMPLE)
+            reply = self._decide_among(args, packed, policy, condition, sample)
+            self._check_fresh(reply, only_if)
+            if not reply[0]:
+                reply = None
+        if reply is None:
             reply = self._decide_over(args, packed, policy, condition)
-        eligible = packed.eligible
-        chosen_at, reason, best_overlap, *packed_columns, busy_at = reply
+            self._check_fresh(reply, only_if)
+        chosen_at, reason, best_overlap, *packed_columns, busy_at, places = reply
+        if places:  # the candidates weighed, by their places in the fleet
+            eligible = [eligible[p - 1] for p in struct.unpack(f">{len(places) // 4}i", places)]
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
         busy = tuple(eligible[j - 1] for j in busy_at)
         if not chosen_at:
@@ -297,6 +307,11 @@ class KvRouter:
             self._log(decision, policy)
         return decision
 
+    @staticmethod
+    def _check_fresh(reply: list, only_if: tuple[str, bytes] | None) -> None:
+        if not reply[0] and reply[1] in STALE and only_if is not None:
+            raise StaleWorkers(f"{only_if[0]} moved since the workers were read")
+
     def _decide_over(
         self,
         common: list[object],
@@ -315,25 +330,29 @@ class KvRouter:
             packed.prefill_rates,
             packed.approximate_at,
             packed.schedules,
-            packed.overlaps,
             *condition,
+            "",
+            0,
+            "",
         )
 
-    def _candidates(
+    def _decide_among(
         self,
-        block_hashes: Sequence[int],
+        common: list[object],
         fleet: _PackedWorkers,
-        reports: Mapping[str, WorkerReport] | None,
-        affinity_key: str,
-        rng: random.Random | None,
-    ) -> _PackedWorkers:
-        """The workers a decision over a large fleet weighs: those holding the request's
-        longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix length, and those a
-        sibling prompt was just sent to), the session's last worker, and LOAD_SAMPLE drawn at
-        random from the rest. Whatever the fleet's size, that is a few dozen workers. Their
-        overlaps come with them (KvIndex.candidates, exact), so the decision script that follows
-        reads only their load: the index is read a moment before the atomic decide-and-reserve,
-        as it would be by a frontend a moment slower, and never inside it.
+        policy: RoutingPolicy,
+        condition: tuple[str, bytes],
+        sample: Sequence[str],
+    ) -> list:
+        """The decision script among a large fleet's candidates, read in the same step: the
+        holders of the request's longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix
+        length, and those a sibling prompt was just sent to), the session's last worker, and
+        `sample`, drawn at random for load. Whatever the fleet's size, that is a few dozen
+        workers, each with its exact overlap; those the fleet's position map names (the
+        eligible ones) are weighed, their facts read at their places in the fleet's columns.
+        One round trip, and no argument or pass per worker of the fleet in Lua. If the map is
+        gone (expired, or Redis restarted), the script does nothing and says so: it is written
+        and the decision made again.
 
         Why that is enough: a worker's cost grows with its load and falls with its overlap, so
         among workers of one overlap only the least loaded can win; the holders stand for each
@@ -341,11 +360,30 @@ class KvRouter:
         close to the least loaded of all (the power of d choices: with d random choices the
         heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
         reservations made by every frontend move the next draw's choice elsewhere."""
-        eligible = fleet.eligible_set
-        sample = (rng or self._rng).sample(fleet.eligible, min(LOAD_SAMPLE, len(fleet.eligible)))
-        found = self._index.candidates(block_hashes, HOLDERS_PER_PREFIX, sample, affinity_key)
-        chosen = {name: overlap for name, overlap in found.items() if name in eligible}
-        return fleet.subset(tuple(chosen), list(chosen.values()))
+        key = self._namespace + FLEET_MAP_FAMILY + fleet.digest
+        args = (
+            *common,
+            fleet.dense_busy_facts,
+            "",
+            int(policy.load_bound_gap),
+            repr(float(policy.load_bound_ratio)),
+            fleet.prefill_rates,
+            fleet.approximate_at,
+            fleet.schedules,
+            *condition,
+            key,
+            HOLDERS_PER_PREFIX,
+            "\n".join(sample),
+        )
+        reply = self._decision(*args)
+        if not reply[0] and reply[1] in NO_FLEET_MAP:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(key)
+            pipe.hset(key, mapping={name: j for j, name in enumerate(fleet.eligible, start=1)})
+            pipe.pexpire(key, FLEET_MAP_TTL_MS)
+            pipe.execute()
+            reply = self._decision(*args)
+        return reply
 
     def pack_workers(
         self,
@@ -431,9 +469,6 @@ class _PackedWorkers:
     prefill_rates: bytes
     approximate_at: bytes
     schedules: bytes
-    # Each worker's overlap (big-endian i32s) when these are a large fleet's candidates, read with
-    # them (KvIndex.candidates); empty for a whole fleet, whose overlaps the decision reads itself.
-    overlaps: bytes = b""
 
     def made_of(
         self, workers: object, reports: object, approximate: object, key: tuple[bool, bool, bool]
@@ -473,42 +508,26 @@ class _PackedWorkers:
         )
 
     @functools.cached_property
-    def _by_name(self) -> dict[str, tuple[bytes, bytes, int]]:
-        """Each worker's share of the packed columns: its busy facts after the index (b"" when it
-        reports none), its prefill rate (b"" when nothing drains) and its schedule byte. Made
-        once per packed fleet, for the subsets of its candidates."""
-        tails = {
-            self.eligible[j - 1]: self.busy_facts[at + 4 : at + 16]
-            for at in range(0, len(self.busy_facts), 16)
-            for (j,) in [struct.unpack_from(">i", self.busy_facts, at)]
-        }
-        rates = self.prefill_rates
-        return {
-            name: (tails.get(name, b""), rates[k * 8 : k * 8 + 8], self.schedules[k])
-            for k, name in enumerate(self.eligible)
-        }
+    def digest(self) -> str:
+        """Names the fleet's position map: the same workers in the same order, the same map."""
+        return hashlib.blake2b(self.names.encode(), digest_size=16).hexdigest()
 
-    def subset(self, names: tuple[str, ...], overlaps: Sequence[int]) -> _PackedWorkers:
-        """These workers of the fleet (a large fleet's candidates), with the overlaps read with
-        them, packed from this fleet's columns: what `pack` would make of the same names and
-        reports, at a cost that follows the candidates, not the reports' parsing."""
-        by_name = self._by_name
-        picked = [by_name[name] for name in names]
-        index = struct.Struct(">i").pack
-        approximate_at = [j for j, name in enumerate(names, start=1) if name in self.approximate]
-        return _PackedWorkers(
-            sources=(names, None, None),
-            key=self.key,
-            eligible=list(names),
-            eligible_set=frozenset(names),
-            approximate=self.approximate,
-            busy_facts=b"".join(index(j) + tail for j, (tail, _, _) in enumerate(picked, start=1) if tail),
-            names="\n".join(names),
-            prefill_rates=b"".join(rate for _, rate, _ in picked),
-            approximate_at=struct.pack(f">{len(approximate_at)}i", *approximate_at),
-            schedules=bytes(flag for _, _, flag in picked),
-            overlaps=struct.pack(f">{len(overlaps)}i", *overlaps),
-        )
+    @functools.cached_property
+    def dense_busy_facts(self) -> bytes:
+        """The busy facts by place, for a decision among candidates that reads them at their
+        places: twelve bytes per worker (capacity, requests, kv in use; 0, -1, -1 where it
+        reports nothing); b"" when the busy check is off."""
+        if not self.key[0]:
+            return b""
+        dense = bytearray(_NO_FACTS * len(self.eligible))
+        facts = self.busy_facts
+        for at in range(0, len(facts), 16):
+            (j,) = struct.unpack_from(">i", facts, at)
+            dense[(j - 1) * 12 : j * 12] = facts[at + 4 : at + 16]
+        return bytes(dense)
+
+
+_NO_FACTS = struct.pack(">iii", 0, -1, -1)
 
 
 def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:

@@ -17,15 +17,23 @@
 -- approximate workers' indexes, one i32 each. 27 one byte per worker in order, '1' where its
 -- engine schedules prompts shortest first (the load bound's queue condition then charges a
 -- prompt only what it would wait for there), '0' where it computes them in arrival order.
--- 28 each worker's overlap in blocks, one big-endian i32 each in order, when the caller read them
--- a moment ago (a large fleet's candidates, KvIndex.candidates); '' to read them here.
--- 29, 30: a key and the value it must hold for the script to do anything ('' for none): the
+-- 28, 29: a key and the value it must hold for the script to do anything ('' for none): the
 -- frontend's read of its workers was made under that generation of the rows; a reply of false,
 -- 'stale' when it moved (nothing read, nothing reserved).
+-- 30, 31, 32: a large fleet's decision among candidates ('' in 30 for a decision over the
+-- workers of 22): 30 the key of the fleet's position map (KvRouter._decide_among: each eligible
+-- worker's place in the columns), 31 the holders drawn per prefix length, 32 the workers drawn
+-- for load, joined by newlines. The candidates are read here (kv_candidate_overlaps) and only
+-- those the map names are weighed, their facts read at their places: then 21 holds twelve
+-- bytes per place (kv capacity, running + waiting, kv in use; 0, -1, -1 for none) and 22 is
+-- ''. A reply of false, 'nofleet' when the map is gone (nothing read, nothing reserved).
+-- The reply: the chosen worker's place among those weighed (false: none), the reason, the best
+-- overlap, the overlap, prefill and decode columns, the busy places, and, among candidates,
+-- each weighed worker's place in the fleet (big-endian i32s; '' otherwise).
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
-if ARGV[29] ~= '' and redis.call('GET', ARGV[29]) ~= ARGV[30] then
-  return {false, 'stale', 0, '', '', '', {}}
+if ARGV[28] ~= '' and redis.call('GET', ARGV[28]) ~= ARGV[29] then
+  return {false, 'stale', 0, '', '', '', {}, ''}
 end
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -40,41 +48,82 @@ local ratio = tonumber(ARGV[24])
 local tonumber, max = tonumber, math.max
 -- Per-worker facts stay nil for the workers that have none (the common case): defaults at use.
 local n, names, position, prefill, decode, requests = 0, {}, {}, {}, {}, {}
-for name in string.gmatch(ARGV[22], '[^\n]+') do
-  n = n + 1
-  names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
-end
 local approximate, capacity, rep_requests, rep_kv, rate = {}, {}, {}, {}, {}
 local draining = false
-local reported = ARGV[21]
-for at = 1, #reported, 16 do
-  local j, cap, req, kv = struct.unpack('>i4i4i4i4', reported, at)
-  capacity[j], rep_requests[j], rep_kv[j] = cap, req, kv
-end
--- The rates, a thousand per unpack (its results are bounded by Lua's C stack), in whole
--- tokens/s up to an i32's worth; what is not a rate of one token/s or more (0 for none, NaN)
--- drains nothing. Python sends them as they are: converting them there cost more per decision
--- than the whole pass here.
-local rates = ARGV[25]
 local i32 = 2147483647
-for at = 1, #rates, 8000 do
-  local chunk = string.sub(rates, at, at + 7999)
-  local values = {struct.unpack('>' .. string.rep('d', #chunk / 8), chunk)}
-  local offset = (at - 1) / 8
-  for k = 1, #chunk / 8 do
-    local r = values[k]
-    if r >= 1 then rate[offset + k], draining = r < i32 and math.floor(r) or i32, true end
-  end
+local reported, rates, approximate_at, schedules = ARGV[21], ARGV[25], ARGV[26], ARGV[27]
+local overlaps
+-- A measured prefill rate in whole tokens/s up to an i32's worth; nil for what is not a rate of
+-- one token/s or more (0 for none, NaN), which drains nothing. Python sends the rates as they
+-- are: converting them there cost more per decision than doing it here.
+local function whole_rate(r)
+  if r >= 1 then return r < i32 and math.floor(r) or i32 end
+  return nil
 end
-local approximate_at = ARGV[26]
-for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_at, at)] = true end
+local sticky_read = nil  -- the affinity key's worker, once read
+local fleet_at = {}  -- among candidates: each weighed worker's place in the fleet's columns
+if ARGV[30] ~= '' then
+  -- The map is written whole in one transaction and goes whole when it expires.
+  if redis.call('EXISTS', ARGV[30]) == 0 then return {false, 'nofleet', 0, '', '', '', {}, ''} end
+  local sample = {}
+  for name in string.gmatch(ARGV[32], '[^\n]+') do sample[#sample + 1] = name end
+  if ARGV[3] ~= '' then
+    sticky_read = redis.call('GET', ARGV[3]) or false
+    if sticky_read then sample[#sample + 1] = sticky_read end
+  end
+  local found, found_overlaps = kv_candidate_overlaps(ns, packed, tonumber(ARGV[31]), sample)
+  local places = kv_hmget(ARGV[30], found)
+  local approximate_place = {}
+  for at = 1, #approximate_at, 4 do approximate_place[struct.unpack('>i4', approximate_at, at)] = true end
+  local flags = {}
+  overlaps = {}
+  for k = 1, #found do
+    local p = places[k]
+    if p then  -- an eligible worker: weighed
+      p = tonumber(p)
+      local name = found[k]
+      n = n + 1
+      names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
+      overlaps[n], fleet_at[n] = found_overlaps[k], p
+      if #reported > 0 then
+        local cap, req, kv = struct.unpack('>i4i4i4', reported, p * 12 - 11)
+        capacity[n], rep_requests[n], rep_kv[n] = cap, req, kv
+      end
+      if #rates > 0 then
+        local r = whole_rate(struct.unpack('>d', rates, p * 8 - 7))
+        if r then rate[n], draining = r, true end
+      end
+      if approximate_place[p] then approximate[n] = true end
+      flags[n] = string.byte(schedules, p)
+    end
+  end
+  local parts = {}
+  for i = 1, n, 1000 do parts[#parts + 1] = string.char(unpack(flags, i, math.min(i + 999, n))) end
+  schedules = table.concat(parts)
+else
+  for name in string.gmatch(ARGV[22], '[^\n]+') do
+    n = n + 1
+    names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
+  end
+  for at = 1, #reported, 16 do
+    local j, cap, req, kv = struct.unpack('>i4i4i4i4', reported, at)
+    capacity[j], rep_requests[j], rep_kv[j] = cap, req, kv
+  end
+  -- A thousand rates per unpack (its results are bounded by Lua's C stack).
+  for at = 1, #rates, 8000 do
+    local chunk = string.sub(rates, at, at + 7999)
+    local values = {struct.unpack('>' .. string.rep('d', #chunk / 8), chunk)}
+    local offset = (at - 1) / 8
+    for k = 1, #chunk / 8 do
+      local r = whole_rate(values[k])
+      if r then rate[offset + k], draining = r, true end
+    end
+  end
+  for at = 1, #approximate_at, 4 do approximate[struct.unpack('>i4', approximate_at, at)] = true end
+end
 
 load_sweep(ns)
-local overlaps
-if ARGV[28] ~= '' then
-  overlaps = {struct.unpack('>' .. string.rep('i4', #ARGV[28] / 4), ARGV[28])}
-  overlaps[#overlaps] = nil  -- struct.unpack's last value is the position after the data
-else
+if not overlaps then  -- (among candidates, read with them above)
   overlaps = kv_overlaps(ns, packed, names, position)
 end
 -- Each worker's running sums (routing.kv.load, `load:totals`), read whole: HMGET would scan the
@@ -169,7 +218,6 @@ end
 -- so of each request in flight there it waits for at most its own uncached tokens: a question
 -- about a cached picture does not wait for the cold prompts queued beside it, while prompts of
 -- one size (shape (d)'s) wait for each other in full. In arrival order it waits for all of it.
-local schedules = ARGV[27]
 local function queued_wait(j)
   local q = prefill[j]
   if string.byte(schedules, j) == 49 then  -- '1': this worker computes the shortest first
@@ -216,7 +264,11 @@ if least ~= nil and most - least >= gap then
   end
 end
 local sticky = false
-if ARGV[3] ~= '' then sticky = redis.call('GET', ARGV[3]) end
+if sticky_read ~= nil then
+  sticky = sticky_read
+elseif ARGV[3] ~= '' then
+  sticky = redis.call('GET', ARGV[3])
+end
 -- A column of integers as one string of big-endian i64s: one bulk reply instead of an array
 -- of numbers saves Redis's per-element conversion and the client's parsing (~30 us for three
 -- columns of 64). unpack() is bounded by Lua's C stack, hence the chunks.
@@ -234,8 +286,15 @@ end
 -- The chosen worker's position in the list (false: all busy), and what Python needs to build
 -- the scores if it is asked for them; busy workers by position (usually none).
 local function reply(chosen, reason)
+  local places = {}
+  if fleet_at[1] then
+    for i = 1, n, 1000 do
+      local last = math.min(i + 999, n)
+      places[#places + 1] = struct.pack('>' .. string.rep('i4', last - i + 1), unpack(fleet_at, i, last))
+    end
+  end
   return {chosen, reason, best_overlap, packed_integers(overlaps), packed_integers(prefill),
-    packed_integers(decode), busy}
+    packed_integers(decode), busy, table.concat(places)}
 end
 if #candidates == 0 then return reply(false, 'busy') end
 

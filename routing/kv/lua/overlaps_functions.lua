@@ -230,8 +230,8 @@ end
 -- workers that hold nothing); and those the predicted marks name (a sibling prompt just sent
 -- there). About levels x cap names whatever the number of workers, and their overlaps exact:
 -- a name first met at a shallow change point is asked about the deeper ones whose holders were
--- drawn, not all read. Returns {names, their overlaps as big-endian i32s}.
-local function kv_candidates(ns, packed, cap, sample)
+-- drawn, not all read. Returns the names and their overlaps, two lists in one order.
+local function kv_candidate_overlaps(ns, packed, cap, sample)
   local sub = string.sub
   local names, out, position = {}, {}, {}
   local function add(name, b)
@@ -324,6 +324,12 @@ local function kv_candidates(ns, packed, cap, sample)
   for _, name in ipairs(ask_at(changes, asked)) do add(name, 0) end
   for _, mark in ipairs(kv_predicted_marks(ns, packed)) do add(mark[2], mark[1]) end
   kv_approximate_overlaps(ns, packed, names, out)
+  return names, out
+end
+
+-- kv_candidate_overlaps as a reply: {names, their overlaps as big-endian i32s}.
+local function kv_candidates(ns, packed, cap, sample)
+  local names, out = kv_candidate_overlaps(ns, packed, cap, sample)
   if #out == 0 then return {names, ''} end
   return {names, struct.pack('>' .. string.rep('i4', #out), unpack(out))}
 end
