@@ -15,7 +15,7 @@ from routing.contract.kv_events import KvEvent
 from routing.kv.decision import WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
-from routing.kv.router import FLEET_MAP_FAMILY, HOLDERS_PER_PREFIX, LOAD_SAMPLE
+from routing.kv.router import FLEET_FACTS_FAMILY, HOLDERS_PER_PREFIX, LOAD_SAMPLE
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import block_hashes
 from tests.test_router import BS, _router, _tokens
@@ -125,24 +125,24 @@ def test_the_holders_drawn_for_a_widely_held_prefix_change_from_one_decision_to_
     assert len({name for found in draws for name in found}) > 2 * HOLDERS_PER_PREFIX
 
 
-def test_a_large_fleet_decides_the_same_after_its_position_map_is_gone(
+def test_a_large_fleet_decides_the_same_after_its_facts_are_gone(
     router, publisher, redis_client: redis.Redis, key_namespace: str
 ):
-    # given: one worker holding a long prefix, and a first decision (which writes the fleet's map)
+    # given: one worker holding a long prefix, and a first decision (which writes the read's facts)
     hashes = block_hashes(_tokens(13, 1_000), BS)
     publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
     publisher.publish([KvEvent("stored", "w201", tuple(hashes[:50]))])
     first = router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
-    maps = list(redis_client.scan_iter(match=f"{key_namespace}{FLEET_MAP_FAMILY}*"))
-    assert len(maps) == 1 and redis_client.pttl(maps[0]) > 0
+    facts = list(redis_client.scan_iter(match=f"{key_namespace}{FLEET_FACTS_FAMILY}*"))
+    assert len(facts) == 1 and redis_client.pttl(facts[0]) > 0
 
-    # when: the map is gone (expired, or Redis restarted), and the next decision comes
-    redis_client.delete(*maps)
+    # when: the facts are gone (expired, or Redis restarted), and the next decision comes
+    redis_client.delete(*facts)
     again = router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
 
-    # then: the same decision, and the map is back
+    # then: the same decision, and the facts are back
     assert first.worker == again.worker == "w201" and again.overlap == 50
-    assert redis_client.exists(*maps) == 1
+    assert redis_client.exists(*facts) == 1
 
 
 def test_a_worker_outside_the_fleet_read_is_never_weighed_however_much_it_holds(router, publisher):
@@ -181,3 +181,24 @@ def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router
     assert decision.worker != "w250" and decision.overlap == 20
     # and without the report it wins
     assert router.route(hashes, 1_000, BS, FLEET, policy, rng=random.Random(2)).worker == "w250"
+
+
+def test_a_routers_new_facts_replace_the_last_it_wrote(
+    router, publisher, redis_client: redis.Redis, key_namespace: str
+):
+    hashes = block_hashes(_tokens(16, 400), BS)
+    policy = RoutingPolicy(busy_max_requests=32)
+
+    def facts_keys() -> set[bytes]:
+        return set(redis_client.scan_iter(match=f"{key_namespace}{FLEET_FACTS_FAMILY}*"))
+
+    # given: facts written for one read of the fleet
+    reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
+    router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
+    first = facts_keys()
+    # when: a newer read, whose reports moved, decides
+    reports["w007"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=5)
+    router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
+    # then: its facts replaced the first ones
+    second = facts_keys()
+    assert len(first) == len(second) == 1 and first != second

@@ -51,7 +51,7 @@ from routing.kv.index import (
 from routing.kv.lease import RequestLease
 from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
 from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
-from routing.state.lua import LuaScript, lua_script
+from routing.state.lua import LuaScript, lua_constants, lua_script
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 # Above this many eligible workers a decision weighs candidates, not the whole fleet
@@ -62,13 +62,18 @@ HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 STALE = (b"stale", "stale")  # the decision script's reason when its `only_if` key moved
-NO_FLEET_MAP = (b"nofleet", "nofleet")  # its reason when the fleet's position map is gone
-# `fleet:pos:<digest of the names>`: a fleet read's position map (each eligible worker's place
-# in the decision's columns, 1-based), for decisions among a large fleet's candidates. Frontends
-# that read the same fleet share it; a new read of other workers makes another, and the old one
-# expires.
-FLEET_MAP_FAMILY = "fleet:pos:"
-FLEET_MAP_TTL_MS = 10 * 60 * 1000
+NO_FLEET_FACTS = (b"nofleet", "nofleet")  # its reason when the fleet read's facts are gone
+# `fleet:facts:<digest>`: a fleet read's facts, for decisions among a large fleet's candidates:
+# each eligible worker's record (FACTS_FORMAT), by name. Named by a digest of what it holds, so
+# frontends that read the same share it; the router that wrote it deletes it when it writes the
+# next, and it expires in any case.
+FLEET_FACTS_FAMILY = "fleet:facts:"
+FLEET_FACTS_TTL_MS = 60_000
+# kv capacity, running + waiting (-1: none), kv in use (-1: none), prefill rate (tokens/s, as
+# reported: 0 for none), b"1" if its engine computes the shortest prompt first else b"0", 1 if
+# it is an approximate worker: the same format in Python and in the decision script.
+FACTS_FORMAT = ">iiidBB"
+FACTS_FORMAT_LUA = ">i4i4i4dBB"
 
 
 # Embeds the index's and the load tracker's own Lua, so each key family is still read and
@@ -78,6 +83,7 @@ def _decision_lua(index: KvIndex) -> str:
     return lua_script(
         __package__,
         "decision.lua",
+        lua_constants(FACTS_FORMAT=FACTS_FORMAT_LUA),
         INDEX_LUA_FUNCTIONS,
         OVERLAPS_LUA_FUNCTIONS,
         overlaps_choice(index.overlaps_function),
@@ -111,6 +117,7 @@ class KvRouter:
         self._predicted_ttl_ms = max(int(predicted_ttl_s * 1000), 0)
         self._rng = random.Random()
         self._last_packed: _PackedWorkers | None = None
+        self._facts_written: str | None = None  # the key of the last facts this router wrote
         self.candidates_above = CANDIDATES_ABOVE
 
     @property
@@ -270,9 +277,9 @@ class KvRouter:
         if reply is None:
             reply = self._decide_over(args, packed, policy, condition)
             self._check_fresh(reply, only_if)
-        chosen_at, reason, best_overlap, *packed_columns, busy_at, places = reply
-        if places:  # the candidates weighed, by their places in the fleet
-            eligible = [eligible[p - 1] for p in struct.unpack(f">{len(places) // 4}i", places)]
+        chosen_at, reason, best_overlap, *packed_columns, busy_at, weighed = reply
+        if weighed:  # a large fleet's candidates, those weighed
+            eligible = [name.decode() if isinstance(name, bytes) else name for name in weighed]
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
         busy = tuple(eligible[j - 1] for j in busy_at)
         if not chosen_at:
@@ -360,30 +367,39 @@ class KvRouter:
         close to the least loaded of all (the power of d choices: with d random choices the
         heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
         reservations made by every frontend move the next draw's choice elsewhere."""
-        key = self._namespace + FLEET_MAP_FAMILY + fleet.digest
         args = (
             *common,
-            fleet.dense_busy_facts,
+            "",
             "",
             int(policy.load_bound_gap),
             repr(float(policy.load_bound_ratio)),
-            fleet.prefill_rates,
-            fleet.approximate_at,
-            fleet.schedules,
+            "",
+            "",
+            "",
             *condition,
-            key,
+            self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
             HOLDERS_PER_PREFIX,
             "\n".join(sample),
         )
         reply = self._decision(*args)
-        if not reply[0] and reply[1] in NO_FLEET_MAP:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.delete(key)
-            pipe.hset(key, mapping={name: j for j, name in enumerate(fleet.eligible, start=1)})
-            pipe.pexpire(key, FLEET_MAP_TTL_MS)
-            pipe.execute()
+        if not reply[0] and reply[1] in NO_FLEET_FACTS:
+            self._write_facts(fleet)
             reply = self._decision(*args)
         return reply
+
+    def _write_facts(self, fleet: _PackedWorkers) -> None:
+        """Writes the fleet read's facts (one transaction: a decision finds them whole or not at
+        all) and deletes the last ones this router wrote, which no newer read of its uses."""
+        key = self._namespace + FLEET_FACTS_FAMILY + fleet.digest
+        pipe = self._client.pipeline(transaction=True)
+        previous = self._facts_written
+        if previous is not None and previous != key:
+            pipe.delete(previous)
+        pipe.delete(key)
+        pipe.hset(key, mapping=fleet.records)
+        pipe.pexpire(key, FLEET_FACTS_TTL_MS)
+        pipe.execute()
+        self._facts_written = key
 
     def pack_workers(
         self,
@@ -393,8 +409,11 @@ class KvRouter:
         policy: RoutingPolicy,
     ) -> None:
         """Packs these workers' arguments now, for the decisions that will pass the same objects
-        (a frontend's fleet read, prepared in the background)."""
-        self._packed(workers, reports, approximate, policy)
+        (a frontend's fleet read, prepared in the background); for a large fleet, writes its facts
+        too, so its decisions among candidates find them."""
+        packed = self._packed(workers, reports, approximate, policy)
+        if len(packed.eligible) > self.candidates_above:
+            self._write_facts(packed)
 
     def _packed(
         self,
@@ -508,26 +527,33 @@ class _PackedWorkers:
         )
 
     @functools.cached_property
-    def digest(self) -> str:
-        """Names the fleet's position map: the same workers in the same order, the same map."""
-        return hashlib.blake2b(self.names.encode(), digest_size=16).hexdigest()
+    def records(self) -> dict[str, bytes]:
+        """Each worker's facts (FACTS_FORMAT), for a decision among candidates that reads them
+        by name: what the columns above hold of it."""
+        facts = self.busy_facts
+        busy = {
+            struct.unpack_from(">i", facts, at)[0]: struct.unpack_from(">iii", facts, at + 4)
+            for at in range(0, len(facts), 16)
+        }
+        rates = (
+            struct.unpack(f">{len(self.eligible)}d", self.prefill_rates)
+            if self.prefill_rates
+            else (0.0,) * len(self.eligible)
+        )
+        approximate = self.approximate
+        record = struct.Struct(FACTS_FORMAT).pack
+        return {
+            name: record(*busy.get(j, (0, -1, -1)), rates[j - 1], self.schedules[j - 1], name in approximate)
+            for j, name in enumerate(self.eligible, start=1)
+        }
 
     @functools.cached_property
-    def dense_busy_facts(self) -> bytes:
-        """The busy facts by place, for a decision among candidates that reads them at their
-        places: twelve bytes per worker (capacity, requests, kv in use; 0, -1, -1 where it
-        reports nothing); b"" when the busy check is off."""
-        if not self.key[0]:
-            return b""
-        dense = bytearray(_NO_FACTS * len(self.eligible))
-        facts = self.busy_facts
-        for at in range(0, len(facts), 16):
-            (j,) = struct.unpack_from(">i", facts, at)
-            dense[(j - 1) * 12 : j * 12] = facts[at + 4 : at + 16]
-        return bytes(dense)
-
-
-_NO_FACTS = struct.pack(">iii", 0, -1, -1)
+    def digest(self) -> str:
+        """Names the fleet read's facts: the same facts of the same workers, the same digest."""
+        digest = hashlib.blake2b(self.names.encode(), digest_size=16)
+        for record in self.records.values():
+            digest.update(record)
+        return digest.hexdigest()
 
 
 def _busy_facts(eligible: Sequence[str], reports: Mapping[str, WorkerReport]) -> bytes:

@@ -21,19 +21,20 @@
 -- frontend's read of its workers was made under that generation of the rows; a reply of false,
 -- 'stale' when it moved (nothing read, nothing reserved).
 -- 30, 31, 32: a large fleet's decision among candidates ('' in 30 for a decision over the
--- workers of 22): 30 the key of the fleet's position map (KvRouter._decide_among: each eligible
--- worker's place in the columns), 31 the holders drawn per prefix length, 32 the workers drawn
--- for load, joined by newlines. The candidates are read here (kv_candidate_overlaps) and only
--- those the map names are weighed, their facts read at their places: then 21 holds twelve
--- bytes per place (kv capacity, running + waiting, kv in use; 0, -1, -1 for none) and 22 is
--- ''. A reply of false, 'nofleet' when the map is gone (nothing read, nothing reserved).
+-- workers of 22): 30 the key of the fleet read's facts (KvRouter.write_fleet_facts: each
+-- eligible worker's record, FACTS_FORMAT: kv capacity, running + waiting (-1: none), kv in use
+-- (-1: none), prefill rate, schedule byte, 1 if approximate), 31 the holders drawn per prefix
+-- length, 32 the workers drawn for load, joined by newlines. The candidates are read here
+-- (kv_candidate_overlaps) and only those the facts name (the eligible ones) are weighed; 21,
+-- 22 and 25 to 27 are ''. A reply of false, 'nofleet' when the facts are gone (nothing read,
+-- nothing reserved).
 -- The reply: the chosen worker's place among those weighed (false: none), the reason, the best
 -- overlap, the overlap, prefill and decode columns, the busy places, and, among candidates,
--- each weighed worker's place in the fleet (big-endian i32s; '' otherwise).
+-- the names of those weighed (an empty list otherwise).
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
 if ARGV[28] ~= '' and redis.call('GET', ARGV[28]) ~= ARGV[29] then
-  return {false, 'stale', 0, '', '', '', {}, ''}
+  return {false, 'stale', 0, '', '', '', {}, {}}
 end
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -61,10 +62,10 @@ local function whole_rate(r)
   return nil
 end
 local sticky_read = nil  -- the affinity key's worker, once read
-local fleet_at = {}  -- among candidates: each weighed worker's place in the fleet's columns
-if ARGV[30] ~= '' then
-  -- The map is written whole in one transaction and goes whole when it expires.
-  if redis.call('EXISTS', ARGV[30]) == 0 then return {false, 'nofleet', 0, '', '', '', {}, ''} end
+local among = ARGV[30] ~= ''
+if among then
+  -- The facts are written whole in one transaction and go whole when they expire.
+  if redis.call('EXISTS', ARGV[30]) == 0 then return {false, 'nofleet', 0, '', '', '', {}, {}} end
   local sample = {}
   for name in string.gmatch(ARGV[32], '[^\n]+') do sample[#sample + 1] = name end
   if ARGV[3] ~= '' then
@@ -72,29 +73,21 @@ if ARGV[30] ~= '' then
     if sticky_read then sample[#sample + 1] = sticky_read end
   end
   local found, found_overlaps = kv_candidate_overlaps(ns, packed, tonumber(ARGV[31]), sample)
-  local places = kv_hmget(ARGV[30], found)
-  local approximate_place = {}
-  for at = 1, #approximate_at, 4 do approximate_place[struct.unpack('>i4', approximate_at, at)] = true end
-  local flags = {}
+  local records = kv_hmget(ARGV[30], found)
+  local unpack_record, flags = struct.unpack, {}
   overlaps = {}
   for k = 1, #found do
-    local p = places[k]
-    if p then  -- an eligible worker: weighed
-      p = tonumber(p)
+    local record = records[k]
+    if record then  -- an eligible worker: weighed
       local name = found[k]
+      local cap, req, kv, r, schedule, approx = unpack_record(FACTS_FORMAT, record)
       n = n + 1
       names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
-      overlaps[n], fleet_at[n] = found_overlaps[k], p
-      if #reported > 0 then
-        local cap, req, kv = struct.unpack('>i4i4i4', reported, p * 12 - 11)
-        capacity[n], rep_requests[n], rep_kv[n] = cap, req, kv
-      end
-      if #rates > 0 then
-        local r = whole_rate(struct.unpack('>d', rates, p * 8 - 7))
-        if r then rate[n], draining = r, true end
-      end
-      if approximate_place[p] then approximate[n] = true end
-      flags[n] = string.byte(schedules, p)
+      overlaps[n], flags[n] = found_overlaps[k], schedule
+      capacity[n], rep_requests[n], rep_kv[n] = cap, req, kv
+      r = whole_rate(r)
+      if r then rate[n], draining = r, true end
+      if approx == 1 then approximate[n] = true end
     end
   end
   local parts = {}
@@ -286,15 +279,8 @@ end
 -- The chosen worker's position in the list (false: all busy), and what Python needs to build
 -- the scores if it is asked for them; busy workers by position (usually none).
 local function reply(chosen, reason)
-  local places = {}
-  if fleet_at[1] then
-    for i = 1, n, 1000 do
-      local last = math.min(i + 999, n)
-      places[#places + 1] = struct.pack('>' .. string.rep('i4', last - i + 1), unpack(fleet_at, i, last))
-    end
-  end
   return {chosen, reason, best_overlap, packed_integers(overlaps), packed_integers(prefill),
-    packed_integers(decode), busy, table.concat(places)}
+    packed_integers(decode), busy, among and names or {}}
 end
 if #candidates == 0 then return reply(false, 'busy') end
 
