@@ -6,7 +6,8 @@ its own, heartbeats with an engine report), fills the index with their cached pr
 system prompt of S, one of I images, a question: Zipf-popular, as bench/routing.py's), then
 decides R requests through the frontend's path: `eligible_workers` (the registry as the frontend
 reads it per request, unchecked as a request's first decision reads it: the decision checks the
-rows' generation), then `reserve_worker` (the router's atomic decide-and-reserve), and frees
+rows' generation), then `areserve_worker` (the router's atomic decide-and-reserve, awaited on the
+event loop as a request awaits it), and frees
 each lease. It prints, per size: decision p50/p99 split into eligibility and decide, Redis-side
 µs per decision, decisions per second one Redis core sustains at that cost, Redis memory per
 (block, worker) entry (used-memory delta over the distinct entries, the event stream's last
@@ -160,7 +161,7 @@ def register(n: int, rng: random.Random) -> list[str]:
 def run_size(n: int) -> dict[str, float]:
     from inference_platform.serving.dispatch import eligible_workers
     from inference_platform.serving.frontend import frontend
-    from inference_platform.serving.prepare import reserve_worker
+    from inference_platform.serving.prepare import areserve_worker
 
     rng = random.Random(20261203 + n)
     client = sync_client(settings.REDIS_URL)
@@ -223,7 +224,7 @@ def run_size(n: int) -> dict[str, float]:
                 ),
                 policy=DEPLOYMENT_POLICY,
             )
-            lease = await asyncio.to_thread(reserve_worker, prepared, workers, None, f"bench-{k}")
+            lease = await areserve_worker(prepared, workers, None, f"bench-{k}")
             t2 = time.perf_counter()
             usec1 = redis_side_usec(client)
             redis_us += usec1[0] - usec0[0]
@@ -306,7 +307,7 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results) ->
 
     from inference_platform.serving.dispatch import eligible_workers, forget_fleet_read
     from inference_platform.serving.frontend import frontend
-    from inference_platform.serving.prepare import reserve_worker
+    from inference_platform.serving.prepare import areserve_worker
 
     # A forked child has none of its parent's threads: asgiref's one thread for the ORM (created
     # in the parent) would never run what the fleet read asks of the database.
@@ -331,7 +332,7 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results) ->
                 ),
                 policy=DEPLOYMENT_POLICY,
             )
-            lease = await asyncio.to_thread(reserve_worker, prepared, workers, None, f"bench-{i}-{k}")
+            lease = await areserve_worker(prepared, workers, None, f"bench-{i}-{k}")
             latencies.append((time.perf_counter() - due) * 1e6)
             lease.release("done")
         return latencies

@@ -5,6 +5,7 @@ reaches every frontend within a second, without a restart. A model may set its o
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -110,6 +111,15 @@ def current_policy() -> LivePolicy:
     with _lock:
         _cached = (now + REFRESH_S, policy)
     return policy
+
+
+async def acurrent_policy() -> LivePolicy:
+    """`current_policy` from async code: this process's copy while it is fresh (nearly always),
+    else read in a thread."""
+    with _lock:
+        if _cached is not None and time.monotonic() < _cached[0]:
+            return _cached[1]
+    return await asyncio.to_thread(current_policy)
 
 
 def forget_cached_policy() -> None:

@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import redis
+import redis.asyncio
 
 from routing.contract.kv_events import KvEvent
 from routing.kv.decision import WorkerReport
@@ -202,3 +203,32 @@ def test_a_routers_new_facts_replace_the_last_it_wrote(
     # then: its facts replaced the first ones
     second = facts_keys()
     assert len(first) == len(second) == 1 and first != second
+
+
+@pytest.mark.parametrize("fleet_size", [8, len(FLEET)])
+async def test_a_decision_awaited_on_the_event_loop_reserves_as_the_threaded_one_does(
+    router, publisher, redis_url: str, key_namespace: str, fleet_size: int
+):
+    from routing.state.redis_direct import AsyncDirectCommands
+
+    # given: one worker holding a long prefix, in a small fleet and a large one (candidates)
+    fleet = FLEET[:fleet_size]
+    hashes = block_hashes(_tokens(17, 1_000), BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in fleet])
+    publisher.publish([KvEvent("stored", fleet[5], tuple(hashes[:50]))])
+    lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
+
+    # when: decided on the loop, then on a thread, for the same prompt
+    awaited = await router.adecide(
+        lines, "on-loop", hashes, 1_000, BS, fleet, RoutingPolicy(), rng=random.Random(3)
+    )
+    threaded = router.decide("on-thread", hashes, 1_000, BS, fleet, RoutingPolicy(), rng=random.Random(3))
+
+    # then: each reserved, and the second saw the first (its predicted blocks: the whole prompt)
+    assert awaited.worker == fleet[5] and awaited.decision.overlap == 50
+    assert threaded.worker == fleet[5] and threaded.decision.overlap == len(hashes)
+    assert sum(load.active_requests for load in router.load.snapshot(fleet).values()) == 2
+    awaited.release("done")
+    threaded.release("done")
+    assert sum(load.active_requests for load in router.load.snapshot(fleet).values()) == 0
+    await lines.close()

@@ -10,10 +10,12 @@ the live policy, the worker rows), for tests that must not see another test's st
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -31,8 +33,9 @@ from routing.kv.load import LoadTracker
 from routing.kv.router import KvRouter
 from routing.media.images import SIZES_FLUSHED_KEY, ImageSizes
 from routing.media.store import MediaStore, media_store_from_settings
-from routing.policy import LivePolicy, current_policy, forget_cached_policy
-from routing.state.redis_keys import sync_client
+from routing.policy import LivePolicy, acurrent_policy, current_policy, forget_cached_policy
+from routing.state.redis_direct import AsyncDirectCommands
+from routing.state.redis_keys import async_client, sync_client
 from tenants.limits import TenantLimiter
 from tenants.usage import TenantUsage
 
@@ -51,6 +54,10 @@ class Frontend:
         # This process among the frontends, as the admission queue knows it (host, pid, and a
         # nonce: a pid reused after a restart is another frontend).
         self.frontend_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # Each event loop's direct connections to Redis (redis_lines), with the URL they go to.
+        self._lines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[str, AsyncDirectCommands]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def _get(self, name: str, key: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
@@ -63,8 +70,20 @@ class Frontend:
         """Forget every collaborator and what they keep between requests (tests)."""
         with self._lock:
             self._built.clear()
+            self._lines.clear()
         forget_cached_policy()
         kept_rows().clear()  # and with them the fleet read made under them (serving.dispatch)
+
+    def redis_lines(self) -> AsyncDirectCommands:
+        """The running event loop's own connections to Redis, for the router's scripts awaited on
+        it (KvRouter.adecide): connections belong to the loop they were made on."""
+        loop = asyncio.get_running_loop()
+        url = settings.REDIS_URL
+        with self._lock:
+            found = self._lines.get(loop)
+            if found is None or found[0] != url:
+                found = self._lines[loop] = (url, AsyncDirectCommands(async_client(url).connection_pool))
+            return found[1]
 
     def router(self) -> KvRouter:
         """The KV router over the shared index, load and affinity in Redis."""
@@ -187,6 +206,10 @@ class Frontend:
     def policy(self) -> LivePolicy:
         """The live routing policy (the admin's row, else the environment), reread each second."""
         return current_policy()
+
+    async def apolicy(self) -> LivePolicy:
+        """`policy` from async code: read in a thread when it is due again."""
+        return await acurrent_policy()
 
 
 def _sizes_flush_token() -> bytes | None:

@@ -51,7 +51,7 @@ from routing.media.images import (
 )
 from routing.media.store import MediaRef
 from routing.media.video import SampledVideo, VideoLimits, resolve_videos
-from routing.policy import DEPLOYMENT_POLICY, ModelPolicy
+from routing.policy import DEPLOYMENT_POLICY, LivePolicy, ModelPolicy
 from routing.prompt.layouts import FAMILY_NAMES, ImageSizeRefused, LayoutConfigError
 from routing.prompt.model_view import ModelDirectoryError, ModelView, model_view
 from routing.prompt.session_scope import SessionScopeError, resolve_session_scope, scope_hash
@@ -424,9 +424,14 @@ def _check_logit_bias(model: ModelView, logit_bias: Mapping[int, float]) -> None
         )
 
 
-def _decision_inputs(prepared: PreparedRequest, workers: Mapping[str, Heartbeat], scope_key: str | None):
+def _decision_inputs(
+    prepared: PreparedRequest,
+    workers: Mapping[str, Heartbeat],
+    scope_key: str | None,
+    live: LivePolicy | None = None,
+):
     view = prepared.view
-    policy = prepared.policy.over(frontend().policy())
+    policy = prepared.policy.over(live or frontend().policy())
     # What the fleet read already worked out of these workers, or the same from a plain mapping.
     eligible = workers if isinstance(workers, EligibleWorkers) else EligibleWorkers(workers)
     args = (view.block_hashes, view.prompt_tokens, view.block_size, eligible.names, policy.routing)
@@ -473,6 +478,28 @@ def reserve_worker(
             only_if=eligible.rows_generation if conditional else None,
             **options,
         )
+    )
+
+
+async def areserve_worker(
+    prepared: PreparedRequest,
+    workers: Mapping[str, Heartbeat],
+    scope_key: str | None,
+    request_id: str,
+    *,
+    conditional: bool = True,
+) -> RequestLease:
+    """`reserve_worker` on the running event loop (KvRouter.adecide): what a request does."""
+    front = frontend()
+    args, options, eligible = _decision_inputs(prepared, workers, scope_key, await front.apolicy())
+    return await front.router().adecide(
+        front.redis_lines(),
+        request_id,
+        *args,
+        instances=eligible.instances,
+        reservation_ttl_s=lease_ttl_s(),
+        only_if=eligible.rows_generation if conditional else None,
+        **options,
     )
 
 

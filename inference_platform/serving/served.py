@@ -68,10 +68,10 @@ from inference_platform.serving.model_pool import model_not_found
 from inference_platform.serving.prepare import (
     PreparedRequest,
     all_busy,
+    areserve_worker,
     check_context_length,
     image_size_scope,
     prepare,
-    reserve_worker,
     session_scope_hash,
 )
 from routing.admission.queue import QueuedRequest, QueueFull, Ticket, wait_estimate_s
@@ -517,8 +517,7 @@ class ServedRequest:
             if not workers:
                 raise NoWorker
             try:
-                lease = await asyncio.to_thread(
-                    reserve_worker,
+                lease = await areserve_worker(
                     prepared,
                     workers,
                     self.scope_key,

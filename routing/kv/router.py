@@ -24,15 +24,17 @@ ones it chose by.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import logging
 import math
 import random
 import struct
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import redis
 
@@ -52,6 +54,7 @@ from routing.kv.lease import RequestLease
 from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
 from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
 from routing.state.lua import LuaScript, lua_constants, lua_script
+from routing.state.redis_direct import AsyncDirectCommands
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 # Above this many eligible workers a decision weighs candidates, not the whole fleet
@@ -144,19 +147,21 @@ class KvRouter:
         rng: random.Random | None = None,
     ) -> RoutingDecision:
         """The decision for a request, without reserving anything (see `decide`)."""
-        return self._run(
-            block_hashes,
-            isl,
-            block_size,
-            workers,
-            policy,
-            request_id="",
-            session_key=session_key,
-            affinity_enabled=affinity_enabled,
-            approximate_workers=approximate_workers,
-            reports=reports,
-            mode=mode,
-            rng=rng,
+        return self._drive(
+            self._steps(
+                block_hashes,
+                isl,
+                block_size,
+                workers,
+                policy,
+                request_id="",
+                session_key=session_key,
+                affinity_enabled=affinity_enabled,
+                approximate_workers=approximate_workers,
+                reports=reports,
+                mode=mode,
+                rng=rng,
+            )
         )
 
     def decide(
@@ -168,15 +173,10 @@ class KvRouter:
         workers: Sequence[str],
         policy: RoutingPolicy,
         *,
-        session_key: str | None = None,
-        affinity_enabled: bool = True,
-        approximate_workers: Collection[str] = (),
-        reports: Mapping[str, WorkerReport] | None = None,
         instances: Mapping[str, str] | None = None,
-        mode: str = "kv",
-        rng: random.Random | None = None,
         reservation_ttl_s: float | None = None,
         only_if: tuple[str, bytes] | None = None,
+        **options: Any,
     ) -> RequestLease:
         """Decide and reserve in one atomic step; the lease frees the reservation exactly once.
 
@@ -185,26 +185,66 @@ class KvRouter:
         (nothing reserved). only_if: (key, value): decide only while that Redis key holds that
         value, checked in the same atomic step (a frontend's fleet read is checked against the
         rows' generation there instead of with a round trip of its own before); StaleWorkers
-        when it does not (nothing reserved).
+        when it does not (nothing reserved). `options`: those of `route` (session_key,
+        affinity_enabled, approximate_workers, reports, mode, rng).
         """
+        steps = self._reserving(
+            request_id, block_hashes, isl, block_size, workers, policy, reservation_ttl_s, only_if, options
+        )
+        return self._lease(request_id, self._drive(steps), instances)
+
+    async def adecide(
+        self,
+        lines: AsyncDirectCommands,
+        request_id: str,
+        block_hashes: Sequence[int],
+        isl: int,
+        block_size: int,
+        workers: Sequence[str],
+        policy: RoutingPolicy,
+        *,
+        instances: Mapping[str, str] | None = None,
+        reservation_ttl_s: float | None = None,
+        only_if: tuple[str, bytes] | None = None,
+        **options: Any,
+    ) -> RequestLease:
+        """`decide` on the running event loop: its round trip goes on `lines`, this loop's own
+        connections, so a request's decision hands nothing to a thread and back (a hand-over
+        cost a decision ~120 us on a 2-core machine, more than the round trip itself)."""
+        steps = self._reserving(
+            request_id, block_hashes, isl, block_size, workers, policy, reservation_ttl_s, only_if, options
+        )
+        return self._lease(request_id, await self._adrive(steps, lines), instances)
+
+    def _reserving(
+        self,
+        request_id: str,
+        block_hashes: Sequence[int],
+        isl: int,
+        block_size: int,
+        workers: Sequence[str],
+        policy: RoutingPolicy,
+        reservation_ttl_s: float | None,
+        only_if: tuple[str, bytes] | None,
+        options: dict[str, Any],
+    ) -> _Steps:
         if not request_id:
             raise ValueError("a reservation needs a request id")
-        decision = self._run(
+        return self._steps(
             block_hashes,
             isl,
             block_size,
             workers,
             policy,
             request_id=request_id,
-            session_key=session_key,
-            affinity_enabled=affinity_enabled,
-            approximate_workers=approximate_workers,
-            reports=reports,
-            mode=mode,
-            rng=rng,
             reservation_ttl_ms=None if reservation_ttl_s is None else max(int(reservation_ttl_s * 1000), 1),
             only_if=only_if,
+            **options,
         )
+
+    def _lease(
+        self, request_id: str, decision: RoutingDecision, instances: Mapping[str, str] | None
+    ) -> RequestLease:
         return RequestLease(
             self._load,
             request_id=request_id,
@@ -212,7 +252,31 @@ class KvRouter:
             instance=(instances or {}).get(decision.worker, ""),
         )
 
-    def _run(
+    def _drive(self, steps: _Steps) -> RoutingDecision:
+        """Runs a decision's steps here: each script call on this thread's direct line."""
+        reply: Any = None
+        try:
+            while True:
+                step = steps.send(reply)
+                reply = self._write_facts(step) if isinstance(step, _PackedWorkers) else self._decision(*step)
+        except StopIteration as done:
+            return done.value
+
+    async def _adrive(self, steps: _Steps, lines: AsyncDirectCommands) -> RoutingDecision:
+        """Runs a decision's steps on the event loop: script calls on `lines`; writing a fleet
+        read's facts (rare: its decisions found them gone) in a thread."""
+        reply: Any = None
+        try:
+            while True:
+                step = steps.send(reply)
+                if isinstance(step, _PackedWorkers):
+                    reply = await asyncio.to_thread(self._write_facts, step)
+                else:
+                    reply = await self._decision.acall(lines, *step)
+        except StopIteration as done:
+            return done.value
+
+    def _steps(
         self,
         block_hashes: Sequence[int],
         isl: int,
@@ -221,15 +285,19 @@ class KvRouter:
         policy: RoutingPolicy,
         *,
         request_id: str,
-        session_key: str | None,
-        affinity_enabled: bool,
-        approximate_workers: Collection[str],
-        reports: Mapping[str, WorkerReport] | None,
-        mode: str,
-        rng: random.Random | None,
+        session_key: str | None = None,
+        affinity_enabled: bool = True,
+        approximate_workers: Collection[str] = (),
+        reports: Mapping[str, WorkerReport] | None = None,
+        mode: str = "kv",
+        rng: random.Random | None = None,
         reservation_ttl_ms: int | None = None,
         only_if: tuple[str, bytes] | None = None,
-    ) -> RoutingDecision:
+    ) -> _Steps:
+        """A decision as the steps it takes, none of which waits on Redis itself: it yields each
+        script call's arguments (or a fleet read whose facts to write) and is sent the reply,
+        so one sequence serves both the thread that calls `decide` (`_drive`) and the event loop
+        that awaits `adecide` (`_adrive`)."""
         packed = self._packed(workers, reports, approximate_workers, policy)
         eligible = packed.eligible
         if not eligible:
@@ -270,12 +338,12 @@ class KvRouter:
             # A large fleet: the script weighs candidates, not every worker (`_decide_among`);
             # only when none of them can take the request does it look at the whole fleet.
             sample = (rng or self._rng).sample(eligible, LOAD_SAMPLE)
-            reply = self._decide_among(args, packed, policy, condition, sample)
+            reply = yield from self._decide_among(args, packed, policy, condition, sample)
             self._check_fresh(reply, only_if)
             if not reply[0]:
                 reply = None
         if reply is None:
-            reply = self._decide_over(args, packed, policy, condition)
+            reply = yield self._over_args(args, packed, policy, condition)
             self._check_fresh(reply, only_if)
         chosen_at, reason, best_overlap, *packed_columns, busy_at, weighed = reply
         if weighed:  # a large fleet's candidates, those weighed
@@ -319,16 +387,17 @@ class KvRouter:
         if not reply[0] and reply[1] in STALE and only_if is not None:
             raise StaleWorkers(f"{only_if[0]} moved since the workers were read")
 
-    def _decide_over(
-        self,
+    @staticmethod
+    def _over_args(
         common: list[object],
         packed: _PackedWorkers,
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
-    ) -> list:
-        """The decision script over these workers. A reserving decision must run once: it only
-        goes again if Redis lost the script, in which case the first attempt did nothing."""
-        return self._decision(
+    ) -> tuple[object, ...]:
+        """The decision script's arguments over these workers. A reserving decision must run
+        once: it only goes again if Redis lost the script, in which case the first attempt did
+        nothing."""
+        return (
             *common,
             packed.busy_facts,
             packed.names,
@@ -350,7 +419,7 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         sample: Sequence[str],
-    ) -> list:
+    ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """The decision script among a large fleet's candidates, read in the same step: the
         holders of the request's longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix
         length, and those a sibling prompt was just sent to), the session's last worker, and
@@ -381,10 +450,10 @@ class KvRouter:
             HOLDERS_PER_PREFIX,
             "\n".join(sample),
         )
-        reply = self._decision(*args)
+        reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
-            self._write_facts(fleet)
-            reply = self._decision(*args)
+            yield fleet  # its facts written
+            reply = yield args
         return reply
 
     def _write_facts(self, fleet: _PackedWorkers) -> None:
@@ -471,6 +540,9 @@ class KvRouter:
 
 
 _I32_MAX = 2**31 - 1
+# A decision's steps (KvRouter._steps): it yields a script call's arguments, or a fleet read
+# whose facts are to be written, is sent the reply, and returns the decision.
+_Steps = Generator["tuple[object, ...] | _PackedWorkers", Any, RoutingDecision]
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from routing.state.redis_direct import direct_commands
+from routing.state.redis_direct import AsyncDirectCommands, direct_commands
 
 
 @functools.cache
@@ -70,6 +70,15 @@ class LuaScript:
         except redis.exceptions.NoScriptError:
             self.sha = self._load()
             return self._direct.execute("EVALSHA", self.sha, 0, *args)
+
+    async def acall(self, lines: AsyncDirectCommands, *args: Any) -> Any:
+        """The script on an event loop's own connections (`lines`)."""
+        try:
+            return await lines.execute("EVALSHA", self.sha, 0, *args)
+        except redis.exceptions.NoScriptError:
+            sha = await lines.execute("SCRIPT", "LOAD", self.source)
+            self.sha = sha.decode() if isinstance(sha, bytes) else sha
+            return await lines.execute("EVALSHA", self.sha, 0, *args)
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
         pipe.evalsha(self.sha, 0, *args)

@@ -98,3 +98,50 @@ def direct_commands(client: Any) -> DirectCommands | ViaClient:
                 plain = type(getattr(client, "connection_pool", None)) is redis.ConnectionPool
                 direct = _by_client[client] = DirectCommands(client) if plain else ViaClient(client)
     return direct
+
+
+class AsyncDirectCommands:
+    """`DirectCommands` for one event loop: a command from a coroutine, past redis-py's
+    per-command machinery, with no thread to hand it to and back.
+
+    Connections are made with an asyncio client's own settings (`pool`: its connection pool,
+    whose class and arguments are used; the pool itself hands out none of these) and belong to
+    the loop they were made on. The same rules as `DirectCommands`: an error reply leaves the
+    connection in use; any other failure, a cancellation included, closes it, so a half-read
+    reply is never read by the next caller; a reused connection the server dropped is tried once
+    more on a fresh one; a timeout is never retried.
+    """
+
+    def __init__(self, pool: Any) -> None:  # pool: redis.asyncio.ConnectionPool
+        self._connect = functools.partial(pool.connection_class, **pool.connection_kwargs)
+        self._idle: collections.deque = collections.deque()
+
+    async def execute(self, *args: Any) -> Any:
+        try:
+            connection, reused = self._idle.pop(), True
+        except IndexError:
+            connection, reused = self._connect(), False
+        try:
+            return await self._round_trip(connection, args)
+        except redis.ConnectionError:
+            if not reused:
+                raise
+            connection = self._connect()
+            return await self._round_trip(connection, args)
+
+    async def _round_trip(self, connection: Any, args: tuple[Any, ...]) -> Any:
+        try:
+            await connection.send_command(*args)
+            reply = await connection.read_response()
+        except redis.ResponseError:
+            self._idle.append(connection)
+            raise
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        self._idle.append(connection)
+        return reply
+
+    async def close(self) -> None:
+        while self._idle:
+            await self._idle.pop().disconnect(nowait=True)

@@ -1,0 +1,102 @@
+"""The router's direct line to Redis from an event loop (routing.state.redis_direct's
+AsyncDirectCommands): the same promises as the threaded line, on the loop's own connections."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import redis
+import redis.asyncio
+
+from routing.state.lua import LuaScript
+from routing.state.redis_direct import AsyncDirectCommands
+from tests.platform_harness import PrivateRedis
+
+
+def _lines(url: str, **options: object) -> AsyncDirectCommands:
+    return AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(url, **options))
+
+
+async def test_replies_and_error_replies_leave_the_connection_in_step(
+    redis_url, redis_client, key_namespace
+) -> None:
+    lines = _lines(redis_url)
+    key = f"{key_namespace}n"
+    assert await lines.execute("INCRBY", key, 5) == 5
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        await lines.execute("INCRBY", key, "x")
+    # the next command on the same connection reads its own reply, not a leftover
+    assert await lines.execute("GET", key) == b"5"
+    assert len(lines._idle) == 1
+    await lines.close()
+
+
+async def test_concurrent_coroutines_each_get_their_own_connection(
+    redis_url, redis_client, key_namespace
+) -> None:
+    lines = _lines(redis_url)
+    key = f"{key_namespace}counter"
+
+    async def hammer(who: int) -> None:
+        for i in range(100):
+            assert await lines.execute("ECHO", f"{who}-{i}") == f"{who}-{i}".encode()
+            await lines.execute("INCR", key)
+
+    await asyncio.gather(*(hammer(who) for who in range(6)))
+    assert redis_client.get(key) == b"600"
+    assert 1 <= len(lines._idle) <= 6
+    await lines.close()
+
+
+async def test_a_cancelled_call_closes_its_connection_instead_of_handing_it_on(
+    redis_url, redis_client, key_namespace
+) -> None:
+    lines = _lines(redis_url)
+    await lines.execute("PING")
+    assert len(lines._idle) == 1
+    waiting = asyncio.create_task(lines.execute("BLPOP", f"{key_namespace}never", 5))
+    await asyncio.sleep(0.2)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    # Its reply (BLPOP's, whenever it comes) must never reach another caller: the connection went.
+    assert len(lines._idle) == 0
+    redis_client.rpush(f"{key_namespace}never", "late")
+    assert await lines.execute("ECHO", "mine") == b"mine"
+    await lines.close()
+
+
+async def test_a_script_call_survives_a_redis_restart_that_flushed_the_scripts(tmp_path) -> None:
+    server = PrivateRedis(tmp_path)
+    try:
+        lines = _lines(server.url, socket_timeout=5)
+        client = redis.Redis.from_url(server.url)
+        script = LuaScript(client, "return redis.call('INCRBY', ARGV[1], ARGV[2])")
+        assert await script.acall(lines, "k", 2) == 2
+        server.kill()
+        server.start()
+        assert await script.acall(lines, "k", 3) == 3  # a fresh connection, the script loaded again
+        client.close()
+        await lines.close()
+    finally:
+        server.stop()
+
+
+async def test_with_redis_frozen_a_call_meets_one_timeout_and_its_connection_goes(tmp_path) -> None:
+    server = PrivateRedis(tmp_path)
+    try:
+        lines = _lines(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        assert await lines.execute("INCR", "k") == 1
+        server.process.send_signal(signal.SIGSTOP)
+        with pytest.raises(redis.TimeoutError):
+            await lines.execute("INCR", "k")
+        assert len(lines._idle) == 0
+        server.process.send_signal(signal.SIGCONT)
+        server.kill()
+        with pytest.raises(redis.ConnectionError):
+            await lines.execute("GET", "k")
+        await lines.close()
+    finally:
+        server.stop()
