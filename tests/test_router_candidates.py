@@ -232,3 +232,24 @@ async def test_a_decision_awaited_on_the_event_loop_reserves_as_the_threaded_one
     threaded.release("done")
     assert sum(load.active_requests for load in router.load.snapshot(fleet).values()) == 0
     await lines.close()
+
+
+def test_a_prepared_large_fleet_read_has_its_facts_written_once(
+    router, redis_client: redis.Redis, key_namespace: str
+):
+    def facts_keys() -> set[bytes]:
+        return set(redis_client.scan_iter(match=f"{key_namespace}{FLEET_FACTS_FAMILY}*"))
+
+    policy = RoutingPolicy()
+    # a fleet read prepared in the background writes its facts
+    router.pack_workers(FLEET, None, frozenset(), policy)
+    written = facts_keys()
+    assert len(written) == 1
+    # the same facts again are left as they are (here: gone, as after a Redis restart) ...
+    redis_client.delete(*written)
+    router.pack_workers(FLEET, None, frozenset(), policy)
+    assert facts_keys() == set()
+    # ... and the decision that finds them gone writes them
+    hashes = block_hashes(_tokens(18, 400), BS)
+    assert router.route(hashes, 400, BS, FLEET, policy, rng=random.Random(4)).worker in FLEET
+    assert facts_keys() == written

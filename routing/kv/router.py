@@ -479,9 +479,11 @@ class KvRouter:
     ) -> None:
         """Packs these workers' arguments now, for the decisions that will pass the same objects
         (a frontend's fleet read, prepared in the background); for a large fleet, writes its facts
-        too, so its decisions among candidates find them."""
+        too, so its decisions among candidates find them (unless it wrote the same facts last:
+        a decision that finds them gone, expired or lost with Redis, writes them again)."""
         packed = self._packed(workers, reports, approximate, policy)
-        if len(packed.eligible) > self.candidates_above:
+        large = len(packed.eligible) > self.candidates_above
+        if large and self._namespace + FLEET_FACTS_FAMILY + packed.digest != self._facts_written:
             self._write_facts(packed)
 
     def _packed(
