@@ -19,6 +19,7 @@ per request, so they go through `DirectCommands` instead:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import functools
 import os
@@ -100,6 +101,12 @@ def direct_commands(client: Any) -> DirectCommands | ViaClient:
     return direct
 
 
+try:
+    from hiredis import pack_command as _pack_command
+except ImportError:  # redis-py's own packing, in Python
+    _pack_command = None
+
+
 class AsyncDirectCommands:
     """`DirectCommands` for one event loop: a command from a coroutine, past redis-py's
     per-command machinery, with no thread to hand it to and back.
@@ -113,7 +120,11 @@ class AsyncDirectCommands:
     """
 
     def __init__(self, pool: Any) -> None:  # pool: redis.asyncio.ConnectionPool
-        self._connect = functools.partial(pool.connection_class, **pool.connection_kwargs)
+        options = dict(pool.connection_kwargs)
+        # The pool's socket timeout bounds each whole round trip here, in one asyncio.timeout:
+        # redis-py's own applies it to the send with asyncio.wait_for, a task per command.
+        self._timeout: float | None = options.pop("socket_timeout", None)
+        self._connect = functools.partial(pool.connection_class, **options, socket_timeout=None)
         self._idle: collections.deque = collections.deque()
 
     async def execute(self, *args: Any) -> Any:
@@ -131,11 +142,18 @@ class AsyncDirectCommands:
 
     async def _round_trip(self, connection: Any, args: tuple[Any, ...]) -> Any:
         try:
-            await connection.send_command(*args)
-            reply = await connection.read_response()
+            async with asyncio.timeout(self._timeout):
+                if _pack_command is not None:  # hiredis packs in C what redis-py packs in Python
+                    await connection.send_packed_command(_pack_command(args))
+                else:
+                    await connection.send_command(*args)
+                reply = await connection.read_response()
         except redis.ResponseError:
             self._idle.append(connection)
             raise
+        except TimeoutError as exc:  # asyncio's: the round trip outlived the socket timeout
+            await connection.disconnect(nowait=True)
+            raise redis.TimeoutError(f"Timeout after {self._timeout} s on a command to Redis") from exc
         except BaseException:
             await connection.disconnect(nowait=True)
             raise
