@@ -3,7 +3,7 @@
 Two configurations on the real Redis, each in a namespace of its own: one model with 32 workers,
 and two models with 32 workers each. Every request is for the first model. Timed, per request:
 from eligibility (the model's workers' rows and heartbeats: `eligible_workers`) to the
-reservation (`reserve_worker`: the atomic decide-and-reserve), as `ServedRequest` runs them;
+reservation (`areserve_worker`: the atomic decide-and-reserve), as `ServedRequest` runs them;
 the lease is released untimed. The two configurations are interleaved, request by request, so a
 shared machine's load falls on both alike. Also counted: the heartbeat keys read per request.
 
@@ -54,7 +54,7 @@ async def _bench() -> None:
 
     from inference_platform.serving import dispatch
     from inference_platform.serving.frontend import frontend
-    from inference_platform.serving.prepare import PreparedRequest, reserve_worker
+    from inference_platform.serving.prepare import PreparedRequest, areserve_worker
     from routing.contract.kv_events import KvEvent
     from routing.fleet.registry import Heartbeat, WorkerRegistry
     from routing.fleet.worker_rows import WorkerRow, announce_change, current_generation, kept_rows
@@ -108,7 +108,7 @@ async def _bench() -> None:
             prepared = PreparedRequest(None, None, "", [], self.view(n % PROMPTS), False)  # type: ignore[arg-type]
             started = time.perf_counter()
             workers = await dispatch.eligible_workers("first", BLOCK_SIZE, fingerprints["first"])
-            lease = await asyncio.to_thread(reserve_worker, prepared, workers, None, f"bench-{n}")
+            lease = await areserve_worker(prepared, workers, None, f"bench-{n}")
             self.seconds.append(time.perf_counter() - started)
             assert len(workers) == WORKERS_PER_MODEL and lease.worker.startswith("first")
             lease.release("bench")

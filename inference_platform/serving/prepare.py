@@ -2,7 +2,7 @@
 
 `prepare` is synchronous and pure of I/O beyond fetching image headers (it runs in a thread);
 a served request (`served.ServedRequest`), the `/v1/route` endpoint and `manage.py
-inspect_request` all see a request through it. `reserve_worker` decides and reserves;
+inspect_request` all see a request through it. `areserve_worker` decides and reserves;
 `preview_worker` decides without reserving.
 """
 
@@ -453,34 +453,6 @@ def preview_worker(
     return frontend().router().route(*args, **options)
 
 
-def reserve_worker(
-    prepared: PreparedRequest,
-    workers: Mapping[str, Heartbeat],
-    scope_key: str | None,
-    request_id: str,
-    *,
-    conditional: bool = True,
-) -> RequestLease:
-    """Decide and reserve in one atomic step (the baselines, round robin and random, too).
-
-    Workers from a fleet read (`EligibleWorkers`) are decided over only while the rows'
-    generation is still the read's (`conditional`): StaleWorkers, nothing reserved, when it moved.
-    """
-    args, options, eligible = _decision_inputs(prepared, workers, scope_key)
-    return (
-        frontend()
-        .router()
-        .decide(
-            request_id,
-            *args,
-            instances=eligible.instances,
-            reservation_ttl_s=lease_ttl_s(),
-            only_if=eligible.rows_generation if conditional else None,
-            **options,
-        )
-    )
-
-
 async def areserve_worker(
     prepared: PreparedRequest,
     workers: Mapping[str, Heartbeat],
@@ -489,7 +461,12 @@ async def areserve_worker(
     *,
     conditional: bool = True,
 ) -> RequestLease:
-    """`reserve_worker` on the running event loop (KvRouter.adecide): what a request does."""
+    """Decide and reserve in one atomic step (the baselines, round robin and random, too), on the
+    running event loop (KvRouter.adecide): no thread to hand the round trip to and back.
+
+    Workers from a fleet read (`EligibleWorkers`) are decided over only while the rows'
+    generation is still the read's (`conditional`): StaleWorkers, nothing reserved, when it moved.
+    """
     front = frontend()
     args, options, eligible = _decision_inputs(prepared, workers, scope_key, await front.apolicy())
     return await front.router().adecide(
