@@ -424,11 +424,11 @@ class KvRouter:
         holders of the request's longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix
         length, and those a sibling prompt was just sent to), the session's last worker, and
         `sample`, drawn at random for load. Whatever the fleet's size, that is a few dozen
-        workers, each with its exact overlap; those the fleet's position map names (the
-        eligible ones) are weighed, their facts read at their places in the fleet's columns.
-        One round trip, and no argument or pass per worker of the fleet in Lua. If the map is
-        gone (expired, or Redis restarted), the script does nothing and says so: it is written
-        and the decision made again.
+        workers, each with its exact overlap; those the fleet read's facts name (the eligible
+        ones: `fleet:facts:<digest>`, `_write_facts`) are weighed by their records there. One
+        round trip, and no argument or pass per worker of the fleet in Lua. If the facts are
+        gone (expired, or Redis restarted), the script does nothing and says so: they are
+        written and the decision made again.
 
         Why that is enough: a worker's cost grows with its load and falls with its overlap, so
         among workers of one overlap only the least loaded can win; the holders stand for each
