@@ -33,7 +33,7 @@ end
 local function kv_holder_count(ns, h)
   -- HSTRLEN: the length alone, no string made in Lua; 1 is the PROMOTED mark (a holder string
   -- has an even length), 0 a block nobody holds.
-  local length = redis.call('HSTRLEN', ns .. BUCKET_FAMILY .. string.sub(h, 1, 2), string.sub(h, 3, 8))
+  local length = redis.call('HSTRLEN', kv_slot(ns, h))
   if length == 1 then return redis.call('STRLEN', ns .. HOLDERS_FAMILY .. h) / 2 end
   return length / 2
 end
@@ -115,19 +115,24 @@ local function kv_forget_worker(ns, worker, id)
   end
 end
 
--- The worker's log rewritten to the blocks it still holds, each once.
-local function kv_compact(ns, worker, id)
-  local log_key = ns .. WORKER_FAMILY .. worker
-  local log = redis.call('GET', log_key) or ''
-  local seen, kept = {}, {}
+-- The blocks of worker `id`'s log that it still holds, each once: the log less what it removed
+-- since.
+local function kv_log_held(ns, worker, id)
+  local log = redis.call('GET', ns .. WORKER_FAMILY .. worker) or ''
+  local seen, held = {}, {}
   for i = 1, #log, 8 do
     local h = string.sub(log, i, i + 7)
     if not seen[h] then
       seen[h] = true
-      if kv_id_at((kv_holders(ns, h)), id) then kept[#kept + 1] = h end
+      if kv_id_at((kv_holders(ns, h)), id) then held[#held + 1] = h end
     end
   end
-  redis.call('SET', log_key, table.concat(kept))
+  return held
+end
+
+-- The worker's log rewritten to the blocks it still holds, each once.
+local function kv_compact(ns, worker, id)
+  redis.call('SET', ns .. WORKER_FAMILY .. worker, table.concat(kv_log_held(ns, worker, id)))
 end
 
 local function kv_store(ns, worker, packed)
@@ -187,21 +192,11 @@ local function kv_purge(ns, worker)
   return held
 end
 
--- The event-backed blocks a worker holds, each once: its log, less what it removed since.
+-- The event-backed blocks a worker holds, each once.
 local function kv_worker_held(ns, worker)
   local id = kv_worker_id(ns, worker, false)
-  local out = {}
-  if id == '' then return out end
-  local log = redis.call('GET', ns .. WORKER_FAMILY .. worker) or ''
-  local seen = {}
-  for i = 1, #log, 8 do
-    local h = string.sub(log, i, i + 7)
-    if not seen[h] then
-      seen[h] = true
-      if kv_id_at((kv_holders(ns, h)), id) then out[#out + 1] = h end
-    end
-  end
-  return out
+  if id == '' then return {} end
+  return kv_log_held(ns, worker, id)
 end
 
 -- The values of `field`s of a hash, in order, a few thousand per HMGET (unpack's results are
