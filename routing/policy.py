@@ -99,13 +99,21 @@ _lock = threading.Lock()
 _cached: tuple[float, LivePolicy] | None = None
 
 
+def _fresh_copy(now: float) -> LivePolicy | None:
+    """This process's copy of the policy while it is fresh, else None."""
+    with _lock:
+        if _cached is not None and now < _cached[0]:
+            return _cached[1]
+    return None
+
+
 def current_policy() -> LivePolicy:
     """The policy now (synchronous: call it from a thread in async code)."""
     global _cached
     now = time.monotonic()
-    with _lock:
-        if _cached is not None and now < _cached[0]:
-            return _cached[1]
+    fresh = _fresh_copy(now)
+    if fresh is not None:
+        return fresh
     row = RoutingPolicySettings.objects.filter(pk=1).values(*environment_defaults()).first()
     policy = _policy(row, "admin") if row is not None else _policy(environment_defaults(), "environment")
     with _lock:
@@ -116,9 +124,9 @@ def current_policy() -> LivePolicy:
 async def acurrent_policy() -> LivePolicy:
     """`current_policy` from async code: this process's copy while it is fresh (nearly always),
     else read in a thread."""
-    with _lock:
-        if _cached is not None and time.monotonic() < _cached[0]:
-            return _cached[1]
+    fresh = _fresh_copy(time.monotonic())
+    if fresh is not None:
+        return fresh
     return await asyncio.to_thread(current_policy)
 
 
