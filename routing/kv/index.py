@@ -12,7 +12,8 @@ so the index keeps blocks in buckets and workers as 2-byte ids:
   by default; 128 in the sample redis.conf) fields of up to 64 bytes stays a listpack: ~12 bytes
   for a block with one holder, 2 more per holder. Up to 65,536 x 512 blocks it stays so; past
   that buckets turn into hash tables, ~70 bytes a block, still correct. The holder count the
-  overlap query bisects on is the value's length over 2 (one HGET).
+  overlap query bisects on is the value's length over 2 (one HSTRLEN; a STRLEN more for a
+  block with a key of its own).
 - `kv:blk:<hash>`: the holder string of a block held by more than 32 workers (a shared system
   prompt on a large fleet), whose bucket field then holds `*`: a value over 64 bytes would turn
   its whole bucket into a hash table. It goes back inline once the holders are down to 16.

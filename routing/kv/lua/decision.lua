@@ -21,7 +21,7 @@
 -- frontend's read of its workers was made under that generation of the rows; a reply of false,
 -- 'stale' when it moved (nothing read, nothing reserved).
 -- 30, 31, 32: a large fleet's decision among candidates ('' in 30 for a decision over the
--- workers of 22): 30 the key of the fleet read's facts (KvRouter.write_fleet_facts: each
+-- workers of 22): 30 the key of the fleet read's facts (KvRouter._write_facts: each
 -- eligible worker's record, FACTS_FORMAT: kv capacity, running + waiting (-1: none), kv in use
 -- (-1: none), prefill rate, schedule byte, 1 if approximate), 31 the holders drawn per prefix
 -- length, 32 the workers drawn for load, joined by newlines. The candidates are read here
