@@ -1,6 +1,6 @@
-# `make run` starts the whole platform; `make test` runs the whole suite but vLLM's tests, which
-# `make test-vllm` runs; `make check`, the inner loop, runs lint and every test but those that
-# start the platform's processes or a browser. All install first.
+# `make run` starts the whole platform; `make test` runs the whole suite, vLLM's workers included;
+# `make check`, the inner loop, runs lint and every test but those that start the platform's
+# processes or a browser. All install first.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,9 +15,14 @@ STAMP := $(VENV)/.requirements-installed
 # of CPU per run.
 unexport PYTHONDONTWRITEBYTECODE
 
+# uv installs (from where pip is configured to look: scripts/uv_sources.py) in seconds what pip
+# took a minute for; pip installs uv itself, at requirements.txt's pin.
+UV := $(VENV)/bin/uv
+
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	$(PY) -m pip install --disable-pip-version-check -q "$$(grep -o '^uv==[^ ]*' requirements.txt)"
+	$(UV) pip install -q --python $(PY) $$($(PY) scripts/uv_sources.py) -r requirements.txt
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -25,14 +30,15 @@ install: $(STAMP)
 run: install
 	@bash scripts/run_platform.sh
 
-# The whole suite but vLLM's, in two runs: the tests that start no process in two test processes,
-# as `make check` runs them; then, one at a time, those that start the platform's processes or a
-# browser (they share a session pool of workers, and wait on what crosses processes).
-test: install lint
+# The whole suite in two runs: the tests that start no process in two test processes, as `make
+# check` runs them; then, one at a time, those that start the platform's processes (vLLM's
+# workers too, from .venv-vllm) or a browser: they share session pools of workers, and wait on
+# what crosses processes.
+test: install lint vllm
 	@bash scripts/ensure_redis.sh
 	@bash scripts/ensure_chromium.sh
-	$(PY) -m pytest -m "not integration and not browser and not vllm" -n 2 --dist loadscope $(PYTEST_ARGS)
-	$(PY) -m pytest -m "(integration or browser) and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not integration and not browser" -n 2 --dist loadscope $(PYTEST_ARGS)
+	$(PY) -m pytest -m "integration or browser" $(PYTEST_ARGS)
 
 # The tiers are markers the fixtures a test uses apply (tests/conftest.py). Two test processes,
 # since the inner loop is CPU-bound and starts no worker process; a module's tests stay in one
@@ -53,25 +59,27 @@ bench: install
 	$(PY) bench/models.py
 	$(PY) bench/metrics.py
 
-# The vLLM engine's own virtualenv (README: "Workers on vLLM"). PyPI's torchvision links CUDA
-# libraries that the CPU torch lacks: torchaudio and torchcodec go (nothing here uses them) and
-# deploy/vllm/sitecustomize.py lets torchvision's image code import without its compiled ops.
+# The vLLM engine's own virtualenv (README: "Workers on vLLM"), built by uv: ~35 s where pip took
+# ~2 min 15 s (1 min 20 s without compiling every module, which uv leaves to Python's first
+# import of each).
+# PyPI's torchvision links CUDA libraries that the CPU torch lacks: torchaudio and torchcodec
+# go (nothing here uses them) and deploy/vllm/sitecustomize.py lets torchvision's image code
+# import without its compiled ops.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.requirements-installed
 
-$(VLLM_STAMP): requirements-vllm.txt deploy/vllm/sitecustomize.py
-	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q -r requirements-vllm.txt
-	$(VLLM_VENV)/bin/python -m pip uninstall --disable-pip-version-check -q -y torchaudio torchcodec
+$(VLLM_STAMP): requirements-vllm.txt deploy/vllm/sitecustomize.py $(STAMP)
+	@test -x $(VLLM_VENV)/bin/python || $(UV) venv -q --python $(PYTHON) $(VLLM_VENV)
+	$(UV) pip install -q --python $(VLLM_VENV)/bin/python $$($(PY) scripts/uv_sources.py) -r requirements-vllm.txt
+	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchaudio torchcodec
 	cp deploy/vllm/sitecustomize.py "$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	$(VLLM_VENV)/bin/python -c "import torchvision, vllm; from transformers import Qwen2VLImageProcessor"
 	@touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
 
-# vLLM's tests (marker `vllm`: tests/test_vllm_engine.py), which start vLLM engines from
-# .venv-vllm (built first when missing). Apart from `make test`, which would not stay under 10
-# minutes on 2 cores with them; CI runs both (README: "Workers on vLLM").
+# vLLM's tests alone (marker `vllm`: tests/test_vllm_engine.py), which start vLLM engines from
+# .venv-vllm (built first when missing); `make test` runs them with the rest.
 test-vllm: install vllm
 	@bash scripts/ensure_redis.sh
 	$(PY) -m pytest -m vllm $(PYTEST_ARGS)
