@@ -87,19 +87,22 @@ class Level:
         return statistics.median(r.ttft_ms for r in self.results)
 
 
-def small_image(seed: int) -> ImageInput:
-    # 112x112: a grid of 8x8 patches, 16 image tokens in the demo model
+def small_image(seed: int, size: int = 112) -> ImageInput:
+    # 112x112: a grid of 8x8 patches, 16 image tokens in the demo model (448x448: 256)
     pixels = torch.randint(
-        0, 256, (112, 112, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+        0, 256, (size, size, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
     )
     buffer = io.BytesIO()
     Image.fromarray(pixels.numpy()).save(buffer, "PNG")
     return ImageInput(identity=url_identity(f"https://bench.test/{seed}.png"), data=buffer.getvalue())
 
 
-def build_request(engine: Engine, n: int, tokens: int, output: int, with_image: bool) -> GenerationRequest:
-    """A prompt of exactly `tokens` tokens, distinct from its first block on (no prefix reuse)."""
-    images = [small_image(n)] if with_image else []
+def build_request(
+    engine: Engine, n: int, tokens: int, output: int, with_image: bool, image_size: int = 112
+) -> GenerationRequest:
+    """A prompt of exactly `tokens` tokens, distinct from its first block on (no prefix reuse);
+    with an image, a square of `image_size` pixels of noise."""
+    images = [small_image(n, image_size)] if with_image else []
     vision = "<|vision_start|><|image_pad|><|vision_end|>" if with_image else ""
     words = " ".join(_WORDS[(n * 7 + i) % len(_WORDS)] for i in range(tokens))
     head = f"<|im_start|>user\nRequest {n}: {vision}"

@@ -148,3 +148,47 @@ def test_the_command_builds_sizes_of_the_qwen2_vl_demo_only(tmp_path: Path) -> N
     with pytest.raises(CommandError, match="--size"):
         call_command("build_demo_model", str(tmp_path / "q3"), "--family", "qwen3_vl", "--size", "small")
     assert not (tmp_path / "q3").exists()
+
+
+@pytest.mark.parametrize(
+    ("size", "text_dims", "billions"),
+    [
+        ("qwen2-vl-2b", (1536, 8960, 28, 12, 2), 1.98),
+        ("qwen2-vl-7b", (3584, 18944, 28, 28, 4), 7.23),
+    ],
+)
+def test_a_published_size_has_that_models_language_model_and_vision_tower(size, text_dims, billions) -> None:
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from workers.demo_model import _demo_config
+
+    # given: the config of a published size (the demo tokenizer's ids)
+    token_ids = {token: n for n, token in enumerate(SPECIAL_TOKENS)}
+    config = _demo_config(token_ids, size=size)
+    text, vision = config.text_config, config.vision_config
+    # then: Qwen2-VL's published dimensions, head size 128 and M-RoPE sections over its 64 frequencies
+    assert (
+        text.hidden_size,
+        text.intermediate_size,
+        text.num_hidden_layers,
+        text.num_attention_heads,
+        text.num_key_value_heads,
+    ) == text_dims
+    assert text.hidden_size // text.num_attention_heads == 128
+    assert text.rope_parameters["mrope_section"] == [16, 24, 24]
+    assert text.rope_parameters["rope_theta"] == 1_000_000.0
+    assert (vision.depth, vision.embed_dim, vision.num_heads, vision.mlp_ratio) == (32, 1280, 16, 4)
+    assert (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size) == (14, 2, 2)
+    assert vision.hidden_size == text.hidden_size
+    assert text.vocab_size == VOCAB_SIZE
+    # and: built on the meta device (no memory), the parameters of that model, the demo vocabulary's
+    with torch.device("meta"):
+        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_the_command_takes_a_published_size_but_not_a_heavier_tower_for_it(tmp_path: Path) -> None:
+    with pytest.raises(CommandError, match="--heavy-vision"):
+        call_command("build_demo_model", str(tmp_path / "big"), "--size", "qwen2-vl-7b", "--heavy-vision")
+    assert not (tmp_path / "big").exists()

@@ -202,7 +202,7 @@ def test_an_image_inside_the_cached_prefix_is_not_encoded_again():
 
 
 def test_the_shipped_profiles_load():
-    for name in ("cpu-demo", "qwen2-vl-7b-h100"):
+    for name in ("cpu-demo", "qwen2-vl-7b-h100", "qwen2-vl-7b-h200"):
         profile = load_profile(name)
         assert profile.step_seconds(512, 8, 1) > profile.step_seconds(0, 1) > 0
 

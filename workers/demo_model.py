@@ -213,6 +213,38 @@ TEXT_SIZES: dict[str, dict[str, int]] = {
     },
 }
 
+# Published Qwen2-VL sizes (config.json of Qwen/Qwen2-VL-2B-Instruct and Qwen2-VL-7B-Instruct):
+# the language model and the vision tower at their real dimensions, random weights, the demo's
+# tokenizer and vocabulary (4,096 tokens against 151,936 / 152,064: only the embedding and the LM
+# head are smaller, about 1 GB of the 7B's 16.6 GB in bf16). For timing the native engine on a
+# GPU (bench/sim_calibration.py --size qwen2-vl-7b); saved in bf16, built on the GPU when there is
+# one. Head size 128 in both, so 64 rotary frequencies in M-RoPE's sections.
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "qwen2-vl-2b": {
+        "text": {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+        "vision": {"depth": 32, "embed_dim": 1280, "num_heads": 16},
+        "tie_word_embeddings": True,
+    },
+    "qwen2-vl-7b": {
+        "text": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+        },
+        "vision": {"depth": 32, "embed_dim": 1280, "num_heads": 16},
+        "tie_word_embeddings": False,
+    },
+}
+DEMO_SIZES = (*TEXT_SIZES, *MODEL_SIZES)
+
 
 def _qwen_demo_tokenizer(seed: int) -> tuple[Any, dict[str, int]]:
     """The demo tokenizer as transformers loads it, and the ids of its special tokens."""
@@ -249,19 +281,28 @@ def _qwen_generation_config(token_ids: dict[str, int]) -> Any:
 def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None, size: str = "tiny") -> Any:
     from transformers import Qwen2VLConfig
 
-    vision = vision or DEFAULT_VISION
-    text = TEXT_SIZES[size]
+    published = MODEL_SIZES.get(size)
+    extra: dict[str, Any] = {}
+    if published is not None:
+        text, vision = published["text"], published["vision"]
+        # mrope_section covers head_dim / 2 = 64 rotary frequencies (temporal, height, width).
+        mrope_section = [16, 24, 24]
+        extra = {"rms_norm_eps": 1e-6}
+    else:
+        text, vision = TEXT_SIZES[size], vision or DEFAULT_VISION
+        # mrope_section covers head_dim / 2 = 32 rotary frequencies (temporal, height, width).
+        mrope_section = [8, 12, 12]
     hidden = text["hidden_size"]
     return Qwen2VLConfig(
         text_config={
             "vocab_size": VOCAB_SIZE,
             **text,
+            **extra,
             "max_position_embeddings": 32768,
-            # mrope_section covers head_dim / 2 = 32 rotary frequencies (temporal, height, width).
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 1_000_000.0,
-                "mrope_section": [8, 12, 12],
+                "mrope_section": mrope_section,
             },
             "bos_token_id": token_ids["<|endoftext|>"],
             "eos_token_id": token_ids["<|im_end|>"],
@@ -285,7 +326,7 @@ def _demo_config(token_ids: dict[str, int], vision: dict[str, int] | None = None
         bos_token_id=token_ids["<|endoftext|>"],
         eos_token_id=token_ids["<|im_end|>"],
         pad_token_id=token_ids["<|endoftext|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=published["tie_word_embeddings"] if published else False,
     )
 
 
@@ -293,11 +334,14 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False, s
     """Writes the demo checkpoint (weights, config, tokenizer, chat template, image processor).
 
     `heavy_vision` builds the heavier vision tower (HEAVY_VISION); the language model is the same.
-    `size` is the language model's (TEXT_SIZES); the tokenizer and the vision tower's shape are
-    the same at every size.
+    `size` is the language model's (TEXT_SIZES): the tokenizer and the vision tower's shape are
+    the same at every such size. A published size (MODEL_SIZES) brings its own vision tower, and
+    is saved in bf16.
     """
-    if size not in TEXT_SIZES:
-        raise ValueError(f"no demo size {size!r}; choose from {', '.join(TEXT_SIZES)}")
+    if size not in DEMO_SIZES:
+        raise ValueError(f"no demo size {size!r}; choose from {', '.join(DEMO_SIZES)}")
+    if size in MODEL_SIZES and heavy_vision:
+        raise ValueError(f"size {size!r} has its published vision tower: no heavy_vision")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import Qwen2VLForConditionalGeneration
@@ -312,7 +356,10 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False, s
 
     config = _demo_config(token_ids, HEAVY_VISION if heavy_vision else DEFAULT_VISION, size)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+    if size in MODEL_SIZES:
+        model = _published_size_model(Qwen2VLForConditionalGeneration, config, seed)
+    else:
+        model = Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
     model.generation_config = _qwen_generation_config(token_ids)
     model.save_pretrained(path)
 
@@ -327,6 +374,19 @@ def build_demo_model(path: Path, *, seed: int = 0, heavy_vision: bool = False, s
     # save_pretrained writes weights 0600; workers may run as another user (ENGINE-NOTES trap 9).
     for weights in path.glob("*.safetensors"):
         weights.chmod(0o644)
+
+
+def _published_size_model(model_class: Any, config: Any, seed: int) -> Any:
+    """A published-size model with random weights in bf16, initialised on the GPU when there is
+    one (`seed` seeds every device): drawing a 7B's 8 billion random numbers is a moment there,
+    and there is no float32 copy on the way to bf16."""
+    import torch
+
+    torch.manual_seed(seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        model = model_class._from_config(config, dtype=torch.bfloat16)
+    return model.eval()
 
 
 def _write_qwen_preprocessor_fields(preprocessor_config: Path) -> None:

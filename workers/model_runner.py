@@ -47,6 +47,7 @@ class ModelRunner:
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
+        zero_whole_pool = self.device.type != "cpu"
         self.pool = KvPoolTensors(
             layers=text_config.num_hidden_layers,
             blocks=blocks,
@@ -55,10 +56,11 @@ class ModelRunner:
             head_dim=head_dim,
             dtype=model.dtype,
             device=self.device,
+            zeroed=zero_whole_pool,
         )
-        # Blocks are zeroed on first use: a padded or partly filled block must hold finite numbers
-        # (masked keys still enter the product, and NaN * 0 is NaN).
-        self._zeroed = bytearray(blocks)
+        # Blocks are zeroed on first use (or all at once, off the CPU): a padded or partly filled
+        # block must hold finite numbers (masked keys still enter the product, and NaN * 0 is NaN).
+        self._zeroed = bytearray(b"\x01" * blocks) if zero_whole_pool else bytearray(blocks)
         self.language_model = model.model.language_model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.lm_head
@@ -73,8 +75,13 @@ class ModelRunner:
     # --- positions and images ------------------------------------------------------------------------
     def rope_positions(self, input_ids: list[int], placed: list[PromptImage]) -> tuple[torch.Tensor, int]:
         """Qwen's M-RoPE positions of the whole prompt (3, n), and the delta of the tokens after it
-        (ENGINE-NOTES trap 3: never the 1-D fallback, never the model's remembered delta)."""
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        (ENGINE-NOTES trap 3: never the 1-D fallback, never the model's remembered delta).
+
+        Computed on the CPU whatever the device: it is index arithmetic with a Python loop over
+        the images, run in the submitting thread, which on a GPU would wait for the engine
+        thread's step at each of its reads. A step moves the columns it uses to the device."""
+        cpu = torch.device("cpu")
+        ids = torch.tensor([input_ids], dtype=torch.long, device=cpu)
         mm_token_type_ids = (ids == self.layout.image_token_id).to(torch.int)
         if self.layout.video_token_id is not None:
             mm_token_type_ids[ids == self.layout.video_token_id] = 2  # video (0 text, 1 image)
@@ -83,7 +90,7 @@ class ModelRunner:
         extra: dict[str, torch.Tensor] = {}
         if videos:
             extra["video_grid_thw"] = torch.tensor(
-                [video.grid_thw for video in videos], dtype=torch.long, device=self.device
+                [video.grid_thw for video in videos], dtype=torch.long, device=cpu
             )
             if self.second_per_grid:
                 # Qwen2.5-VL places video frames in time: seconds per temporal patch.
@@ -95,7 +102,7 @@ class ModelRunner:
             positions, deltas = self.model.model.get_rope_index(
                 ids,
                 mm_token_type_ids=mm_token_type_ids,
-                image_grid_thw=torch.tensor(images, dtype=torch.long, device=self.device) if images else None,
+                image_grid_thw=torch.tensor(images, dtype=torch.long, device=cpu) if images else None,
                 **extra,
             )
         return positions[:, 0], int(deltas.reshape(-1)[0])
@@ -116,14 +123,14 @@ class ModelRunner:
             elif self.uses_mrope:
                 pixel_values, grid_thw = self._image_pixels(image)
                 output = self.model.model.get_image_features(
-                    pixel_values.to(self.device), grid_thw.to(self.device), return_dict=True
+                    self._on_device(pixel_values), grid_thw.to(self.device), return_dict=True
                 )
             else:
                 # The family's get_image_features selects the configured layer and strategy,
                 # projects, and (LLaVA-NeXT) unpads the anyres grid and adds its newline features.
                 pixels = self._llava_pixels(image)
                 output = self.model.model.get_image_features(
-                    **{name: tensor.to(self.device) for name, tensor in pixels.items()}, return_dict=True
+                    **{name: self._on_device(tensor) for name, tensor in pixels.items()}, return_dict=True
                 )
         embedding = output.pooler_output[0]
         placeholders = image.length if image.pad_positions is None else len(image.pad_positions)
@@ -134,6 +141,12 @@ class ModelRunner:
         if self.deepstack:
             embedding = torch.cat([embedding, *(layer[0] for layer in output.deepstack_features)], dim=-1)
         return embedding
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An input on the model's device; pixel values (floating point) in its dtype too."""
+        if tensor.is_floating_point():
+            return tensor.to(self.device, self.model.dtype)
+        return tensor.to(self.device)
 
     def _llava_pixels(self, image: PromptImage) -> dict[str, torch.Tensor]:
         """pixel_values (and LLaVA-NeXT's image_sizes) of one image: the frontend's, else made here."""
@@ -253,10 +266,12 @@ class ModelRunner:
         return logits
 
     def _positions(self, decodes: list[ChunkInput], longer: list[ChunkInput]) -> torch.Tensor:
+        """The packed tokens' positions, built on the CPU (where the prompts' M-RoPE positions
+        are) and sent to the device in one copy."""
         if not self.uses_mrope:
-            parts = [torch.tensor([chunk.start for chunk in decodes], dtype=torch.long, device=self.device)]
-            parts += [torch.arange(c.start, c.start + len(c.tokens), device=self.device) for c in longer]
-            return torch.cat(parts).unsqueeze(0)
+            parts = [torch.tensor([chunk.start for chunk in decodes], dtype=torch.long)]
+            parts += [torch.arange(c.start, c.start + len(c.tokens)) for c in longer]
+            return torch.cat(parts).unsqueeze(0).to(self.device)
         columns: list[torch.Tensor] = []
         if decodes:
             rows = []
@@ -266,17 +281,17 @@ class ModelRunner:
                     rows.append(chunk.mrope[:, chunk.start].tolist())
                 else:
                     rows.append([chunk.start + chunk.rope_delta] * 3)
-            columns.append(torch.tensor(rows, dtype=torch.long, device=self.device).T)
+            columns.append(torch.tensor(rows, dtype=torch.long).T)
         for chunk in longer:
             end = chunk.start + len(chunk.tokens)
             assert chunk.mrope is not None
             part = chunk.mrope[:, chunk.start : min(end, chunk.prompt_len)]
             if end > chunk.prompt_len:
                 # generated tokens (recomputed after a preemption) sit at text positions on all axes
-                later = torch.arange(max(chunk.start, chunk.prompt_len), end, device=self.device)
+                later = torch.arange(max(chunk.start, chunk.prompt_len), end)
                 part = torch.cat([part, (later + chunk.rope_delta).expand(3, -1)], dim=1)
             columns.append(part)
-        return torch.cat(columns, dim=1).unsqueeze(1)
+        return torch.cat(columns, dim=1).unsqueeze(1).to(self.device)
 
     def copy_block(self, source: int, target: int) -> None:
         self.pool.copy_block(source, target)

@@ -43,12 +43,16 @@ class KvPoolTensors:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        zeroed: bool = False,
     ) -> None:
         slots = blocks * block_size
-        # empty, not zeros: memory is touched (and counted) as blocks come into use.
+        # On a CPU empty, not zeros: memory is touched (and counted) as blocks come into use, and
+        # the runner zeroes each block on first use. `zeroed`: all at once (a GPU writes the
+        # whole pool in milliseconds, where a block at a time costs kernel launches every step).
         shape = (slots, kv_heads, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        allocate = torch.zeros if zeroed else torch.empty
+        self.keys = [allocate(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [allocate(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.block_size = block_size
 
     def copy_block(self, source: int, target: int) -> None:

@@ -33,6 +33,7 @@ def load_engine(
     model_dir: Path,
     *,
     device: str = "cpu",
+    dtype: str = "auto",
     block_size: int = 16,
     kv_capacity_blocks: int = 4096,
     embedding_cache_bytes: int = 256 << 20,
@@ -45,7 +46,12 @@ def load_engine(
     schedule_policy: str = SHORTEST_FIRST,
     prefill_join_tokens: int = DEFAULT_JOIN_TOKENS,
 ) -> EngineT:
-    """Loads a local checkpoint (no hub access) into an engine, which announces an empty cache."""
+    """Loads a local checkpoint (no hub access) into an engine, which announces an empty cache.
+
+    The model, the KV pool and every tensor a step builds live on `device` (a torch device: cpu,
+    cuda, cuda:1). `dtype` is the weights' and the pool's: "auto" is float32 on a CPU (bf16
+    matmuls are slow there) and the checkpoint's own elsewhere (bf16 for Qwen's), or a torch
+    dtype's name ("bfloat16", "float16", "float32")."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForImageTextToText
@@ -54,9 +60,15 @@ def load_engine(
 
     model_dir = Path(model_dir)
     processor = load_processor(model_dir)
-    # float32 on CPU (bf16 matmuls are slow there); the checkpoint's own dtype on accelerators.
-    dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    on_cpu = torch.device(device).type == "cpu"
+    weights: Any = model_dtype(dtype, on_cpu=on_cpu)
+    if on_cpu:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=weights).to(device).eval()
+    else:
+        # Straight onto the device: no copy of the whole model in host memory on the way.
+        model = AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=weights, device_map=device
+        ).eval()
     return engine_class(
         model=model,
         processor=processor,
@@ -76,6 +88,18 @@ def load_engine(
         prefill_join_tokens=prefill_join_tokens,
         video=VideoPreprocessor.for_model_dir(model_dir),
     )
+
+
+def model_dtype(name: str, *, on_cpu: bool) -> Any:
+    """The dtype `from_pretrained` gets for a `load_engine` dtype name ("auto": see there)."""
+    import torch
+
+    if name == "auto":
+        return torch.float32 if on_cpu else "auto"
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a torch floating-point dtype (bfloat16, float16, float32)")
+    return dtype
 
 
 def end_of_sequence_ids(model: Any, tokenizer: Any) -> frozenset[int]:

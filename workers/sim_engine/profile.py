@@ -52,7 +52,11 @@ class SimProfile:
 
     @classmethod
     def from_file(cls, path: Path) -> SimProfile:
-        data = json.loads(Path(path).read_text())
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SimProfile:
+        """A profile from a profile file's content."""
         timing, scheduler = data["timing"], data["scheduler"]
         return cls(
             name=data["name"],

@@ -1,5 +1,6 @@
 """`manage.py build_demo_model PATH [--family qwen2_vl|qwen3_vl|llava|llava_next]
-[--size tiny|small|medium]`: writes a small random-weight demo checkpoint (Qwen2-VL by default)."""
+[--size tiny|small|medium|qwen2-vl-2b|qwen2-vl-7b]`: writes a random-weight demo checkpoint (Qwen2-VL
+by default; small unless a published size is asked for)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from workers.demo_model import DEMO_FAMILIES, TEXT_SIZES, replace_demo_model
+from workers.demo_model import DEMO_FAMILIES, DEMO_SIZES, MODEL_SIZES, replace_demo_model
 
 
 class Command(BaseCommand):
@@ -28,10 +29,11 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--size",
-            choices=tuple(TEXT_SIZES),
+            choices=DEMO_SIZES,
             default="tiny",
             help="the language model's size (default tiny, the tests' model); small and medium cost "
-            "enough per token that a throughput bench times the engine, not the platform around it",
+            "enough per token that a throughput bench times the engine, not the platform around it; "
+            "qwen2-vl-2b and qwen2-vl-7b are the published models' dimensions in bf16 (for a GPU)",
         )
 
     def handle(
@@ -50,6 +52,8 @@ class Command(BaseCommand):
             raise CommandError(f"{path} already holds files; pass --force to replace them")
         if heavy_vision and family != "qwen2_vl":
             raise CommandError("--heavy-vision builds only the qwen2_vl demo")
+        if heavy_vision and size in MODEL_SIZES:
+            raise CommandError(f"--heavy-vision: size {size} has the published model's vision tower")
         if size != "tiny" and family != "qwen2_vl":
             raise CommandError("--size builds only the qwen2_vl demo")
         replace_demo_model(path, seed=seed, heavy_vision=heavy_vision, family=family, size=size)
