@@ -1,8 +1,8 @@
 """Workers on vLLM (`run_worker --engine vllm`), end to end: the platform's frontend routes, a
 vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's own.
 
-These need vLLM's virtualenv (`make vllm`, 3.5 GB); without it they are skipped, saying so
-(`make test-vllm` builds it and runs them). vLLM starts in 40-80 s on a 2-core machine, so the
+These need vLLM's virtualenv (`make vllm`, 3.3 GB); without it they are skipped, saying so
+(`make test` and `make test-vllm` build it first). vLLM starts in 40-80 s on a 2-core machine, so the
 module starts one pair of vLLM workers (`vllm_pair`) that every test which only sends requests
 shares, each with pictures of its own; last come the Redis restart, which empties everything,
 and a worker killed before its requests' first token, which leaves one.
