@@ -31,14 +31,15 @@ run: install
 	@bash scripts/run_platform.sh
 
 # The whole suite in two runs: the tests that start no process in two test processes, as `make
-# check` runs them; then, one at a time, those that start the platform's processes (vLLM's
-# workers too, from .venv-vllm) or a browser: they share session pools of workers, and wait on
-# what crosses processes.
+# check` runs them; then those that start the platform's processes or a browser, one at a time
+# (they share session pools of workers, and wait on what crosses processes), beside vLLM's
+# (from .venv-vllm), one at a time too, in a test run of their own: its output follows.
 test: install lint vllm
 	@bash scripts/ensure_redis.sh
 	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -m "not integration and not browser" -n 2 --dist loadscope $(PYTEST_ARGS)
-	$(PY) -m pytest -m "integration or browser" $(PYTEST_ARGS)
+	@bash scripts/side_by_side.sh '$(PY) -m pytest -m vllm $(PYTEST_ARGS)' \
+		'$(PY) -m pytest -m "(integration or browser) and not vllm" $(PYTEST_ARGS)'
 
 # The tiers are markers the fixtures a test uses apply (tests/conftest.py). Two test processes,
 # since the inner loop is CPU-bound and starts no worker process; a module's tests stay in one
