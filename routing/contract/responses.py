@@ -81,10 +81,14 @@ class ResponseWriter:
         self._live_key = live_key(self._namespace, follow_id) if follow_id else None
 
     def send(self, event_type: str, **data: Any) -> None:
+        fields = {"type": event_type, "data": json.dumps(data)}
+        if self._expiry_set:
+            # A token's path: one plain command (a pipeline object costs ~40 us more per event).
+            self._client.xadd(self._key, fields)
+            return
         pipe = self._client.pipeline(transaction=False)
-        pipe.xadd(self._key, {"type": event_type, "data": json.dumps(data)})
-        if not self._expiry_set:
-            pipe.expire(self._key, RESPONSE_TTL_SECS)
+        pipe.xadd(self._key, fields)
+        pipe.expire(self._key, RESPONSE_TTL_SECS)
         pipe.execute()
         self._expiry_set = True
 
