@@ -4,10 +4,10 @@ Usage: `.venv/bin/python bench/vllm_engine.py [--requests N] [--size small|mediu
 [--max-tokens N]` (needs `make vllm`; Redis at REDIS_URL, default redis://127.0.0.1:6379/14,
 under a namespace of its own that is deleted afterwards). It builds the Qwen2-VL demo checkpoint
 of `--size` (default small, about 3x tiny's compute per token, so the comparison times vLLM
-more than its per-step overheads: 91-118 tok/s directly at concurrency 8 on this 2-core machine
-while other work ran, tiny 131) into a temporary directory, unless MODEL_PATH names one. About
-11 minutes at 100 requests on a busy 2-core machine, most of it vLLM starting (four engines,
-two at a time).
+more than its per-step overheads: 354-401 tok/s directly at concurrency 8 on a quiet 2-core
+machine, 91-118 while other work ran) into a temporary directory, unless MODEL_PATH names one.
+About 5 minutes at 100 requests on a quiet 2-core machine, most of it vLLM starting (four
+engines, two at a time) and the platform's concurrency-1 run.
 
 The workload: REQUESTS chat requests, each a system prompt (one of SYSTEM_PROMPTS, Zipf-like
 popularity), one image (one of IMAGES noise pictures, Zipf-like) and a question (one of a few),
@@ -26,13 +26,18 @@ platform_cpu_ms_per_1k_tokens=<n>`:
   concurrency 8, two vLLM workers of one OpenMP thread each, empty caches) over the same prompts
   driven into AsyncLLM directly, in a process of the bench's own holding two AsyncLLM engines
   configured as the workers configure theirs (one OpenMP thread each, 8 users, user k on engine
-  k mod 2, empty caches). The direct run goes first; the platform's prompts must count the same
-  tokens as the direct run's, or the bench stops.
+  k mod 2, empty caches). Each side runs PASSES passes (`--passes`), both prefix caches emptied
+  before each, and the figure is the ratio of the two sides' median passes: the direct passes
+  first (its engines warmed by a request of their own), then the platform's (after its
+  concurrency-1 run), each side alone on the machine. Every pass is printed; the platform's
+  prompts must count the same tokens as the direct run's, or the bench stops.
 - platform_cpu_ms_per_1k_tokens: the CPU time of the frontend process and of the two worker
-  processes (their own, not vLLM's engine core children) during the platform's concurrency-8
-  run, less the CPU time of the direct run's process (AsyncLLM's own client side: input
+  processes (their own, not vLLM's engine core children) during a platform pass, less the
+  direct passes' median CPU time of the direct run's process (AsyncLLM's own client side: input
   processing, detokenizing, which the worker process does as well), per 1,000 streamed tokens:
-  what the platform's frontend and worker adapter add. Redis's CPU is not counted.
+  what the platform's frontend and worker adapter add (the median over the platform's passes).
+  Redis's CPU is not counted, nor the bench's own HTTP client's, printed beside each pass: on a
+  small machine both take cores the engines would use.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,6 +75,7 @@ SYSTEM_WORDS = 120
 CONCURRENCY = 8
 MAX_TOKENS = 32
 REQUESTS = 100
+PASSES = 3  # concurrency-8 passes of each side, interleaved; the figure is their medians'
 ZIPF_EXPONENT = 1.0
 SEED = 3505
 
@@ -168,8 +175,10 @@ def engine_args(model: str) -> dict:
     }
 
 
-def run_direct(spec: dict) -> RunFigures:
-    """Two AsyncLLM engines (one OpenMP thread each), CONCURRENCY users, user k on engine k mod 2."""
+def run_direct(spec: dict) -> None:
+    """Two AsyncLLM engines (one OpenMP thread each), CONCURRENCY users, user k on engine k mod 2:
+    started once, then one concurrency-8 pass per `pass` line on stdin (both prefix caches
+    emptied first), each answered with a `RESULT` line; ends at end of input."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # as run_worker --threads 1 sets them
     os.environ["OMP_NUM_THREADS"] = "1"
     from PIL import Image
@@ -190,36 +199,98 @@ def run_direct(spec: dict) -> RunFigures:
     ]
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0)
 
-    async def drive() -> RunFigures:
+    async def one_pass(engines: list, number: int) -> RunFigures:
+        for engine in engines:
+            await engine.reset_prefix_cache()
+        pending = list(enumerate(zip(asks, prompts, strict=True)))
+        totals = [0, 0, 0]
+
+        async def user(k: int) -> None:
+            engine = engines[k % len(engines)]
+            while pending:
+                n, (ask, prompt) = pending.pop(0)
+                request = {"prompt": prompt, "multi_modal_data": {"image": images[ask.image]}}
+                async for output in engine.generate(request, params, f"direct-{number}-{n}"):
+                    if output.finished:
+                        totals[0] += len(output.prompt_token_ids)
+                        totals[1] += len(output.outputs[0].token_ids)
+                        totals[2] += output.num_cached_tokens or 0
+
+        cpu, started = process_cpu_s(), time.perf_counter()
+        await asyncio.gather(*(user(k) for k in range(CONCURRENCY)))
+        wall, cpu = time.perf_counter() - started, process_cpu_s() - cpu
+        return RunFigures(wall, *totals, cpu_s=cpu)
+
+    async def drive() -> None:
         engines = [AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(model))) for _ in WORKERS]
         try:
             for n, engine in enumerate(engines):  # the first forward pass is no request's
                 async for _ in engine.generate("warm up", SamplingParams(max_tokens=2), f"warm-{n}"):
                     pass
-                await engine.reset_prefix_cache()
-            pending = list(enumerate(zip(asks, prompts, strict=True)))
-            totals = [0, 0, 0]
-
-            async def user(k: int) -> None:
-                engine = engines[k % len(engines)]
-                while pending:
-                    n, (ask, prompt) = pending.pop(0)
-                    request = {"prompt": prompt, "multi_modal_data": {"image": images[ask.image]}}
-                    async for output in engine.generate(request, params, f"direct-{n}"):
-                        if output.finished:
-                            totals[0] += len(output.prompt_token_ids)
-                            totals[1] += len(output.outputs[0].token_ids)
-                            totals[2] += output.num_cached_tokens or 0
-
-            cpu, started = process_cpu_s(), time.perf_counter()
-            await asyncio.gather(*(user(k) for k in range(CONCURRENCY)))
-            wall, cpu = time.perf_counter() - started, process_cpu_s() - cpu
-            return RunFigures(wall, *totals, cpu_s=cpu)
+            print("READY", flush=True)
+            number = 0
+            while (await asyncio.to_thread(sys.stdin.readline)).strip() == "pass":
+                figures = await one_pass(engines, number)
+                print("RESULT " + json.dumps(asdict(figures)), flush=True)
+                number += 1
         finally:
             for engine in engines:
                 engine.shutdown()
 
-    return asyncio.run(drive())
+    asyncio.run(drive())
+
+
+class DirectEngines:
+    """The direct run's process (`--direct SPEC`, in .venv-vllm), kept between its passes so that
+    they interleave with the platform's: a slow spell of the machine then falls on both sides."""
+
+    def __init__(self, model: Path, image_paths: list[Path], asks: list[Ask], max_tokens: int, scratch: Path):
+        spec = scratch / "direct.json"
+        spec.write_text(
+            json.dumps(
+                {
+                    "model": str(model),
+                    "images": [str(path) for path in image_paths],
+                    "asks": [asdict(ask) for ask in asks],
+                    "max_tokens": max_tokens,
+                }
+            )
+        )
+        self._log = (scratch / "direct.log").open("w+")
+        self._process = subprocess.Popen(
+            [str(VLLM_PYTHON), __file__, "--direct", str(spec)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        )
+        self._expect("READY")
+
+    def run_pass(self) -> RunFigures:
+        """One concurrency-8 pass over every ask, both engines' prefix caches emptied first."""
+        assert self._process.stdin is not None
+        self._process.stdin.write("pass\n")
+        self._process.stdin.flush()
+        return RunFigures(**json.loads(self._expect("RESULT ")[len("RESULT ") :]))
+
+    def _expect(self, prefix: str) -> str:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.startswith(prefix):
+                return line.rstrip("\n")
+        self._log.seek(0)
+        raise RuntimeError(f"the direct run failed:\n{self._log.read()[-3000:]}")
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        self._log.close()
 
 
 # --- the platform -----------------------------------------------------------------------------------
@@ -329,32 +400,6 @@ def model_dir(scratch: Path, size: str) -> Path:
     return path
 
 
-def run_direct_process(model: Path, image_paths: list[Path], asks: list[Ask], max_tokens: int, scratch: Path):
-    spec = scratch / "direct.json"
-    spec.write_text(
-        json.dumps(
-            {
-                "model": str(model),
-                "images": [str(path) for path in image_paths],
-                "asks": [asdict(ask) for ask in asks],
-                "max_tokens": max_tokens,
-            }
-        )
-    )
-    done = subprocess.run(
-        [str(VLLM_PYTHON), __file__, "--direct", str(spec)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the direct run failed:\n{done.stderr[-3000:]}")
-    return RunFigures(**json.loads(lines[-1][len("RESULT ") :]))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=REQUESTS)
@@ -362,10 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--size", default="small", help="the demo checkpoint's size (build_demo_model --size)"
     )
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--passes", type=int, default=PASSES, help="concurrency-8 passes of each side")
     parser.add_argument("--direct", type=Path, help=argparse.SUPPRESS)  # the direct run's own process
     args = parser.parse_args(argv)
     if args.direct is not None:
-        print("RESULT " + json.dumps(asdict(run_direct(json.loads(args.direct.read_text())))), flush=True)
+        run_direct(json.loads(args.direct.read_text()))
         return 0
     if not VLLM_PYTHON.exists():
         print("no .venv-vllm: run `make vllm` first", file=sys.stderr)
@@ -393,15 +439,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
 
+        # The direct passes, then the platform's: the other side's processes are gone by then, as
+        # vLLM's idle engines still take some CPU (their workers spin a second after each step).
         started = time.perf_counter()
-        direct = run_direct_process(model, image_paths, asks, args.max_tokens, scratch)
-        print(
-            f"direct AsyncLLM c{CONCURRENCY}: {direct.completion_tokens} tokens in {direct.wall_s:.1f} s = "
-            f"{direct.tokens_per_s:.0f} tok/s, {direct.cached_tokens}/{direct.prompt_tokens} prompt tokens "
-            f"cached, client CPU {direct.cpu_s:.2f} s (with start-up: {time.perf_counter() - started:.0f} s)",
-            flush=True,
-        )
-
+        direct = DirectEngines(model, image_paths, asks, args.max_tokens, scratch)
+        try:
+            print(f"direct AsyncLLM engines up in {time.perf_counter() - started:.0f} s", flush=True)
+            directs = [direct.run_pass() for _ in range(args.passes)]
+        finally:
+            direct.close()
+        for number, run in enumerate(directs):
+            print(direct_line(number, run), flush=True)
         platform = PlatformProcesses(
             scratch,
             model,
@@ -417,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "LOG_LEVEL": "WARNING",
             },
         )
+        throughs: list[RunFigures] = []
         try:
             started = time.perf_counter()
             for name in WORKERS:
@@ -437,44 +486,72 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not answer.agrees():
                     print(f"  disagrees: request {n} {asks[n]} {answer}", flush=True)
 
-            flush_kv(platform)
             pids = [process.pid for process in (*platform.workers.values(), platform.servers[0])]
-            cpu_before = [process_cpu_s(pid) for pid in pids]
-            eight, eight_wall = drive_platform(
-                base_url, platform.headers, asks, urls, CONCURRENCY, args.max_tokens
-            )
-            cpu = [process_cpu_s(pid) - before for pid, before in zip(pids, cpu_before, strict=True)]
+            for number in range(args.passes):
+                flush_kv(platform)
+                cpu_before = [process_cpu_s(pid) for pid in pids]
+                client_before = process_cpu_s()
+                eight, eight_wall = drive_platform(
+                    base_url, platform.headers, asks, urls, CONCURRENCY, args.max_tokens
+                )
+                cpu = [process_cpu_s(pid) - before for pid, before in zip(pids, cpu_before, strict=True)]
+                throughs.append(
+                    RunFigures(
+                        eight_wall,
+                        sum(a.prompt_tokens for a in eight),
+                        sum(a.completion_tokens for a in eight),
+                        sum(a.cached_tokens for a in eight),
+                        sum(cpu),
+                    )
+                )
+                if throughs[-1].prompt_tokens != directs[0].prompt_tokens:
+                    print(
+                        f"the platform's prompts counted {throughs[-1].prompt_tokens} tokens, the direct "
+                        f"run's {directs[0].prompt_tokens}: not the same prompts",
+                        file=sys.stderr,
+                    )
+                    return 1
+                client_cpu = process_cpu_s() - client_before
+                print(platform_line(number, throughs[-1], agreement(eight), cpu, client_cpu), flush=True)
         finally:
             platform.close()
 
-    through = RunFigures(
-        eight_wall,
-        sum(a.prompt_tokens for a in eight),
-        sum(a.completion_tokens for a in eight),
-        sum(a.cached_tokens for a in eight),
-        sum(cpu),
+    # Each side's median pass: a slow spell of the machine moves one pass, not the figure.
+    direct_rate = statistics.median(figures.tokens_per_s for figures in directs)
+    through_rate = statistics.median(figures.tokens_per_s for figures in throughs)
+    direct_cpu = statistics.median(figures.cpu_s for figures in directs)
+    own_cpu_ms = statistics.median(
+        (through.cpu_s - direct_cpu) * 1e6 / through.completion_tokens for through in throughs
     )
-    if through.prompt_tokens != direct.prompt_tokens:
-        print(
-            f"the platform's prompts counted {through.prompt_tokens} tokens, the direct run's "
-            f"{direct.prompt_tokens}: not the same prompts",
-            file=sys.stderr,
-        )
-        return 1
-    workers = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in zip(WORKERS, cpu, strict=False))
     print(
-        f"platform c{CONCURRENCY}: {through.completion_tokens} tokens in {through.wall_s:.1f} s = "
-        f"{through.tokens_per_s:.0f} tok/s, {through.cached_tokens}/{through.prompt_tokens} prompt tokens "
-        f"cached, agreement {agreement(eight):.3f}; CPU: frontend {cpu[-1]:.2f} s, workers {workers}",
+        f"median of {len(directs)} passes each: direct {direct_rate:.0f} tok/s, "
+        f"platform {through_rate:.0f} tok/s",
         flush=True,
     )
-    own_cpu_ms = (through.cpu_s - direct.cpu_s) * 1000
     print(
         f"agreement={agreement(one):.3f} "
-        f"platform_over_direct_c8={through.tokens_per_s / direct.tokens_per_s:.2f} "
-        f"platform_cpu_ms_per_1k_tokens={own_cpu_ms * 1000 / through.completion_tokens:.0f}"
+        f"platform_over_direct_c8={through_rate / direct_rate:.2f} "
+        f"platform_cpu_ms_per_1k_tokens={own_cpu_ms:.0f}"
     )
     return 0
+
+
+def direct_line(number: int, run: RunFigures) -> str:
+    return (
+        f"direct pass {number + 1}: AsyncLLM c{CONCURRENCY} {run.completion_tokens} tokens in "
+        f"{run.wall_s:.1f} s = {run.tokens_per_s:.0f} tok/s, {run.cached_tokens}/{run.prompt_tokens} "
+        f"prompt tokens cached, client CPU {run.cpu_s:.2f} s"
+    )
+
+
+def platform_line(number: int, run: RunFigures, agreed: float, cpu: list[float], client_cpu: float) -> str:
+    workers = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in zip(WORKERS, cpu, strict=False))
+    return (
+        f"platform pass {number + 1}: c{CONCURRENCY} {run.completion_tokens} tokens in {run.wall_s:.1f} s = "
+        f"{run.tokens_per_s:.0f} tok/s, {run.cached_tokens}/{run.prompt_tokens} prompt tokens cached, "
+        f"agreement {agreed:.3f}; CPU: frontend {cpu[-1]:.2f} s, workers {workers}; this bench's "
+        f"HTTP client {client_cpu:.2f} s"
+    )
 
 
 if __name__ == "__main__":
