@@ -313,7 +313,12 @@ def test_redis_restarted_while_idle_every_request_after_it_is_answered_and_runs_
         f"{answered} of 12 answered 200, the worker ran {ran}: {failed}; the server: {redis_errors[-3:]}"
     )
     # ... and the worker ran exactly the requests that were answered: no work for a lost answer
-    assert ran == answered == 12
+    server_log = platform.log("server").splitlines()
+    assert ran == answered == 12, (
+        f"the worker ran {ran} generations for {answered} answers; the frontend moved requests: "
+        f"{[line[-160:] for line in server_log if 'migrated to' in line or 'went away' in line][-4:]}; "
+        f"tasks the worker received: {platform.log('worker-sturdy').count('] received')}"
+    )
     assert active_requests(platform) == {}
 
 
