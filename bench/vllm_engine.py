@@ -142,6 +142,28 @@ def process_cpu_s(pid: int | str = "self") -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def engines_cpu_s(parents: Sequence[int]) -> float:
+    """The CPU seconds of every live descendant of `parents` (vLLM's engine core and model
+    worker processes under a worker or the direct run), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, stack = 0.0, [child for parent in parents for child in children.get(parent, [])]
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        try:
+            total += process_cpu_s(pid)
+        except OSError:
+            continue
+    return total
+
+
 @dataclass
 class RunFigures:
     """What one concurrency-8 run served: tokens, time and the driving process's CPU."""
@@ -151,6 +173,8 @@ class RunFigures:
     completion_tokens: int
     cached_tokens: int
     cpu_s: float = 0.0
+    # vLLM's own processes under it (engine cores, model workers): where the steps are computed
+    engines_cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -271,9 +295,12 @@ class DirectEngines:
     def run_pass(self) -> RunFigures:
         """One concurrency-8 pass over every ask, both engines' prefix caches emptied first."""
         assert self._process.stdin is not None
+        engines_before = engines_cpu_s([self._process.pid])
         self._process.stdin.write("pass\n")
         self._process.stdin.flush()
-        return RunFigures(**json.loads(self._expect("RESULT ")[len("RESULT ") :]))
+        figures = RunFigures(**json.loads(self._expect("RESULT ")[len("RESULT ") :]))
+        figures.engines_cpu_s = engines_cpu_s([self._process.pid]) - engines_before
+        return figures
 
     def _expect(self, prefix: str) -> str:
         assert self._process.stdout is not None
@@ -491,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush_kv(platform)
                 cpu_before = [process_cpu_s(pid) for pid in pids]
                 client_before = process_cpu_s()
+                engines_before = engines_cpu_s(pids[:-1])
                 eight, eight_wall = drive_platform(
                     base_url, platform.headers, asks, urls, CONCURRENCY, args.max_tokens
                 )
@@ -502,6 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         sum(a.completion_tokens for a in eight),
                         sum(a.cached_tokens for a in eight),
                         sum(cpu),
+                        engines_cpu_s(pids[:-1]) - engines_before,
                     )
                 )
                 if throughs[-1].prompt_tokens != directs[0].prompt_tokens:
@@ -540,7 +569,8 @@ def direct_line(number: int, run: RunFigures) -> str:
     return (
         f"direct pass {number + 1}: AsyncLLM c{CONCURRENCY} {run.completion_tokens} tokens in "
         f"{run.wall_s:.1f} s = {run.tokens_per_s:.0f} tok/s, {run.cached_tokens}/{run.prompt_tokens} "
-        f"prompt tokens cached, client CPU {run.cpu_s:.2f} s"
+        f"prompt tokens cached, client CPU {run.cpu_s:.2f} s, vLLM's engine processes "
+        f"{run.engines_cpu_s:.1f} s"
     )
 
 
@@ -550,7 +580,7 @@ def platform_line(number: int, run: RunFigures, agreed: float, cpu: list[float],
         f"platform pass {number + 1}: c{CONCURRENCY} {run.completion_tokens} tokens in {run.wall_s:.1f} s = "
         f"{run.tokens_per_s:.0f} tok/s, {run.cached_tokens}/{run.prompt_tokens} prompt tokens cached, "
         f"agreement {agreed:.3f}; CPU: frontend {cpu[-1]:.2f} s, workers {workers}; this bench's "
-        f"HTTP client {client_cpu:.2f} s"
+        f"HTTP client {client_cpu:.2f} s; vLLM's engine processes {run.engines_cpu_s:.1f} s"
     )
 
 
