@@ -1,13 +1,15 @@
 """The platform in front of two vLLM workers, against vLLM's AsyncLLM driven directly, in one run.
 
-Usage: `.venv/bin/python bench/vllm_engine.py [--requests N] [--size small|medium|tiny]
-[--max-tokens N]` (needs `make vllm`; Redis at REDIS_URL, default redis://127.0.0.1:6379/14,
-under a namespace of its own that is deleted afterwards). It builds the Qwen2-VL demo checkpoint
-of `--size` (default small, about 3x tiny's compute per token, so the comparison times vLLM
-more than its per-step overheads: 354-401 tok/s directly at concurrency 8 on a quiet 2-core
-machine, 91-118 while other work ran) into a temporary directory, unless MODEL_PATH names one.
-About 5 minutes at 100 requests on a quiet 2-core machine, most of it vLLM starting (four
-engines, two at a time) and the platform's concurrency-1 run.
+Usage: `.venv/bin/python bench/vllm_engine.py [--requests N] [--size medium|small|tiny]
+[--max-tokens N] [--passes N]` (needs `make vllm`; Redis at REDIS_URL, default
+redis://127.0.0.1:6379/14, under a namespace of its own that is deleted afterwards). It builds
+the Qwen2-VL demo checkpoint of `--size` into a temporary directory, unless MODEL_PATH names one:
+by default medium (about 8x tiny's compute per token), the size whose direct run lands in the
+issue's 150-400 tok/s on this 2-core machine, quiet, with the model in the engine core's process
+as the workers run it (266-281 tok/s; small made 505-529 there, above the range, and 354-436
+with vLLM's multiprocess executor; tiny spends its time in vLLM's per-step overheads). About 7
+minutes at 100 requests on a quiet 2-core machine, most of it the platform's concurrency-1 run
+and four vLLM engines starting, two at a time.
 
 The workload: REQUESTS chat requests, each a system prompt (one of SYSTEM_PROMPTS, Zipf-like
 popularity), one image (one of IMAGES noise pictures, Zipf-like) and a question (one of a few),
@@ -203,8 +205,11 @@ def run_direct(spec: dict) -> None:
     """Two AsyncLLM engines (one OpenMP thread each), CONCURRENCY users, user k on engine k mod 2:
     started once, then one concurrency-8 pass per `pass` line on stdin (both prefix caches
     emptied first), each answered with a `RESULT` line; ends at end of input."""
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # as run_worker --threads 1 sets them
+    # As run_worker --threads 1 sets them on a CPU: unbound, one thread, the model in the engine
+    # core's process (workers/management/commands/run_worker.py, _bound_vllm_threads).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from PIL import Image
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -431,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument(
-        "--size", default="small", help="the demo checkpoint's size (build_demo_model --size)"
+        "--size", default="medium", help="the demo checkpoint's size (build_demo_model --size)"
     )
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--passes", type=int, default=PASSES, help="concurrency-8 passes of each side")
