@@ -24,6 +24,7 @@ import pytest
 
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
+from routing.observe.telemetry import FLUSH_INTERVAL_SECS
 from tests.platform_harness import SIMULATED, run_worker_args
 
 
@@ -256,6 +257,23 @@ def generations_run(platform) -> int:
     return run
 
 
+def settled_runs(platform) -> int:
+    """`generations_run` once nothing more can come: every worker idle (an earlier test's late
+    runs, a restored task, finished) and the count unchanged over a few of the workers' flushes
+    (their counts reach Redis about once a second, so a run that just ended may not show yet)."""
+    for name in platform.simulated_workers:
+        platform.wait_until_idle(name)
+    deadline = time.monotonic() + 20
+    seen, since = generations_run(platform), time.monotonic()
+    while time.monotonic() - since < 2.5 * FLUSH_INTERVAL_SECS:
+        assert time.monotonic() < deadline, f"the workers' run count never settled (last {seen})"
+        time.sleep(0.2)
+        now = generations_run(platform)
+        if now != seen:
+            seen, since = now, time.monotonic()
+    return seen
+
+
 def ask_all(platform, count: int, text: str) -> list[httpx.Response | Exception]:
     """`count` requests at once, each on a connection of its own (the frontend's pools grow)."""
     answers: list[httpx.Response | Exception] = [RuntimeError("no answer")] * count
@@ -279,13 +297,13 @@ def test_redis_restarted_while_idle_every_request_after_it_is_answered_and_runs_
 ):
     # given a frontend whose asyncio pool holds many connections: concurrent requests opened them
     platform = redis_platform
-    counted = generations_run(platform)
+    # (counted once the module's earlier tests are done with: the one before kills Redis under
+    # load, and a task it had queued may still run and be counted here)
+    counted = settled_runs(platform)
     warm = ask_all(platform, 12, "Warm up question")
     assert [getattr(answer, "status_code", answer) for answer in warm] == [200] * 12
-    deadline = time.monotonic() + 10
-    while generations_run(platform) < counted + 12:  # the worker's counts reached Redis
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    # every count of the warm-up reached Redis: none is left to be written after the restart
+    assert settled_runs(platform) == counted + 12
 
     # when Redis is killed and started again, empty, while the platform is idle: every pooled
     # connection of the frontend now points at a socket the server closed
