@@ -187,10 +187,10 @@ HEAVY_VISION = {"depth": 8, "embed_dim": 384, "num_heads": 6}
 # compute per token) and "medium" (about 8x) keep the head size (64, which the mrope_section
 # below covers), the vocabulary, tokenizer and vision tower. Measured with bench/vllm_engine.py's
 # direct run (two vLLM engines of one thread each, 8 requests in flight, 32 new tokens after
-# ~540 prompt tokens with an image) on this 2-core machine: quiet, the model in the engine
-# core's process (as the workers run it on a CPU), small 505-529 tok/s and medium 266-281; while
-# three other engineers' tests ran, with vLLM's multiprocess executor, tiny 131, small 91-118,
-# medium 57.
+# ~540 prompt tokens with an image) on this 2-core machine: quiet, small 354-436 tok/s and medium
+# 212-247 (505-529 and 266-283 with the model in vLLM's engine core process,
+# VLLM_ENABLE_V1_MULTIPROCESSING=0); while three other engineers' tests ran, tiny 131, small
+# 91-118, medium 57.
 TEXT_SIZES: dict[str, dict[str, int]] = {
     "tiny": {
         "hidden_size": 256,
