@@ -76,7 +76,7 @@ SYSTEM_WORDS = 120
 CONCURRENCY = 8
 MAX_TOKENS = 32
 REQUESTS = 100
-PASSES = 3  # concurrency-8 passes of each side, interleaved; the figure is their medians'
+PASSES = 3  # concurrency-8 passes of each side, one side after the other; the figure is their medians'
 ZIPF_EXPONENT = 1.0
 SEED = 3505
 
@@ -137,9 +137,14 @@ def image_png(n: int) -> bytes:
     return noise_png(f"vllm-bench-{n}", IMAGE_SIDE)
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat's fields after the process name (field 3, the state, first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu_s(pid: int | str = "self") -> float:
     """User plus system CPU seconds of one process (not its children), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -150,7 +155,7 @@ def engines_cpu_s(parents: Sequence[int]) -> float:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(_stat_fields(entry.name)[1])
             except (OSError, IndexError, ValueError):
                 continue  # gone meanwhile
             children.setdefault(ppid, []).append(int(entry.name))
@@ -268,8 +273,8 @@ def run_direct(spec: dict) -> None:
 
 
 class DirectEngines:
-    """The direct run's process (`--direct SPEC`, in .venv-vllm), kept between its passes so that
-    they interleave with the platform's: a slow spell of the machine then falls on both sides."""
+    """The direct run's process (`--direct SPEC`, in .venv-vllm), its engines started and warmed
+    once and kept for every pass (each pass empties their prefix caches first)."""
 
     def __init__(self, model: Path, image_paths: list[Path], asks: list[Ask], max_tokens: int, scratch: Path):
         spec = scratch / "direct.json"
