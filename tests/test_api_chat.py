@@ -18,6 +18,7 @@ from django.conf import settings as django_settings
 from django.test import AsyncClient
 
 from routing.contract.responses import ERROR, STARTED, TOKEN, ResponseEvent, ResponseWriter
+from routing.contract.tasks import ENGINE_DEAD, DoneEvent, ErrorEvent
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.load import LoadTracker
 from routing.models import Worker
@@ -241,38 +242,78 @@ async def test_a_worker_that_vanishes_before_starting_fault_injected_is_a_503(
     assert response["X-Request-Id"] in body["error"]["message"]
 
 
-async def answer_ghost_tasks(count: int, deadline_s: float, **error) -> list[str]:
-    """Answer the next `count` tasks queued for the ghost as a worker that failed them with
-    `error`; the task ids, in order (only known once queued: read from the broker's message)."""
+async def answer_ghost_tasks(
+    count: int, deadline_s: float, *, workers: tuple[str, ...] = ("ghost",), answers=(), **error
+) -> list[str]:
+    """Answer the next `count` tasks queued for the `workers` as a worker that failed them with
+    `error`, or with the next of `answers` (an event each, in turn) while they last; the task
+    ids, in order (only known once queued: read from the broker's message)."""
     conn = redis.Redis.from_url(django_settings.REDIS_URL)
     prefix = django_settings.REDIS_KEY_PREFIX
+    answers = list(answers)
     task_ids: list[str] = []
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline and len(task_ids) < count:
-        raw = conn.rpop(f"{prefix}worker.ghost")
-        if raw:
-            args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
-            task_ids.append(args[0]["request_id"])
-            writer = ResponseWriter(conn, prefix, task_ids[-1])
-            writer.send(STARTED, worker="ghost")
-            writer.send(ERROR, **error)
+        for worker in workers:
+            raw = conn.rpop(f"{prefix}worker.{worker}")
+            if raw:
+                args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+                task_ids.append(args[0]["request_id"])
+                writer = ResponseWriter(conn, prefix, task_ids[-1])
+                writer.send(STARTED, worker=worker)
+                if answers:
+                    writer.emit(answers.pop(0))
+                else:
+                    writer.send(ERROR, **error)
         await asyncio.sleep(0.02)
     return task_ids
 
 
-async def test_a_worker_that_fails_fault_injected_is_a_502_with_the_request_id(
+@pytest.fixture
+def second_ghost(ghost_worker, served_demo_model):
+    """Another worker with a heartbeat and no process, whose queue the test reads."""
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    Worker.objects.create(name="phantom", model_name=served_demo_model)
+    ghost_worker.beat(
+        Heartbeat(name="phantom", model=served_demo_model, block_size=django_settings.KV_BLOCK_SIZE), 30
+    )
+    conn.delete(f"{django_settings.REDIS_KEY_PREFIX}worker.phantom")
+    yield "phantom"
+    ghost_worker.remove("phantom")
+    conn.delete(f"{django_settings.REDIS_KEY_PREFIX}worker.phantom")
+
+
+async def test_a_request_whose_workers_engine_died_fault_injected_is_answered_by_another(
+    client, served_demo_model, ghost_worker, second_ghost
+):
+    """Each ghost is read by the test. The first to get the request answers as a worker whose
+    engine died under it (vLLM's engine core, say): the frontend takes that worker for gone and
+    sends the request on, as `<id>-m1`, to the other, which answers it."""
+    died = ErrorEvent(status=503, code=ENGINE_DEAD, message="vLLM's engine core died")
+    answered = DoneEvent(text="Hi there", prompt_tokens=9, completion_tokens=2)
+    answering = asyncio.ensure_future(
+        answer_ghost_tasks(2, 8, workers=("ghost", second_ghost), answers=[died, answered])
+    )
+    status, body, response = await post(client, chat_body(served_demo_model))
+    assert status == 200, body
+    request_id = response["X-Request-Id"]
+    assert await answering == [request_id, f"{request_id}-m1"]
+    assert response["X-Routed-Worker"] in ("ghost", second_ghost)
+    assert body["choices"][0]["message"]["content"] == "Hi there"
+
+
+async def test_a_request_whose_only_workers_engine_died_fault_injected_is_a_502_with_the_request_id(
     client, served_demo_model, ghost_worker
 ):
-    """The ghost's queue is read by the test, which answers like a worker whose engine crashed."""
     answering = asyncio.ensure_future(
-        answer_ghost_tasks(1, 5, status=502, code="worker_error", message="The worker failed: RuntimeError")
+        answer_ghost_tasks(1, 5, status=503, code=ENGINE_DEAD, message="vLLM's engine core died")
     )
     status, body, response = await post(client, chat_body(served_demo_model))
     assert len(await answering) == 1
+    # then: answered as a worker that stopped before answering, there being no other to go to
     assert status == 502
-    assert_openai_error(body, code="worker_error")
+    assert_openai_error(body, code="worker_vanished")
     assert response["X-Request-Id"] in body["error"]["message"]
-    assert "ghost" in body["error"]["message"]
 
 
 async def test_a_picture_that_changes_twice_fault_injected_is_planned_again_once_then_a_409(

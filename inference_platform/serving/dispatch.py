@@ -33,6 +33,7 @@ from routing.contract.responses import (
 from routing.contract.tasks import (
     CONTRACT_VERSION,
     DONE,
+    ENGINE_DEAD,
     ERROR,
     ROLE_ENCODE,
     STARTED,
@@ -53,6 +54,18 @@ T = TypeVar("T")
 
 # How often the frontend looks at the worker's heartbeat while it waits for the next event.
 _POLL_MS = 1000
+
+
+def _vanished(worker: str, request_id: str, started: bool, produced: bool) -> ApiError:
+    """What a request whose worker vanished is answered, should it go nowhere else."""
+    if produced:
+        message = f"Worker {worker} stopped while answering request {request_id}."
+        return ApiError(502, message, code="worker_vanished")
+    if started:
+        message = f"Worker {worker} stopped before answering request {request_id}."
+        return ApiError(502, message, code="worker_vanished")
+    message = f"Worker {worker} went away before starting request {request_id}; retry it."
+    return ApiError(503, message, code="worker_vanished")
 
 
 class WorkerLost(Exception):
@@ -519,6 +532,12 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
                 started = produced = True
                 timeout = settings.REQUEST_TOKEN_TIMEOUT_SECS
                 deadline = time.monotonic() + timeout
+            if event.type == ERROR and event.data.get("code") == ENGINE_DEAD:
+                # The worker lost its engine under the request and is going away: as if it had
+                # vanished, so the request may move on.
+                await client.delete(response_key(namespace, rid))
+                lost = _vanished(worker, lease.request_id, started, produced)
+                raise WorkerLost(lost, after_tokens=produced)
             if event.type in (DONE, ERROR):
                 # Read to the end: the stream has served its purpose (its TTL covers a frontend
                 # that dies before getting here).
@@ -551,18 +570,4 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
                     beat.instance,
                     lease.instance,
                 )
-            if produced:
-                error = ApiError(
-                    502, f"Worker {worker} stopped while answering request {shown}.", code="worker_vanished"
-                )
-            elif started:
-                error = ApiError(
-                    502, f"Worker {worker} stopped before answering request {shown}.", code="worker_vanished"
-                )
-            else:
-                error = ApiError(
-                    503,
-                    f"Worker {worker} went away before starting request {shown}; retry it.",
-                    code="worker_vanished",
-                )
-            raise WorkerLost(error, after_tokens=produced)
+            raise WorkerLost(_vanished(worker, shown, started, produced), after_tokens=produced)

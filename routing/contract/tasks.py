@@ -58,6 +58,11 @@ ERROR = "error"  # the request failed on the worker: status, code, message
 # may send the request again.
 IMAGE_CHANGED = "image_changed"
 
+# ErrorEvent.code of a request whose worker lost its engine under it (vLLM's engine core died,
+# say): the worker is going away, so the frontend takes it as a vanished worker and moves the
+# request on (before or after its first token), rather than answer it with the error.
+ENGINE_DEAD = "engine_dead"
+
 # ErrorEvent.code of a prompt and completion a worker's KV pool can never hold, as OpenAI names it;
 # the frontend answers the same when the workers' announced pools already say so.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

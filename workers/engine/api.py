@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from routing.contract.tasks import ENGINE_DEAD
 from workers.prompt_layout import ImageInput, VideoInput
 
 # (text, its tokens' log probabilities or None, its token ids)
@@ -117,6 +118,15 @@ class EngineFailure(RuntimeError):
 
     status = 502
     code = "engine_failure"
+
+
+class EngineDead(EngineFailure):
+    """The engine is gone (vLLM's engine core process died): this request and every later one
+    fail with it, and the worker goes away. Its code tells the frontend to move the request to
+    another worker, as for a worker that vanished."""
+
+    status = 503
+    code = ENGINE_DEAD
 
 
 class RequestHandle:
