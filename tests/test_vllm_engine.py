@@ -447,6 +447,71 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
     assert min(overlap, cacheable) == cached // 32 == cacheable
 
 
+def streamed(platform, request: dict, on_piece=None) -> tuple[httpx.Response, list[str], str]:
+    """A streamed chat's response, its pieces of content, and its whole body; `on_piece(response,
+    count)` after each piece."""
+    pieces: list[str] = []
+    lines: list[str] = []
+    chat = f"{platform.base_url}/v1/chat/completions"
+    with httpx.stream("POST", chat, json=request, headers=platform.headers, timeout=120) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: ") :]).get("choices", []):
+                    if choice["delta"].get("content"):
+                        pieces.append(choice["delta"]["content"])
+                        if on_piece is not None:
+                            on_piece(response, len(pieces))
+    return response, pieces, "\n".join(lines)
+
+
+# After the Redis restart: it kills the engine core of one of the pair, then starts that worker
+# again for the last test.
+def test_an_answer_whose_vllm_engine_core_dies_midway_is_continued_by_the_other_worker(
+    vllm_pair, origin
+) -> None:
+    # given a long greedy answer, once unbroken
+    platform = vllm_pair
+    url = origin.add("/continued.png", picture(12), content_type="image/png")
+    request = image_request(url, stream=True, max_tokens=160, stream_options={"include_usage": True})
+    response, unbroken, body = streamed(platform, request)
+    assert response.status_code == 200 and '"finish_reason":"length"' in body.replace(" ", ""), body[-500:]
+
+    # when it is asked again and, a few pieces in, the answering worker's vLLM engine core dies
+    doomed: list[str] = []
+
+    def kill_engine_core(response: httpx.Response, pieces: int) -> None:
+        if pieces == 5:
+            doomed.append(response.headers["X-Routed-Worker"])
+            for pid in descendants(platform.workers[doomed[0]].pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    response, pieces, body = streamed(platform, request, on_piece=kill_engine_core)
+
+    # then the client got the whole answer, the same one, with no error: the other worker
+    # continued it after the tokens it already had
+    assert doomed, "the answer ended before its fifth piece"
+    dead = doomed[0]
+    other = next(name for name in PAIR if name != dead)
+    assert response.status_code == 200
+    assert '"error"' not in body and body.rstrip().endswith("data: [DONE]"), body[-800:]
+    usage = [json.loads(line[6:])["usage"] for line in body.splitlines() if '"total_tokens"' in line]
+    assert usage and usage[-1]["completion_tokens"] == 160
+    assert "".join(pieces) == "".join(unbroken)
+    migrated = rf"worker {dead} went away after \d+ tokens; migrated to {other}"
+    assert re.search(migrated, platform.log("server"))
+
+    # and the worker without an engine left the fleet and stopped, saying why, with an error code
+    assert platform.workers[dead].wait(timeout=60) != 0
+    assert "vLLM's engine core died" in platform.log(f"worker-{dead}")
+    assert not platform.redis.exists(platform.heartbeat_key(dead))
+
+    # (started again: the last test needs the pair)
+    platform.start_worker(dead, "--engine", "vllm", "--threads", "1", python=str(VLLM_PYTHON))
+    platform.wait_for_workers(dead, timeout=500)
+
+
 def descendants(pid: int) -> list[int]:
     """A process's children, theirs, and so on (from /proc): vLLM's engine core and its worker."""
     found: list[int] = []

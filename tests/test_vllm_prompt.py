@@ -10,6 +10,7 @@ from PIL import Image
 
 from routing.media.images import routing_hash
 from routing.prompt.hashing import MediaPlacement, block_hashes
+from workers.engine.api import EngineFailure
 from workers.prompt_layout import PromptError
 from workers.vllm_engine.prompt import (
     PromptLayoutMismatch,
@@ -123,3 +124,20 @@ def test_pre_expanded_placeholders_are_refused_because_vllm_does_not_check_them(
 def test_a_placeholder_count_that_is_not_the_image_count_is_refused() -> None:
     with pytest.raises(PromptError, match="2 image placeholders for 1 images"):
         engine_prompt([START, IMAGE, END, START, IMAGE, END], IMAGE, [picture((0, 0, 0))], ["a" * 32])
+
+
+def test_a_continued_answers_tokens_follow_the_prompt_for_generation_to_go_on_after_them() -> None:
+    # given a prompt with one image and the tokens another worker generated before it died
+    tokens = [100, START, IMAGE, END, 101]
+    continued = [300, 301, 302]
+
+    # when it becomes vLLM's prompt
+    prompt = engine_prompt(tokens, IMAGE, [picture((9, 9, 9))], ["a" * 32], continued=continued)
+
+    # then generation goes on after them
+    assert prompt.as_tokens_prompt()["prompt_token_ids"] == [*tokens, *continued]
+
+
+def test_a_continued_answer_holding_the_image_placeholder_is_refused_as_the_engines_failure() -> None:
+    with pytest.raises(EngineFailure, match="cannot be continued"):
+        engine_prompt([START, IMAGE, END], IMAGE, [picture((0, 0, 0))], ["a" * 32], continued=[300, IMAGE])

@@ -29,6 +29,7 @@ from workers.engine.api import (
     ERROR,
     FIRST,
     TOKEN,
+    EngineDead,
     EngineLoad,
     FollowsSubmitted,
     GenerationRequest,
@@ -170,6 +171,10 @@ class VllmEngine(FollowsSubmitted):
         self._generated_tokens = 0
         self._running_peak = 0
         self.kv_capacity_blocks = 0
+        # Once vLLM's engine core has died: every request fails with it (EngineDead), and the
+        # worker's `on_dead` (its going away) is called once, from the thread that found out.
+        self.dead: EngineDead | None = None
+        self.on_dead: Callable[[EngineDead], None] | None = None
 
     # --- start and stop --------------------------------------------------------------------------------
     def start(self) -> VllmEngine:
@@ -227,9 +232,8 @@ class VllmEngine(FollowsSubmitted):
             raise PromptError("this worker runs vLLM, which serves no video here yet")
         if request.processed is not None:
             raise PromptError("this worker runs vLLM, which preprocesses images itself")
-        if request.continued_token_ids:
-            # A migrated answer continues on a native worker; vLLM's path is not built yet.
-            raise PromptError("this worker runs vLLM, which does not continue a migrated answer yet")
+        if self.dead is not None:
+            raise EngineDead(str(self.dead))
         token_ids = self._tokenizer.encode(request.prompt, add_special_tokens=False)
         images = [self._load_image(image, request.scope_key) for image in request.images]
         prompt = engine_prompt(
@@ -238,6 +242,7 @@ class VllmEngine(FollowsSubmitted):
             images,
             [image.identity for image in request.images],
             request.cache_salt,
+            continued=request.continued_token_ids,
         )
         if self._translator is not None:
             self._translator.remember_media(prompt.uuids, prompt.routing_hashes)
@@ -258,7 +263,11 @@ class VllmEngine(FollowsSubmitted):
         return RequestHandle(request.request_id, flight.events, cancel)
 
     def load_report(self) -> EngineLoad:
-        stats = self._stats_logger.latest if self._llm is not None else None
+        llm = self._llm
+        if llm is not None and llm.errored and self.dead is None:
+            # The engine core died with no request running to tell (the heartbeat asks).
+            self._died(llm.dead_error)
+        stats = self._stats_logger.latest if llm is not None else None
         with self._lock:
             in_flight = len(self._in_flight)
         running = stats.num_running_reqs if stats is not None else min(in_flight, self._max_running)
@@ -310,6 +319,7 @@ class VllmEngine(FollowsSubmitted):
     # --- the loop's side ---------------------------------------------------------------------------------
     async def _run(self, flight: _Flight) -> None:
         from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         request = flight.request
         try:
@@ -335,6 +345,10 @@ class VllmEngine(FollowsSubmitted):
         except VLLMClientError as exc:
             # vLLM refused the request itself (too long for its context, say): the client's error.
             flight.events.put((ERROR, PromptError(str(exc))))
+        except EngineDeadError as exc:
+            # vLLM's engine core died under it: the worker goes away, and the frontend moves the
+            # request on (after tokens, another worker continues it).
+            flight.events.put((ERROR, self._died(exc)))
         except Exception as exc:
             if not isinstance(exc, PromptLayoutMismatch):
                 logger.warning("vLLM failed request %s: %s", request.request_id, exc)
@@ -344,15 +358,43 @@ class VllmEngine(FollowsSubmitted):
             with self._lock:
                 self._in_flight.pop(request.request_id, None)
 
+    def _died(self, cause: BaseException) -> EngineDead:
+        """Records the engine's death (once: the worker's `on_dead` goes first, so it leaves the
+        fleet before any request is moved on) and returns the error each request fails with."""
+        with self._lock:
+            first = self.dead is None
+            if first:
+                self.dead = EngineDead(
+                    f"vLLM's engine core died ({type(cause).__name__}); this worker is going away"
+                )
+        if first:
+            logger.error("vLLM's engine core died: %s", cause)
+            if self.on_dead is not None:
+                try:
+                    self.on_dead(self.dead)
+                except Exception:
+                    logger.exception("the worker's leaving after vLLM's engine core died failed")
+        return EngineDead(str(self.dead))
+
     def _check_layout(self, flight: _Flight, expanded: Sequence[int]) -> None:
         """vLLM's expanded prompt, hashed as the router hashed its token view, against the task's
-        block hashes: before the first piece goes out, so a mismatch is never a silent answer."""
+        block hashes: before the first piece goes out, so a mismatch is never a silent answer. A
+        continued answer's tokens follow the prompt; the router hashed the prompt alone."""
         request = flight.request
         flight.prompt_token_ids = list(expanded)
         flight.block_hashes = expanded_block_hashes(
             expanded, self.image_token_id, flight.prompt.routing_hashes, self.block_size, request.cache_salt
         )
         actual = flight.block_hashes
+        if request.continued_token_ids:
+            prompt_only = expanded[: len(expanded) - len(request.continued_token_ids)]
+            actual = expanded_block_hashes(
+                prompt_only,
+                self.image_token_id,
+                flight.prompt.routing_hashes,
+                self.block_size,
+                request.cache_salt,
+            )
         check_block_hashes(
             request.expected_block_hashes or (),
             actual,

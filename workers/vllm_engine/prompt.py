@@ -62,9 +62,17 @@ def engine_prompt(
     images: Sequence[Image.Image],
     identities: Sequence[str],
     salt: int | None = None,
+    continued: Sequence[int] = (),
 ) -> EnginePrompt:
     """The prompt for vLLM: the chat-templated prompt's token ids with one placeholder per image,
-    the decoded images, their pixel uuids, and the routing hashes of the task's identities."""
+    then the tokens of an answer continued after a migration (`continued`: generation goes on
+    after them), the decoded images, their pixel uuids, and the routing hashes of the task's
+    identities."""
+    if image_token_id in continued:
+        raise EngineFailure(
+            "this answer cannot be continued on vLLM: its generated tokens hold the image "
+            "placeholder, which vLLM would take for another image"
+        )
     runs = placeholder_runs(token_ids, image_token_id)
     if len(runs) != len(images):
         raise PromptError(f"the prompt has {len(runs)} image placeholders for {len(images)} images")
@@ -76,7 +84,7 @@ def engine_prompt(
             "send one placeholder per image"
         )
     return EnginePrompt(
-        token_ids=list(token_ids),
+        token_ids=[*token_ids, *continued],
         images=list(images),
         uuids=[pixel_identity(image) for image in images],
         routing_hashes=[routing_hash(identity) for identity in identities],

@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -313,6 +314,21 @@ class Command(BaseCommand):
             registry, heartbeat, runtime if role != ROLE_ENCODE else None, on_beat=after_beat
         )
         beats.start()
+        engine_lost = threading.Event()
+
+        def leave_without_engine(error: Exception) -> None:
+            # vLLM's engine core died. Leave the fleet now (no decision picks this worker again,
+            # and frontends move its requests on as each fails), stop as on SIGTERM, and exit 1
+            # so that a supervisor starts the worker again with a new engine.
+            engine_lost.set()
+            beats.go_dark()
+            registry.remove(name, instance)
+            index.purge_worker(name)
+            self.stderr.write(f"worker {name}: {error}")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        if engine_kind == ENGINE_VLLM:
+            runtime.engine.on_dead = leave_without_engine
 
         from celery.signals import worker_shutting_down
 
@@ -352,6 +368,8 @@ class Command(BaseCommand):
                     deregistered_at=timezone.now()
                 )
             self.stdout.write(f"worker {name}: deregistered" if own else f"worker {name}: stopped (replaced)")
+        if engine_lost.is_set():
+            raise CommandError(f"worker {name} stopped: vLLM's engine core died")
 
     def _serve_simulated(self, name: str, options: dict[str, Any]) -> None:
         """`--engine sim`: `--count` simulated workers in this process (workers.sim_engine), no
@@ -659,6 +677,8 @@ class _HeartbeatLoop:
         self._on_beat = on_beat  # after each beat (the index epoch check)
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._dark = False  # no more beats: the worker has left the fleet
+        self._write_lock = threading.RLock()  # the heartbeat's own thread may go dark mid-beat
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -674,13 +694,23 @@ class _HeartbeatLoop:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def go_dark(self) -> None:
+        """Beat no more, from any thread (the heartbeat's own too): a beat under way when this
+        is called writes nothing, so the key its caller removes next stays removed."""
+        with self._write_lock:
+            self._dark = True
+        self._stop.set()
+
     def _beat(self) -> None:
         with self._lock:
             heartbeat = self._heartbeat = dataclasses.replace(self._heartbeat, beat_at=time.time())
         try:
             if self._runtime is not None:
                 heartbeat = _with_engine_load(heartbeat, self._runtime)
-            self._registry.beat(heartbeat, settings.WORKER_HEARTBEAT_TTL_SECS)
+            with self._write_lock:
+                if self._dark:
+                    return
+                self._registry.beat(heartbeat, settings.WORKER_HEARTBEAT_TTL_SECS)
             if self._on_beat is not None:
                 self._on_beat()
         except Exception:  # a Redis hiccup: the next beat may land before the TTL lapses
