@@ -32,6 +32,7 @@ from tests.image_server import ImageServer
 from tests.platform_harness import PrivateRedis
 from tests.test_faults import set_enabled
 from tests.test_routing_end_to_end import route_until_overlap
+from tests.video_files import make_clip
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 PAIR = ("va", "vb")
@@ -122,7 +123,7 @@ def test_the_vllm_virtualenv_imports_torchvision_for_qwen2_vls_image_processor()
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_a_qwen3_vl_vllm_worker_answers_the_same_image_from_its_cache(
+def test_a_qwen3_vl_vllm_worker_answers_the_same_image_and_video_from_its_cache(
     platform_processes, qwen3_demo_dir, origin
 ):
     # given a vLLM worker serving the Qwen3-VL demo checkpoint
@@ -140,6 +141,18 @@ def test_a_qwen3_vl_vllm_worker_answers_the_same_image_from_its_cache(
     # then vLLM laid it out as the router did (checked on both), and reused the image's blocks
     assert first.status_code == second.status_code == 200, first.text + platform.log_tail("worker-q3")
     assert len(re.findall(r"vLLM's layout agrees with the router's", platform.log("worker-q3"))) == 2
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+    # and a clip, which Qwen3-VL lays out with a timestamp before each group of frames, is
+    # expanded by vLLM as the router did (checked on both), its blocks cached the second time
+    clip = origin.add(
+        "/q3.mp4", make_clip(frames=48, width=160, height=120, fps=12), content_type="video/mp4"
+    )
+    asked = video_request(clip, "What happens in this clip?")
+    first = httpx.post(chat, json=asked, headers=platform.headers, timeout=120)
+    second = httpx.post(chat, json=asked, headers=platform.headers, timeout=120)
+    assert first.status_code == second.status_code == 200, first.text + platform.log_tail("worker-q3")
+    assert len(re.findall(r"vLLM's layout agrees with the router's", platform.log("worker-q3"))) == 4
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
 
 
@@ -247,6 +260,52 @@ def test_vllms_kv_events_put_the_prompts_blocks_in_the_routers_index(vllm_pair, 
     while not set(hashes) <= index.worker_blocks(worker):
         assert time.monotonic() < deadline, platform.log_tail(f"worker-{worker}")
         time.sleep(0.1)
+
+
+def video_request(url: str, question: str, **fields) -> dict:
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": question}]
+    return {
+        "model": "demo",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+        **fields,
+    }
+
+
+def test_the_same_video_twice_goes_back_to_its_vllm_worker_with_its_blocks_cached(vllm_pair, origin) -> None:
+    # given a clip at an origin (the frontend fetches, decodes and samples it; the worker gets
+    # its frames from the side store and hands them to vLLM with the frames' own uuid)
+    platform = vllm_pair
+    url = origin.add(
+        "/clip.mp4", make_clip(frames=48, width=160, height=120, fps=12), content_type="video/mp4"
+    )
+    before = {name: layout_checks(platform, name) for name in PAIR}
+
+    # when one question about it is answered, and the worker's KV events have reached the index
+    first = chat(platform, video_request(url, "What happens in this clip?"))
+    assert first.status_code == 200, first.text
+    served_by = first.headers["X-Routed-Worker"]
+    asked = video_request(url, "Which colours do you see?")
+    choice = route_until_overlap(platform.base_url, platform.headers, asked)
+    assert choice is not None, platform.log_tail(f"worker-{served_by}")
+    route = httpx.post(
+        f"{platform.base_url}/v1/route", json=asked, headers=platform.headers, timeout=60
+    ).json()
+    (video,) = route["videos"]
+    video_end_block = (video["start"] + video["tokens"]) // 32
+
+    # then the router sees the whole video in that worker's cache, from vLLM's own events
+    assert video["full_blocks"] >= 2
+    assert choice["worker"] == served_by and choice["overlap"] >= video_end_block
+
+    # and another question about it goes there and finds the video's blocks in vLLM's cache,
+    # vLLM having expanded the video as the router did (checked on both requests)
+    second = chat(platform, asked)
+    assert second.status_code == 200, second.text
+    assert second.headers["X-Routed-Worker"] == served_by
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] // 32 >= video_end_block
+    assert layout_checks(platform, served_by) - before[served_by] == 2
 
 
 def test_the_same_url_with_new_pixels_is_not_a_false_hit_in_vllms_cache(vllm_pair, origin) -> None:

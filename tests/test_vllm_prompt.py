@@ -5,6 +5,7 @@ Pure: no vLLM needed (the end-to-end tests with vLLM are in test_vllm_engine.py)
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -13,6 +14,7 @@ from routing.prompt.hashing import MediaPlacement, block_hashes
 from workers.engine.api import EngineFailure
 from workers.prompt_layout import PromptError
 from workers.vllm_engine.prompt import (
+    EngineVideo,
     PromptLayoutMismatch,
     check_block_hashes,
     engine_prompt,
@@ -141,3 +143,73 @@ def test_a_continued_answers_tokens_follow_the_prompt_for_generation_to_go_on_af
 def test_a_continued_answer_holding_the_image_placeholder_is_refused_as_the_engines_failure() -> None:
     with pytest.raises(EngineFailure, match="cannot be continued"):
         engine_prompt([START, IMAGE, END], IMAGE, [picture((0, 0, 0))], ["a" * 32], continued=[300, IMAGE])
+
+
+VIDEO = 13  # a <|video_pad|>
+STAMP = [400, 401]  # a Qwen3-VL "<t seconds>", tokenized
+
+
+def clip(seed: int, identity: str, expansion: list[int]) -> EngineVideo:
+    frames = np.random.default_rng(seed).integers(0, 255, size=(4, 56, 56, 3), dtype=np.uint8)
+    return EngineVideo(
+        frames=frames,
+        fps=12.0,
+        total_frames=48,
+        indices=(0, 6, 12, 18),
+        identity=identity,
+        expansion=tuple(expansion),
+    )
+
+
+def test_a_video_goes_to_vllm_with_one_placeholder_its_frames_and_their_own_uuid() -> None:
+    # given a prompt with one video placeholder, and the same frames under two task identities
+    tokens = [100, START, VIDEO, END, 101]
+    video = clip(1, "c" * 32, [VIDEO] * 8)
+
+    # when it becomes vLLM's prompt
+    prompt = engine_prompt(tokens, IMAGE, [], [], videos=[video], video_token_id=VIDEO)
+    given = prompt.as_tokens_prompt()
+
+    # then vLLM gets the frames with the rate and indices the frontend sampled them at, under a
+    # uuid of the frames (the same frames under another identity: the same), and no per-request
+    # processor options, which vLLM would fold into the key its KV events name the video by
+    frames, metadata = given["multi_modal_data"]["video"][0]
+    assert frames is video.frames
+    assert metadata["frames_indices"] == [0, 6, 12, 18] and metadata["fps"] == 12.0
+    assert "mm_processor_kwargs" not in given
+    assert given["multi_modal_uuids"]["video"] == [clip(1, "d" * 32, [VIDEO] * 8).uuid]
+    assert clip(2, "c" * 32, [VIDEO] * 8).uuid != video.uuid
+    assert prompt.media_routing_hashes == [routing_hash("c" * 32)]
+
+
+def test_a_qwen3_vl_video_as_vllm_expands_it_hashes_as_the_router_hashed_its_view() -> None:
+    # given an image then a Qwen3-VL video (timestamps and vision markers between its groups),
+    # as vLLM expands them, and the router's run for the video
+    run = [*STAMP, START, *[VIDEO] * 20, END, *STAMP, START, *[VIDEO] * 20, END]
+    image_ids, image_runs = expanded(40)
+    ids = [*image_ids, START, *run, END, *range(500, 540)]
+    video = clip(3, "c" * 32, run)
+
+    # when the worker hashes vLLM's prompt
+    got = expanded_block_hashes(ids, IMAGE, [routing_hash("a" * 32)], BLOCK, None, [video], VIDEO)
+
+    # then it is the router's hashing of its own view
+    placements = [
+        MediaPlacement(routing_hash("a" * 32), *image_runs[0]),
+        MediaPlacement(routing_hash("c" * 32), len(image_ids) + 1, len(run)),
+    ]
+    assert got == block_hashes(ids, BLOCK, placements, salt=None)
+
+
+def test_a_video_vllm_expanded_differently_from_the_router_is_a_mismatch() -> None:
+    run = [*STAMP, START, *[VIDEO] * 20, END]
+    ids = [100, START, *STAMP, START, *[VIDEO] * 21, END, END, 101]
+    with pytest.raises(PromptLayoutMismatch, match="video 0"):
+        expanded_block_hashes(ids, IMAGE, [], BLOCK, None, [clip(4, "c" * 32, run)], VIDEO)
+
+
+def test_a_video_placeholder_count_that_is_not_the_video_count_is_refused() -> None:
+    with pytest.raises(PromptError, match="2 video placeholders for 1 videos"):
+        engine_prompt(
+            [VIDEO, 1, VIDEO], IMAGE, [], [], videos=[clip(5, "c" * 32, [VIDEO])], video_token_id=VIDEO
+        )

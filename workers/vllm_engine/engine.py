@@ -37,10 +37,11 @@ from workers.engine.api import (
     RequestHandle,
 )
 from workers.kv_cache import PublishEvents
-from workers.prompt_layout import ImageInput, PromptError
+from workers.prompt_layout import ImageInput, PromptError, VideoInput
 from workers.vllm_engine.kv_events import KvEventTranslator
 from workers.vllm_engine.prompt import (
     EnginePrompt,
+    EngineVideo,
     PromptLayoutMismatch,
     check_block_hashes,
     engine_prompt,
@@ -133,6 +134,12 @@ class VllmEngine(FollowsSubmitted):
                 f"{self.model_type!r}, whose prompt layout was not checked against vLLM's"
             )
         self.image_token_id: int = int(config["image_token_id"])
+        from workers.video_inputs import VideoPreprocessor
+
+        # The family's video layout (the router's, read from the checkpoint): vLLM expands a
+        # video's placeholder itself, and each request checks it did so as the router did.
+        self._video = VideoPreprocessor.for_model_dir(self.model_dir)
+        self.video_token_id: int | None = config.get("video_token_id") if self._video else None
         self._args = {
             "model": str(self.model_dir),
             "tokenizer": str(self.model_dir),
@@ -144,7 +151,11 @@ class VllmEngine(FollowsSubmitted):
             "max_num_seqs": max_running,
             "max_model_len": max_model_len,
             "dtype": "float32" if not _has_accelerator() else "auto",
-            "limit_mm_per_prompt": {"image": 8, "video": 0},
+            "limit_mm_per_prompt": {"image": 8, "video": 2 if self.video_token_id is not None else 0},
+            # The frontend sampled each video's frames: vLLM's processor must not sample again.
+            # Set for the engine, not per request: request kwargs would enter vLLM's media hash,
+            # and its KV events would then name media by a key that is not the uuid given.
+            "mm_processor_kwargs": {"do_sample_frames": False},
             "disable_log_stats": False,  # the heartbeat's load comes from the scheduler stats
             **(engine_args or {}),
         }
@@ -228,14 +239,13 @@ class VllmEngine(FollowsSubmitted):
             raise PromptError("max_tokens must be an integer")
         if request.max_tokens < 1:
             raise PromptError("max_tokens must be >= 1")
-        if request.videos:
-            raise PromptError("this worker runs vLLM, which serves no video here yet")
         if request.processed is not None:
             raise PromptError("this worker runs vLLM, which preprocesses images itself")
         if self.dead is not None:
             raise EngineDead(str(self.dead))
         token_ids = self._tokenizer.encode(request.prompt, add_special_tokens=False)
         images = [self._load_image(image, request.scope_key) for image in request.images]
+        videos = [self._engine_video(video) for video in request.videos]
         prompt = engine_prompt(
             token_ids,
             self.image_token_id,
@@ -243,9 +253,11 @@ class VllmEngine(FollowsSubmitted):
             [image.identity for image in request.images],
             request.cache_salt,
             continued=request.continued_token_ids,
+            videos=videos,
+            video_token_id=self.video_token_id,
         )
         if self._translator is not None:
-            self._translator.remember_media(prompt.uuids, prompt.routing_hashes)
+            self._translator.remember_media(prompt.media_uuids, prompt.media_routing_hashes)
         flight = _Flight(
             request=request, prompt=prompt, events=queue.SimpleQueue(), submitted_at=submitted_at
         )
@@ -261,6 +273,47 @@ class VllmEngine(FollowsSubmitted):
             running.cancel()
 
         return RequestHandle(request.request_id, flight.events, cancel)
+
+    def _engine_video(self, video: VideoInput) -> EngineVideo:
+        """A task's video as vLLM takes it: its sampled frames from the side store, and the token
+        run the router expanded its placeholder into (refused where this worker's layout of the
+        model disagrees with the task's grid)."""
+        import numpy as np
+
+        from workers.video_inputs import VideoInputError, video_prompt_ids
+
+        if self._video is None or self.video_token_id is None:
+            raise PromptError(f"this model ({self.model_type}) takes no video")
+        if video.load_frames is None:
+            raise PromptError(f"video {video.identity} came without its frames")
+        frames = video.load_frames()
+        count, height, width, channels = video.frame_shape
+        if channels != 3 or len(frames) != count * height * width * channels:
+            raise PromptError(f"video {video.identity}: its stored frames are not {tuple(video.frame_shape)}")
+        encode = self._tokenizer
+        try:
+            expansion = video_prompt_ids(
+                self._video,
+                lambda text: encode(text, add_special_tokens=False)["input_ids"],
+                fps=video.fps,
+                indices=tuple(video.indices),
+                width=video.width,
+                height=video.height,
+                grid_thw=tuple(video.grid_thw),  # type: ignore[arg-type]
+                placeholder_id=self.video_token_id,
+                vision_start_id=encode.convert_tokens_to_ids("<|vision_start|>"),
+                vision_end_id=encode.convert_tokens_to_ids("<|vision_end|>"),
+            )
+        except (VideoInputError, ValueError) as exc:
+            raise PromptError(f"video {video.identity}: {exc}") from exc
+        return EngineVideo(
+            frames=np.frombuffer(frames, dtype=np.uint8).reshape(count, height, width, channels),
+            fps=video.fps,
+            total_frames=video.total_frames,
+            indices=tuple(video.indices),
+            identity=video.identity,
+            expansion=tuple(expansion),
+        )
 
     def load_report(self) -> EngineLoad:
         llm = self._llm
@@ -382,19 +435,21 @@ class VllmEngine(FollowsSubmitted):
         continued answer's tokens follow the prompt; the router hashed the prompt alone."""
         request = flight.request
         flight.prompt_token_ids = list(expanded)
-        flight.block_hashes = expanded_block_hashes(
-            expanded, self.image_token_id, flight.prompt.routing_hashes, self.block_size, request.cache_salt
-        )
-        actual = flight.block_hashes
-        if request.continued_token_ids:
-            prompt_only = expanded[: len(expanded) - len(request.continued_token_ids)]
-            actual = expanded_block_hashes(
-                prompt_only,
+
+        def hashes(ids: Sequence[int]) -> list[int]:
+            return expanded_block_hashes(
+                ids,
                 self.image_token_id,
                 flight.prompt.routing_hashes,
                 self.block_size,
                 request.cache_salt,
+                videos=flight.prompt.videos,
+                video_token_id=self.video_token_id,
             )
+
+        flight.block_hashes = actual = hashes(flight.prompt_token_ids)
+        if request.continued_token_ids:
+            actual = hashes(flight.prompt_token_ids[: len(expanded) - len(request.continued_token_ids)])
         check_block_hashes(
             request.expected_block_hashes or (),
             actual,

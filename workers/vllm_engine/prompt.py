@@ -18,8 +18,10 @@ Pure: no vLLM import, so the main test suite runs it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+import xxhash
 from PIL import Image
 
 from routing.media.images import pixel_identity, routing_hash
@@ -35,6 +37,38 @@ class PromptLayoutMismatch(EngineFailure):
 
 
 @dataclass(frozen=True)
+class EngineVideo:
+    """A video as vLLM takes it: the frontend's sampled frames, already resized for the model,
+    with the metadata its processor needs (Qwen3-VL's timestamps come from the rate and the frame
+    indices), and the token run the router expanded its placeholder into."""
+
+    frames: Any  # numpy uint8 (frames, height, width, 3)
+    fps: float  # the clip's own rate
+    total_frames: int
+    indices: tuple[int, ...]  # the sampled frames' places in the clip
+    identity: str  # the task's identity of the video (the router's)
+    expansion: tuple[int, ...]  # the router's token run for its placeholder
+
+    @property
+    def uuid(self) -> str:
+        """vLLM's cache key: the frames' own hash, never the task's word for them."""
+        digest = xxhash.xxh3_128()
+        digest.update(repr(tuple(self.frames.shape)).encode())
+        digest.update(self.frames.tobytes())
+        return "video-" + digest.hexdigest()
+
+    def as_vllm(self) -> tuple[Any, dict[str, Any]]:
+        metadata = {
+            "fps": self.fps,
+            "total_num_frames": self.total_frames,
+            "frames_indices": list(self.indices),
+            "duration": self.total_frames / self.fps,
+            "do_sample_frames": False,
+        }
+        return self.frames, metadata
+
+
+@dataclass(frozen=True)
 class EnginePrompt:
     """What goes to vLLM for one request (a `TokensPrompt` once `as_tokens_prompt` builds it)."""
 
@@ -45,14 +79,30 @@ class EnginePrompt:
     # The caller's cache partition as 16 hex digits: vLLM folds it into the first block's hash,
     # so one tenant's prefix is never another's (and its KV events carry it back).
     cache_salt: str | None = None
+    videos: list[EngineVideo] = field(default_factory=list)
+    video_uuids: list[str] = field(default_factory=list)
+
+    @property
+    def media_uuids(self) -> list[str]:
+        return [*self.uuids, *self.video_uuids]
+
+    @property
+    def media_routing_hashes(self) -> list[int]:
+        return [*self.routing_hashes, *(routing_hash(video.identity) for video in self.videos)]
 
     def as_tokens_prompt(self) -> dict:
         prompt: dict = {"prompt_token_ids": list(self.token_ids)}
         if self.cache_salt is not None:
             prompt["cache_salt"] = self.cache_salt
+        data: dict[str, list] = {}
+        uuids: dict[str, list[str]] = {}
         if self.images:
-            prompt["multi_modal_data"] = {"image": list(self.images)}
-            prompt["multi_modal_uuids"] = {"image": list(self.uuids)}
+            data["image"], uuids["image"] = list(self.images), list(self.uuids)
+        if self.videos:
+            data["video"] = [video.as_vllm() for video in self.videos]
+            uuids["video"] = list(self.video_uuids)
+        if data:
+            prompt["multi_modal_data"], prompt["multi_modal_uuids"] = data, uuids
         return prompt
 
 
@@ -63,12 +113,22 @@ def engine_prompt(
     identities: Sequence[str],
     salt: int | None = None,
     continued: Sequence[int] = (),
+    videos: Sequence[EngineVideo] = (),
+    video_token_id: int | None = None,
 ) -> EnginePrompt:
-    """The prompt for vLLM: the chat-templated prompt's token ids with one placeholder per image,
-    then the tokens of an answer continued after a migration (`continued`: generation goes on
-    after them), the decoded images, their pixel uuids, and the routing hashes of the task's
-    identities."""
-    if image_token_id in continued:
+    """The prompt for vLLM: the chat-templated prompt's token ids with one placeholder per image
+    and video, then the tokens of an answer continued after a migration (`continued`: generation
+    goes on after them), the decoded images and sampled videos, their pixel uuids, and the
+    routing hashes of the task's identities."""
+    if videos:
+        if video_token_id is None:
+            raise PromptError("this model takes no video")
+        video_runs = placeholder_runs(token_ids, video_token_id)
+        if len(video_runs) != len(videos):
+            raise PromptError(f"the prompt has {len(video_runs)} video placeholders for {len(videos)} videos")
+        if any(length != 1 for _, length in video_runs):
+            raise PromptError("the prompt's video placeholders are already expanded; send one per video")
+    if image_token_id in continued or (video_token_id is not None and video_token_id in continued):
         raise EngineFailure(
             "this answer cannot be continued on vLLM: its generated tokens hold the image "
             "placeholder, which vLLM would take for another image"
@@ -89,6 +149,8 @@ def engine_prompt(
         uuids=[pixel_identity(image) for image in images],
         routing_hashes=[routing_hash(identity) for identity in identities],
         cache_salt=None if salt is None else f"{salt:016x}",
+        videos=list(videos),
+        video_uuids=[video.uuid for video in videos],
     )
 
 
@@ -114,9 +176,13 @@ def expanded_block_hashes(
     routing_hashes: Sequence[int],
     block_size: int,
     salt: int | None,
+    videos: Sequence[EngineVideo] = (),
+    video_token_id: int | None = None,
 ) -> list[int]:
     """The routing block hashes of vLLM's expanded prompt: each placeholder run is one image, in
-    order, folded in by the routing hash the router used for it."""
+    order, folded in by the routing hash the router used for it; each video is the router's token
+    run for it (Qwen3-VL's holds timestamps and vision markers between its groups), found where
+    vLLM put its first placeholder and required to be that run exactly."""
     runs = placeholder_runs(expanded_ids, image_token_id)
     if len(runs) != len(routing_hashes):
         raise PromptLayoutMismatch(
@@ -126,7 +192,33 @@ def expanded_block_hashes(
         MediaPlacement(hash_, start, length)
         for hash_, (start, length) in zip(routing_hashes, runs, strict=True)
     ]
+    media += _video_placements(expanded_ids, videos, video_token_id)
+    media.sort(key=lambda placement: placement.start)
     return block_hashes(expanded_ids, block_size, media, salt=salt)
+
+
+def _video_placements(
+    expanded_ids: Sequence[int], videos: Sequence[EngineVideo], video_token_id: int | None
+) -> list[MediaPlacement]:
+    placements: list[MediaPlacement] = []
+    cursor = 0
+    for number, video in enumerate(videos):
+        assert video_token_id is not None, "a video needs its placeholder token"
+        run = list(video.expansion)
+        try:
+            first_pad = expanded_ids.index(video_token_id, cursor)
+        except ValueError:
+            raise PromptLayoutMismatch(f"vLLM's prompt has no run for video {number}") from None
+        start = first_pad - run.index(video_token_id)
+        if start < cursor or list(expanded_ids[start : start + len(run)]) != run:
+            raise PromptLayoutMismatch(
+                f"vLLM expanded video {number} differently from the router ({len(run)} tokens there)"
+            )
+        placements.append(MediaPlacement(routing_hash(video.identity), start, len(run)))
+        cursor = start + len(run)
+    if video_token_id is not None and video_token_id in expanded_ids[cursor:]:
+        raise PromptLayoutMismatch(f"vLLM's prompt holds more video runs than the {len(videos)} videos")
+    return placements
 
 
 def check_block_hashes(
