@@ -1,5 +1,6 @@
 """Workers on vLLM (`run_worker --engine vllm`), end to end: the platform's frontend routes, a
-vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's own.
+vLLM worker answers from its AsyncLLM, and the answer's cached tokens are vLLM's own. Requests go
+through the official `openai` client, as the platform's users send them.
 
 These need vLLM's virtualenv (`make vllm`, 3.3 GB); without it they are skipped, saying so
 (`make test` and `make test-vllm` build it first). vLLM starts in 40-80 s on a 2-core machine, so the
@@ -21,8 +22,10 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
 import pytest
 from PIL import Image
 
@@ -132,11 +135,10 @@ def test_a_qwen3_vl_vllm_worker_answers_the_same_image_and_video_from_its_cache(
     platform.wait_for_workers("q3", timeout=400)
     platform.start_server()
     url = origin.add("/q3.png", picture(9), content_type="image/png")
-    chat = f"{platform.base_url}/v1/chat/completions"
 
     # when the same image comes twice
-    first = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
-    second = httpx.post(chat, json=image_request(url), headers=platform.headers, timeout=120)
+    first = chat(platform, image_request(url))
+    second = chat(platform, image_request(url))
 
     # then vLLM laid it out as the router did (checked on both), and reused the image's blocks
     assert first.status_code == second.status_code == 200, first.text + platform.log_tail("worker-q3")
@@ -149,8 +151,8 @@ def test_a_qwen3_vl_vllm_worker_answers_the_same_image_and_video_from_its_cache(
         "/q3.mp4", make_clip(frames=48, width=160, height=120, fps=12), content_type="video/mp4"
     )
     asked = video_request(clip, "What happens in this clip?")
-    first = httpx.post(chat, json=asked, headers=platform.headers, timeout=120)
-    second = httpx.post(chat, json=asked, headers=platform.headers, timeout=120)
+    first = chat(platform, asked)
+    second = chat(platform, asked)
     assert first.status_code == second.status_code == 200, first.text + platform.log_tail("worker-q3")
     assert len(re.findall(r"vLLM's layout agrees with the router's", platform.log("worker-q3"))) == 4
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
@@ -182,10 +184,23 @@ def vllm_pair(platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_m
         platform.close()
 
 
-def chat(platform, request: dict) -> httpx.Response:
-    return httpx.post(
-        f"{platform.base_url}/v1/chat/completions", json=request, headers=platform.headers, timeout=120
+def client(platform) -> openai.OpenAI:
+    """The official `openai` client, as the platform's users send their requests."""
+    return openai.OpenAI(
+        base_url=f"{platform.base_url}/v1", api_key=platform.api_key, max_retries=0, timeout=120
     )
+
+
+def chat(platform, request: dict) -> httpx.Response:
+    """The request sent by the `openai` client; its HTTP response, read, whatever its status (the
+    headers say which worker answered and the router's overlap)."""
+    try:
+        raw = client(platform).chat.completions.with_raw_response.create(**request)
+    except openai.APIStatusError as error:
+        return error.response
+    response = raw.http_response
+    response.read()
+    return response
 
 
 def layout_checks(platform, worker: str) -> int:
@@ -337,33 +352,17 @@ def test_a_streamed_answer_comes_in_pieces_with_its_finish_reason_and_logprobs_c
 
     # when the answer is streamed, with a length limit
     pieces, reasons = [], []
-    with httpx.stream(
-        "POST",
-        f"{platform.base_url}/v1/chat/completions",
-        json=image_request(url, stream=True, max_tokens=6),
-        headers=platform.headers,
-        timeout=120,
-    ) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[len("data: ") :])["choices"]
-            if choice:
-                pieces.append(choice[0]["delta"].get("content") or "")
-                reasons.append(choice[0].get("finish_reason"))
+    for chunk in client(platform).chat.completions.create(**image_request(url, stream=True, max_tokens=6)):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            reasons.append(chunk.choices[0].finish_reason)
 
     # then the text came in several pieces, and it ended for its length
     assert sum(1 for piece in pieces if piece) >= 2
     assert reasons[-1] == "length" or "length" in reasons
 
     # and log probabilities come back in OpenAI's shape, one entry per token, from vLLM's
-    answer = httpx.post(
-        f"{platform.base_url}/v1/chat/completions",
-        json=image_request(url, max_tokens=4, logprobs=True, top_logprobs=2),
-        headers=platform.headers,
-        timeout=120,
-    )
+    answer = chat(platform, image_request(url, max_tokens=4, logprobs=True, top_logprobs=2))
     assert answer.status_code == 200, answer.text
     content = answer.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == answer.json()["usage"]["completion_tokens"] == 4
@@ -379,13 +378,7 @@ def test_a_client_that_goes_away_has_its_request_aborted_in_vllm_within_a_second
     request = image_request(url, stream=True, max_tokens=3000)
 
     # when the client reads its first piece and hangs up
-    with httpx.stream(
-        "POST",
-        f"{platform.base_url}/v1/chat/completions",
-        json=request,
-        headers=platform.headers,
-        timeout=120,
-    ) as response:
+    with client(platform).chat.completions.with_streaming_response.create(**request) as response:
         assert response.status_code == 200
         log = f"worker-{response.headers['X-Routed-Worker']}"
         for line in response.iter_lines():
@@ -506,13 +499,12 @@ def test_after_redis_restarts_empty_a_repeat_shows_its_true_overlap_again(
     assert min(overlap, cacheable) == cached // 32 == cacheable
 
 
-def streamed(platform, request: dict, on_piece=None) -> tuple[httpx.Response, list[str], str]:
+def streamed(platform, request: dict, on_piece=None) -> tuple[Any, list[str], str]:
     """A streamed chat's response, its pieces of content, and its whole body; `on_piece(response,
     count)` after each piece."""
     pieces: list[str] = []
     lines: list[str] = []
-    chat = f"{platform.base_url}/v1/chat/completions"
-    with httpx.stream("POST", chat, json=request, headers=platform.headers, timeout=120) as response:
+    with client(platform).chat.completions.with_streaming_response.create(**request) as response:
         for line in response.iter_lines():
             lines.append(line)
             if line.startswith("data: {"):
@@ -539,7 +531,7 @@ def test_an_answer_whose_vllm_engine_core_dies_midway_is_continued_by_the_other_
     # when it is asked again and, a few pieces in, the answering worker's vLLM engine core dies
     doomed: list[str] = []
 
-    def kill_engine_core(response: httpx.Response, pieces: int) -> None:
+    def kill_engine_core(response: Any, pieces: int) -> None:
         if pieces == 5:
             doomed.append(response.headers["X-Routed-Worker"])
             for pid in descendants(platform.workers[doomed[0]].pid):
