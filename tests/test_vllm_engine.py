@@ -29,6 +29,7 @@ import openai
 import pytest
 from PIL import Image
 
+from routing.fleet.registry import Heartbeat
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from tests.image_server import ImageServer
@@ -237,6 +238,13 @@ def test_the_seed_example_across_two_vllm_workers(vllm_pair, origin) -> None:
     assert second_body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
     # and vLLM's expanded prompt hashed to the router's blocks, checked on both requests
     assert layout_checks(platform, worker) == checked[worker] + 2
+    # and the worker's heartbeat carries the prefill rate vLLM's steps measured (the router drains
+    # the prefill it reserved there at that rate)
+    deadline = time.monotonic() + 10
+    while not Heartbeat.from_json(platform.redis.get(platform.heartbeat_key(worker))).prefill_tokens_per_s:
+        assert time.monotonic() < deadline, "no prefill rate in the heartbeat"
+        time.sleep(0.2)
+    assert "Iteration(" not in platform.log(f"worker-{worker}")  # vLLM's per-step lines, dropped
 
 
 def find_block_hashes(description: object) -> list[int] | None:

@@ -36,6 +36,7 @@ from workers.engine.api import (
     GenerationResult,
     RequestHandle,
 )
+from workers.engine.counters import RATE_MIN_PROMPT_TOKENS, EngineCounters
 from workers.kv_cache import PublishEvents
 from workers.prompt_layout import ImageInput, PromptError, VideoInput
 from workers.vllm_engine.kv_events import KvEventTranslator
@@ -77,9 +78,13 @@ class _Flight:
 
 
 class _SchedulerStatsLogger:
-    """Keeps vLLM's latest scheduler stats for the heartbeat (a vLLM stat logger)."""
+    """Keeps vLLM's latest scheduler stats for the heartbeat (a vLLM stat logger), and the prefill
+    rate measured as the native engine measures it: prompt tokens computed per second of step
+    time, over steps that computed at least RATE_MIN_PROMPT_TOKENS of them (vLLM's per-step
+    `iteration_details`). vLLM makes an instance itself: the engine gives each its own subclass."""
 
     latest: Any = None
+    counters: EngineCounters
 
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.vllm_config = vllm_config
@@ -87,8 +92,12 @@ class _SchedulerStatsLogger:
     def record(
         self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
     ):
-        if scheduler_stats is not None:
-            type(self).latest = scheduler_stats
+        if scheduler_stats is None:
+            return
+        type(self).latest = scheduler_stats
+        step = scheduler_stats.iteration_details
+        if step is not None and not step.is_dummy and step.num_ctx_tokens >= RATE_MIN_PROMPT_TOKENS:
+            self.counters.note_prefill_rate(step.num_ctx_tokens, step.elapsed_ms / 1000)
 
     def log_engine_initialized(self) -> None:
         pass
@@ -157,6 +166,7 @@ class VllmEngine(FollowsSubmitted):
             # and its KV events would then name media by a key that is not the uuid given.
             "mm_processor_kwargs": {"do_sample_frames": False},
             "disable_log_stats": False,  # the heartbeat's load comes from the scheduler stats
+            "enable_logging_iteration_details": True,  # each step's prompt tokens and time
             **(engine_args or {}),
         }
         # vLLM's KV events, translated into the router's and published to the index. vLLM binds
@@ -210,7 +220,12 @@ class VllmEngine(FollowsSubmitted):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        stats = type("SchedulerStatsLogger", (_SchedulerStatsLogger, StatLoggerBase), {})
+        stats = type(
+            "SchedulerStatsLogger", (_SchedulerStatsLogger, StatLoggerBase), {"counters": EngineCounters()}
+        )
+        # vLLM's own stat logger prints each step's details at INFO once they are on (they are,
+        # for the prefill rate): those lines are dropped, its periodic summary is kept.
+        logging.getLogger("vllm.v1.metrics.loggers").addFilter(_without_step_lines)
         self._stats_logger = stats
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=[stats])
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -339,6 +354,7 @@ class VllmEngine(FollowsSubmitted):
             forward_passes=0,
             generated_tokens=self._generated_tokens,
             preemptions=0,
+            prefill_tokens_per_s=self._stats_logger.counters.prefill_tokens_per_s if llm is not None else 0.0,
         )
 
     def kv_block_hashes(self) -> set[int]:
@@ -367,6 +383,7 @@ class VllmEngine(FollowsSubmitted):
         )
         self._call(self._llm.reset_prefix_cache(), timeout=60)
         self._generated_tokens = 0
+        self._stats_logger.counters.reset()  # the warm-up's first step is no measure
         return (time.perf_counter() - started) * 1000
 
     # --- the loop's side ---------------------------------------------------------------------------------
@@ -596,6 +613,10 @@ def _openai_logprob(token: int, entry: dict[int, Any], top: int) -> dict[str, An
     chosen = shaped(token, entry[token]) if token in entry else {"token": "", "logprob": 0.0, "bytes": []}
     ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
     return {**chosen, "top_logprobs": [shaped(t, lp) for t, lp in ranked[:top]]}
+
+
+def _without_step_lines(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("%sIteration(")
 
 
 def _has_accelerator() -> bool:
