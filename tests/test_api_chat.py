@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import threading
 import time
@@ -18,7 +19,7 @@ from django.conf import settings as django_settings
 from django.test import AsyncClient
 
 from routing.contract.responses import ERROR, STARTED, TOKEN, ResponseEvent, ResponseWriter
-from routing.contract.tasks import ENGINE_DEAD, DoneEvent, ErrorEvent
+from routing.contract.tasks import ENGINE_DEAD, DoneEvent, ErrorEvent, TokenEvent
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.load import LoadTracker
 from routing.models import Worker
@@ -684,3 +685,85 @@ async def test_the_queued_task_names_its_request_and_its_headers_carry_no_prompt
     # what Celery's logs, events and monitors show of the task is its request, not its prompt
     assert seen["headers"]["argsrepr"] == repr([seen["request_id"]])
     assert "tangerine" not in json.dumps(seen["headers"])
+
+
+async def test_a_streaming_client_that_hangs_up_mid_send_fault_injected_has_its_request_cancelled_at_once(
+    api_headers, served_demo_model, ghost_worker
+):
+    """The client, played here over ASGI (the fault injected), reads the first piece of a
+    streamed answer and then no more, and hangs up while the frontend is sending the next: Django
+    cancels that send. The request must be cancelled on its worker then, not whenever the
+    stream's generators are garbage collected (collection is off here: Django closes only its own
+    wrappers of a response's content, so ours stayed suspended, and the worker ran on)."""
+    from inference_platform.api.handler import ApiHandler
+
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
+    seen: dict[str, float] = {}
+
+    async def play_the_worker() -> None:
+        # the ghost takes the task and streams a piece every 20 ms until told to stop
+        deadline = time.monotonic() + 15
+        while not (raw := conn.rpop(f"{prefix}worker.ghost")):
+            assert time.monotonic() < deadline, "the task never reached the ghost"
+            await asyncio.sleep(0.01)
+        args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(raw)["body"]))
+        writer = ResponseWriter(conn, prefix, args[0]["request_id"])
+        writer.send(STARTED, worker="ghost")
+        while time.monotonic() < deadline:
+            writer.emit(TokenEvent(text="x", token_ids=[7]))
+            if writer.cancelled():
+                seen["cancelled"] = time.monotonic()
+                return
+            await asyncio.sleep(0.02)
+
+    body = json.dumps(chat_body(served_demo_model, stream=True, max_tokens=2000)).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"authorization", api_headers["Authorization"].encode()),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+    request = [{"type": "http.request", "body": body, "more_body": False}]
+    first_piece = asyncio.Event()
+    bodies = 0
+
+    async def receive() -> dict:
+        if request:
+            return request.pop()
+        await first_piece.wait()
+        seen["hung_up"] = time.monotonic()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal bodies
+        if message["type"] == "http.response.body" and message.get("body"):
+            bodies += 1
+            if bodies == 3:  # the role, the first piece, and now the next: the client reads no more
+                first_piece.set()
+                await asyncio.sleep(60)
+
+    gc.disable()
+    try:
+        worker = asyncio.ensure_future(play_the_worker())
+        await asyncio.wait_for(ApiHandler()({**scope}, receive, send), 20)
+        await asyncio.wait_for(worker, 20)
+    finally:
+        gc.enable()
+
+    # then the worker was told to stop within a second of the hang-up
+    assert "hung_up" in seen, "the stream never reached its second piece"
+    assert "cancelled" in seen, "the worker was never told to stop"
+    assert seen["cancelled"] - seen["hung_up"] < 1.0

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from django.conf import settings
@@ -203,10 +204,25 @@ async def _start_stream(chat: ChatRequest, served: ServedRequest) -> HttpRespons
         first = await anext(events)
     except ApiError as error:
         return _headers(error_response(error, served.request_id), served)
-    response = StreamingHttpResponse(_stream(chat, served, first, events), content_type="text/event-stream")
+    response = _ClosingStream(_stream(chat, served, first, events), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return _headers(response, served)
+
+
+class _ClosingStream(StreamingHttpResponse):
+    """An event stream whose generator is closed when Django stops sending it.
+
+    Django reads an async response's content through two generators of its own and, when the
+    client goes away while a piece is being sent (the send cancelled), closes only the outer
+    one: the content itself stayed suspended until garbage collection, and the request ran on
+    at its worker to its last token. Closing `_stream` closes the request's events, which
+    cancels it (`ServedRequest.events`)."""
+
+    async def __aiter__(self):
+        async with aclosing(self._iterator) as parts:
+            async for part in parts:
+                yield self.make_bytes(part)
 
 
 async def _stream(
