@@ -5,10 +5,11 @@ Usage: `.venv/bin/python bench/vllm_engine.py [--requests N] [--size medium|smal
 redis://127.0.0.1:6379/14, under a namespace of its own that is deleted afterwards). It builds
 the Qwen2-VL demo checkpoint of `--size` into a temporary directory, unless MODEL_PATH names one:
 by default medium (about 8x tiny's compute per token), the size whose direct run lands in the
-issue's 150-400 tok/s on this 2-core machine, quiet (212-247 tok/s; small made 354-436, at the
-range's top, and 505-529 with VLLM_ENABLE_V1_MULTIPROCESSING=0; tiny spends its time in vLLM's
-per-step overheads). About 8 minutes at 100 requests on a quiet 2-core machine, most of it the
-platform's concurrency-1 run and four vLLM engines starting, two at a time.
+issue's 150-400 tok/s on this 2-core machine, quiet, with the model in the engine core's process
+as the workers run it (222-283 tok/s in runs on 2026-12-05; small made 505-529 there, above the
+range, and 354-436 with vLLM's multiprocess executor; tiny spends its time in vLLM's per-step overheads). About 7
+minutes at 100 requests on a quiet 2-core machine, most of it the platform's concurrency-1 run
+and four vLLM engines starting, two at a time.
 
 The workload: REQUESTS chat requests, each a system prompt (one of SYSTEM_PROMPTS, Zipf-like
 popularity), one image (one of IMAGES noise pictures, Zipf-like) and a question (one of a few),
@@ -209,10 +210,11 @@ def run_direct(spec: dict) -> None:
     """Two AsyncLLM engines (one OpenMP thread each), CONCURRENCY users, user k on engine k mod 2:
     started once, then one concurrency-8 pass per `pass` line on stdin (both prefix caches
     emptied first), each answered with a `RESULT` line; ends at end of input."""
-    # As run_worker --threads 1 sets them: unbound, one thread. VLLM_ENABLE_V1_MULTIPROCESSING,
-    # when set, reaches both sides alike (the workers inherit this environment).
+    # As run_worker --threads 1 sets them on a CPU: unbound, one thread, the model in the engine
+    # core's process (workers/management/commands/run_worker.py, _bound_vllm_threads).
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from PIL import Image
     from transformers import AutoTokenizer
     from vllm import SamplingParams

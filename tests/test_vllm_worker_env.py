@@ -1,5 +1,5 @@
-"""What `run_worker --engine vllm` sets in its environment before vLLM loads. Pure: no vLLM
-needed."""
+"""What `run_worker --engine vllm` sets in its environment before vLLM loads (threads, and where
+the model runs on a CPU). Pure: no vLLM needed."""
 
 from __future__ import annotations
 
@@ -20,17 +20,20 @@ def environment(monkeypatch):
     return monkeypatch
 
 
-def test_the_engine_runs_unbound_with_its_threads_and_vllms_own_executor(environment):
+def test_on_a_cpu_the_engine_runs_unbound_with_its_threads_and_the_model_in_the_engine_core(environment):
+    environment.setattr(run_worker, "_cuda_available", lambda: False)
+
     run_worker._bound_vllm_threads(2)
 
     assert {name: os.environ.get(name) for name in VARIABLES} == {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "2",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": None,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
 
 
-def test_an_operators_own_binding_is_left_as_it_is(environment):
+def test_an_operators_own_binding_keeps_vllms_multiprocess_executor(environment):
+    environment.setattr(run_worker, "_cuda_available", lambda: False)
     environment.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
 
     run_worker._bound_vllm_threads(2)
@@ -40,3 +43,14 @@ def test_an_operators_own_binding_is_left_as_it_is(environment):
         "OMP_NUM_THREADS": None,
         "VLLM_ENABLE_V1_MULTIPROCESSING": None,
     }
+
+
+def test_on_a_gpu_and_where_the_operator_chose_vllms_executor_stays_as_it_was(environment):
+    environment.setattr(run_worker, "_cuda_available", lambda: True)
+    run_worker._bound_vllm_threads(1)
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") is None
+
+    environment.setattr(run_worker, "_cuda_available", lambda: False)
+    environment.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    run_worker._bound_vllm_threads(1)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

@@ -610,12 +610,30 @@ def _vllm_args(pairs: list[str]) -> dict[str, Any]:
 def _bound_vllm_threads(threads: int) -> None:
     """vLLM binds its OpenMP threads to cores on its own ("auto"): two engines on one machine
     then fight over the same cores. Unless the operator bound them (VLLM_CPU_OMP_THREADS_BIND),
-    the engine core runs unbound with --threads threads (its child process inherits these)."""
+    the engine core runs unbound with --threads threads (its child process inherits these).
+
+    Unbound, on the CPU, the model also runs in the engine core's own process (vLLM's UniProc
+    executor; VLLM_ENABLE_V1_MULTIPROCESSING=0 only keeps vLLM's CPU platform from forcing its
+    multiprocess one, AsyncLLM's engine core stays a process of its own). vLLM's multiprocess
+    executor hands each step to a third process through shared memory, each side spinning while
+    it waits for the other: beside the platform's processes on few cores those spins took the
+    cores the steps needed (bench/vllm_engine.py: the engines' CPU per pass 17-26 s against 14-15 s
+    driven directly, and 11-12 s on both sides in one process; 272 -> 378 tok/s through the
+    platform). vLLM wants its multiprocess executor to bind threads itself, so an operator's
+    binding keeps it."""
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    if not _cuda_available():
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _vllm_runtime(name, model_path, client, features, image_loader, kv_cache_mb, engine_args, publisher):
