@@ -7,9 +7,9 @@ the Qwen2-VL demo checkpoint of `--size` into a temporary directory, unless MODE
 by default medium (about 8x tiny's compute per token), the size whose direct run lands in the
 issue's 150-400 tok/s on this 2-core machine, quiet, with the model in the engine core's process
 as the workers run it (222-283 tok/s in runs on 2026-12-05; small made 505-529 there, above the
-range, and 354-436 with vLLM's multiprocess executor; tiny spends its time in vLLM's per-step overheads). About 7
-minutes at 100 requests on a quiet 2-core machine, most of it the platform's concurrency-1 run
-and four vLLM engines starting, two at a time.
+range, and 354-436 with vLLM's multiprocess executor; tiny spends its time in vLLM's per-step
+overheads). About 5-7 minutes at 100 requests on a quiet 2-core machine, most of it the
+platform's concurrency-1 run and four vLLM engines starting, two at a time.
 
 The workload: REQUESTS chat requests, each a system prompt (one of SYSTEM_PROMPTS, Zipf-like
 popularity), one image (one of IMAGES noise pictures, Zipf-like) and a question (one of a few),
