@@ -429,8 +429,10 @@ class VllmEngine(FollowsSubmitted):
                 self._in_flight.pop(request.request_id, None)
 
     def _died(self, cause: BaseException) -> EngineDead:
-        """Records the engine's death (once: the worker's `on_dead` goes first, so it leaves the
-        fleet before any request is moved on) and returns the error each request fails with."""
+        """Records the engine's death and returns the error each request fails with. The first to
+        find out calls the worker's `on_dead` before failing its own request, so the worker has
+        left the fleet before that request is moved on (the others are sent to a worker they
+        have not tried, whenever they fail)."""
         with self._lock:
             first = self.dead is None
             if first:
