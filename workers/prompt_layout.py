@@ -206,24 +206,8 @@ class PromptLayout:
 
     def _place_video(self, video: VideoInput, ids: list[int]) -> PromptImage:
         """Appends the video's run (as the frontend laid it out) to `ids`; its span."""
-        from workers.video_inputs import VideoInputError, video_prompt_ids
-
         assert self.video is not None and self.video_token_id is not None
-        try:
-            run = video_prompt_ids(
-                self.video,
-                lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"],
-                fps=video.fps,
-                indices=tuple(video.indices),
-                width=video.width,
-                height=video.height,
-                grid_thw=tuple(video.grid_thw),  # type: ignore[arg-type]
-                placeholder_id=self.video_token_id,
-                vision_start_id=self.tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-                vision_end_id=self.tokenizer.convert_tokens_to_ids("<|vision_end|>"),
-            )
-        except (VideoInputError, ValueError) as exc:
-            raise PromptError(f"video {video.identity}: {exc}") from exc
+        run = video_run(self.video, self.tokenizer, video, self.video_token_id)
         start = len(ids)
         pads = tuple(start + n for n, token in enumerate(run) if token == self.video_token_id)
         ids.extend(run)
@@ -259,3 +243,26 @@ class PromptLayout:
             max_pixels=processor.size["longest_edge"],
         )
         return (1, height // patch, width // patch)
+
+
+def video_run(preprocessor: Any, tokenizer: Any, video: VideoInput, placeholder_id: int) -> list[int]:
+    """The token run a task's video placeholder becomes, laid out by this worker (its model's
+    `workers.video_inputs.VideoPreprocessor` and tokenizer) as the frontend laid it out; a task
+    whose grid this worker's layout disagrees with is a PromptError, not run."""
+    from workers.video_inputs import VideoInputError, video_prompt_ids
+
+    try:
+        return video_prompt_ids(
+            preprocessor,
+            lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+            fps=video.fps,
+            indices=tuple(video.indices),
+            width=video.width,
+            height=video.height,
+            grid_thw=tuple(video.grid_thw),  # type: ignore[arg-type]
+            placeholder_id=placeholder_id,
+            vision_start_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+            vision_end_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        )
+    except (VideoInputError, ValueError) as exc:
+        raise PromptError(f"video {video.identity}: {exc}") from exc

@@ -38,7 +38,7 @@ from workers.engine.api import (
 )
 from workers.engine.counters import RATE_MIN_PROMPT_TOKENS, EngineCounters
 from workers.kv_cache import PublishEvents
-from workers.prompt_layout import ImageInput, PromptError, VideoInput
+from workers.prompt_layout import ImageInput, PromptError, VideoInput, video_run
 from workers.vllm_engine.kv_events import KvEventTranslator
 from workers.vllm_engine.prompt import (
     EnginePrompt,
@@ -295,8 +295,6 @@ class VllmEngine(FollowsSubmitted):
         model disagrees with the task's grid)."""
         import numpy as np
 
-        from workers.video_inputs import VideoInputError, video_prompt_ids
-
         if self._video is None or self.video_token_id is None:
             raise PromptError(f"this model ({self.model_type}) takes no video")
         if video.load_frames is None:
@@ -305,22 +303,7 @@ class VllmEngine(FollowsSubmitted):
         count, height, width, channels = video.frame_shape
         if channels != 3 or len(frames) != count * height * width * channels:
             raise PromptError(f"video {video.identity}: its stored frames are not {tuple(video.frame_shape)}")
-        encode = self._tokenizer
-        try:
-            expansion = video_prompt_ids(
-                self._video,
-                lambda text: encode(text, add_special_tokens=False)["input_ids"],
-                fps=video.fps,
-                indices=tuple(video.indices),
-                width=video.width,
-                height=video.height,
-                grid_thw=tuple(video.grid_thw),  # type: ignore[arg-type]
-                placeholder_id=self.video_token_id,
-                vision_start_id=encode.convert_tokens_to_ids("<|vision_start|>"),
-                vision_end_id=encode.convert_tokens_to_ids("<|vision_end|>"),
-            )
-        except (VideoInputError, ValueError) as exc:
-            raise PromptError(f"video {video.identity}: {exc}") from exc
+        expansion = video_run(self._video, self._tokenizer, video, self.video_token_id)
         return EngineVideo(
             frames=np.frombuffer(frames, dtype=np.uint8).reshape(count, height, width, channels),
             fps=video.fps,
