@@ -245,6 +245,18 @@ class PromptLayout:
         return (1, height // patch, width // patch)
 
 
+def stored_frames(video: VideoInput) -> bytes:
+    """A video's sampled frames, from where the frontend left them (never the origin), checked
+    against the shape the task says they have."""
+    if video.load_frames is None:
+        raise PromptError(f"video {video.identity} came without its frames")
+    frames = video.load_frames()
+    count, height, width, channels = video.frame_shape
+    if len(frames) != count * height * width * channels:
+        raise PromptError(f"video {video.identity}: its stored frames are not {tuple(video.frame_shape)}")
+    return frames
+
+
 def video_run(preprocessor: Any, tokenizer: Any, video: VideoInput, placeholder_id: int) -> list[int]:
     """The token run a task's video placeholder becomes, laid out by this worker (its model's
     `workers.video_inputs.VideoPreprocessor` and tokenizer) as the frontend laid it out; a task

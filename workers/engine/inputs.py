@@ -40,6 +40,7 @@ from workers.prompt_layout import (
     PromptImage,
     PromptLayout,
     VideoInput,
+    stored_frames,
 )
 from workers.sampler import RequestSampler, SamplingParams
 from workers.scheduler import SequenceState, fits
@@ -236,13 +237,7 @@ class InputProcessor:
 
     def load_frames(self, video: VideoInput) -> bytes:
         """A video's sampled frames, from where the frontend left them (never the origin)."""
-        if video.load_frames is None:
-            raise PromptError(f"video {video.identity} came without its frames")
-        frames = video.load_frames()
-        count, height, width, channels = video.frame_shape
-        if len(frames) != count * height * width * channels:
-            raise PromptError(f"video {video.identity}: its stored frames are not {tuple(video.frame_shape)}")
-        return frames
+        return stored_frames(video)
 
     def load_declared(self, source: ImageInput, scope_key: str | None) -> Image.Image:
         """An image laid out from its declared size, loaded now; it must still have that size."""

@@ -38,7 +38,7 @@ from workers.engine.api import (
 )
 from workers.engine.counters import RATE_MIN_PROMPT_TOKENS, EngineCounters
 from workers.kv_cache import PublishEvents
-from workers.prompt_layout import ImageInput, PromptError, VideoInput, video_run
+from workers.prompt_layout import ImageInput, PromptError, VideoInput, stored_frames, video_run
 from workers.vllm_engine.kv_events import KvEventTranslator
 from workers.vllm_engine.prompt import (
     EnginePrompt,
@@ -297,12 +297,10 @@ class VllmEngine(FollowsSubmitted):
 
         if self._video is None or self.video_token_id is None:
             raise PromptError(f"this model ({self.model_type}) takes no video")
-        if video.load_frames is None:
-            raise PromptError(f"video {video.identity} came without its frames")
-        frames = video.load_frames()
+        frames = stored_frames(video)
         count, height, width, channels = video.frame_shape
-        if channels != 3 or len(frames) != count * height * width * channels:
-            raise PromptError(f"video {video.identity}: its stored frames are not {tuple(video.frame_shape)}")
+        if channels != 3:
+            raise PromptError(f"video {video.identity}: its frames have {channels} channels, not 3")
         expansion = video_run(self._video, self._tokenizer, video, self.video_token_id)
         return EngineVideo(
             frames=np.frombuffer(frames, dtype=np.uint8).reshape(count, height, width, channels),
@@ -437,21 +435,20 @@ class VllmEngine(FollowsSubmitted):
         continued answer's tokens follow the prompt; the router hashed the prompt alone."""
         request = flight.request
         flight.prompt_token_ids = list(expanded)
-
-        def hashes(ids: Sequence[int]) -> list[int]:
-            return expanded_block_hashes(
-                ids,
-                self.image_token_id,
-                flight.prompt.routing_hashes,
-                self.block_size,
-                request.cache_salt,
-                videos=flight.prompt.videos,
-                video_token_id=self.video_token_id,
-            )
-
-        flight.block_hashes = actual = hashes(flight.prompt_token_ids)
+        flight.block_hashes = actual = expanded_block_hashes(
+            flight.prompt_token_ids,
+            self.image_token_id,
+            flight.prompt.routing_hashes,
+            self.block_size,
+            request.cache_salt,
+            videos=flight.prompt.videos,
+            video_token_id=self.video_token_id,
+        )
         if request.continued_token_ids:
-            actual = hashes(flight.prompt_token_ids[: len(expanded) - len(request.continued_token_ids)])
+            # Full blocks chain from the start, and the continued tokens hold no media: the
+            # prompt's own blocks are the first of them.
+            prompt_tokens = len(expanded) - len(request.continued_token_ids)
+            actual = actual[: prompt_tokens // self.block_size]
         check_block_hashes(
             request.expected_block_hashes or (),
             actual,

@@ -130,8 +130,8 @@ def engine_prompt(
             raise PromptError("the prompt's video placeholders are already expanded; send one per video")
     if image_token_id in continued or (video_token_id is not None and video_token_id in continued):
         raise EngineFailure(
-            "this answer cannot be continued on vLLM: its generated tokens hold the image "
-            "placeholder, which vLLM would take for another image"
+            "this answer cannot be continued on vLLM: its generated tokens hold an image or video "
+            "placeholder, which vLLM would take for another picture or clip"
         )
     runs = placeholder_runs(token_ids, image_token_id)
     if len(runs) != len(images):
