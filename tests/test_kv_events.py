@@ -101,3 +101,18 @@ def test_publisher_refuses_an_index_in_another_namespace(
 ) -> None:
     with pytest.raises(ValueError):
         KvEventPublisher(redis_client, key_namespace, index=KvIndex(redis_client, f"{key_namespace}x:"))
+
+
+def test_a_purge_is_announced_on_the_stream_as_the_workers_cleared_event_with_its_next_id(
+    redis_client: redis.Redis, key_namespace: str, index: KvIndex
+) -> None:
+    # given: a worker that published two events, and one that never stored anything
+    publisher = KvEventPublisher(redis_client, key_namespace, index=index)
+    publisher.publish([KvEvent("stored", "gpu0", (1, 2)), KvEvent("removed", "gpu0", (2,))])
+    # when: its heartbeat lapsed and a frontend purged it; and the other is purged too
+    assert index.purge_worker("gpu0") == 1
+    assert index.purge_worker("gpu9") == 0
+    # then: the stream says so, as the worker's own `cleared` would, and nothing of the other
+    events = [event for _id, event in read_events(redis_client, key_namespace)]
+    assert events[-1] == KvEvent("cleared", "gpu0", event_id=3)
+    assert [event.worker for event in events] == ["gpu0"] * 3

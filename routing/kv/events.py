@@ -14,19 +14,12 @@ from typing import Any
 import redis
 
 from routing.contract.kv_events import KvEvent
-from routing.kv.index import INDEX_LUA_FUNCTIONS, KvIndex, pack_hashes
-from routing.state.lua import LuaScript, lua_constants, lua_script
+from routing.kv.index import EVENTS_STREAM, INDEX_LUA_FUNCTIONS, STREAM_MAXLEN, KvIndex, pack_hashes
+from routing.state.lua import LuaScript, lua_script
 
-EVENTS_STREAM = "kv:events"
-EVENT_IDS_KEY = "kv:event-ids"  # hash: worker -> last event id given to it
-STREAM_MAXLEN = 10_000
+__all__ = ["EVENTS_STREAM", "STREAM_MAXLEN", "KvEventPublisher", "read_events"]
 
-_PUBLISH_LUA = lua_script(
-    __package__,
-    "publish_events.lua",
-    INDEX_LUA_FUNCTIONS,
-    lua_constants(EVENTS_STREAM=EVENTS_STREAM, EVENT_IDS_KEY=EVENT_IDS_KEY),
-)
+_PUBLISH_LUA = lua_script(__package__, "publish_events.lua", INDEX_LUA_FUNCTIONS)
 
 
 class KvEventPublisher:

@@ -72,6 +72,13 @@ APPROXIMATE_KEY = "kv:approximate"
 # marks the worker a sibling was just sent to, before that worker's events arrive.
 PREDICTED_FAMILY = "kv:pred:"
 PREDICTED_STRIDE = 16
+# The event stream every change to the index is appended to, in the order applied (publish_events.lua,
+# and a purge's `cleared`), capped near STREAM_MAXLEN entries: what observers and each frontend's
+# replica of the index (routing.kv.replica) read. EVENT_IDS_KEY counts each worker's events, so a
+# reader that finds a worker's count jump knows it missed some.
+EVENTS_STREAM = "kv:events"
+EVENT_IDS_KEY = "kv:event-ids"  # hash: worker -> last event id given to it
+STREAM_MAXLEN = 10_000
 # A random token set by whoever first finds it missing. Redis restarted without its data (or
 # flushed) loses it with the index: a worker that sees it change re-announces its blocks.
 EPOCH_KEY = "kv:epoch"
@@ -99,6 +106,9 @@ INDEX_LUA_FUNCTIONS = lua_constants(
     NEXT_ID_KEY=NEXT_ID_KEY,
     APPROXIMATE_FAMILY=APPROXIMATE_FAMILY,
     APPROXIMATE_KEY=APPROXIMATE_KEY,
+    EVENTS_STREAM=EVENTS_STREAM,
+    EVENT_IDS_KEY=EVENT_IDS_KEY,
+    STREAM_MAXLEN=str(STREAM_MAXLEN),
 ) + lua_text(__package__, "index_functions.lua")
 # The overlap query, as Lua functions the router's decision script embeds too.
 OVERLAPS_LUA_FUNCTIONS = lua_text(__package__, "overlaps_functions.lua")
@@ -115,6 +125,7 @@ _PURGE_LUA = lua_script(__package__, "index_purge.lua", INDEX_LUA_FUNCTIONS)
 _RECORD_ROUTED_LUA = lua_script(__package__, "index_record_routed.lua", INDEX_LUA_FUNCTIONS)
 _WORKER_BLOCKS_LUA = lua_script(__package__, "index_worker_blocks.lua", INDEX_LUA_FUNCTIONS)
 _BLOCK_COUNTS_LUA = lua_script(__package__, "index_block_counts.lua", INDEX_LUA_FUNCTIONS)
+_SNAPSHOT_LUA = lua_script(__package__, "index_snapshot.lua", INDEX_LUA_FUNCTIONS)
 _CANDIDATES_LUA = lua_script(__package__, "index_candidates.lua", INDEX_LUA_FUNCTIONS, OVERLAPS_LUA_FUNCTIONS)
 
 
@@ -167,6 +178,7 @@ class KvIndex:
             ),
         )
         self._worker_blocks = LuaScript(client, _WORKER_BLOCKS_LUA)
+        self._snapshot = LuaScript(client, _SNAPSHOT_LUA)
         self._candidates = LuaScript(client, _CANDIDATES_LUA)
         self._block_counts = LuaScript(client, _BLOCK_COUNTS_LUA)
 
@@ -186,7 +198,9 @@ class KvIndex:
             self._apply(*args)
 
     def purge_worker(self, worker: str) -> int:
-        """Drop every block of a worker (heartbeat lapsed, or it cleared its cache); how many."""
+        """Drop every block of a worker (heartbeat lapsed, or it cleared its cache); how many.
+        A worker that held any is announced on the event stream as `cleared`, so the index's
+        replicas drop it too."""
         return int(self._purge(self._namespace, check_worker_name(worker)))
 
     def record_routed(
@@ -207,6 +221,12 @@ class KvIndex:
         pipe.get(key)
         _created, current = pipe.execute()
         return current.decode() if isinstance(current, bytes) else str(current)
+
+    def snapshot(self, worker: str) -> tuple[int, bytes]:
+        """The worker's last event id and the blocks it holds then (packed hashes), read in one
+        atomic step: applying its events after that id to these blocks gives its blocks now."""
+        event_id, packed = self._snapshot(self._namespace, check_worker_name(worker))
+        return int(event_id), packed if isinstance(packed, bytes) else packed.encode("latin-1")
 
     def worker_blocks(self, worker: str) -> set[int]:
         """The blocks the index believes the worker holds (events, plus unexpired approximate)."""

@@ -226,6 +226,14 @@ local function kv_apply(ns, kind, worker, packed)
   end
 end
 
+-- Appends one event to the stream with the worker's next event id, which it returns.
+local function kv_append_event(ns, maxlen, worker, payload)
+  local event_id = redis.call('HINCRBY', ns .. EVENT_IDS_KEY, worker, 1)
+  redis.call('XADD', ns .. EVENTS_STREAM, 'MAXLEN', '~', maxlen, '*',
+    'worker', worker, 'event_id', event_id, 'event', payload)
+  return event_id
+end
+
 local function server_time_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
