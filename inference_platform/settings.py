@@ -214,6 +214,11 @@ ROUTER_LOAD_ENTRY_TTL_SECS = env_float("ROUTER_LOAD_ENTRY_TTL_SECS", 300.0, posi
 # Predicted blocks: a routed prompt counts as cached on its worker for this long, until the
 # worker's own events arrive (Dynamo's --router-predicted-ttl-secs). 0 turns it off.
 ROUTER_PREDICTED_TTL_SECS = env_float("ROUTER_PREDICTED_TTL_SECS", 3.0, minimum=0.0)
+# Each frontend keeps a copy of the KV index in memory, fed by the index's event stream
+# (routing.kv.replica), and finds a large fleet's candidates there instead of in Redis: Redis's
+# one thread then does per decision what must be shared (load, reservation, predicted blocks).
+# Off: every decision reads the index in Redis. Costs ~200 bytes of memory per cached block.
+ROUTER_INDEX_REPLICA = env_bool("ROUTER_INDEX_REPLICA", True)
 # Session affinity as a bounded preference (see routing.kv.selection.RoutingPolicy).
 ROUTER_AFFINITY_COST_SLACK = env_float("ROUTER_AFFINITY_COST_SLACK", 0.25, minimum=0.0)
 ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS = env_int("ROUTER_AFFINITY_MAX_OVERLAP_LEAD_BLOCKS", 2, minimum=0)

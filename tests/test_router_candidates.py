@@ -16,6 +16,7 @@ from routing.contract.kv_events import KvEvent
 from routing.kv.decision import WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
+from routing.kv.replica import IndexReplica
 from routing.kv.router import FLEET_FACTS_FAMILY, HOLDERS_PER_PREFIX, LOAD_SAMPLE
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import block_hashes
@@ -24,14 +25,34 @@ from tests.test_router import BS, _router, _tokens
 FLEET = tuple(f"w{i:03d}" for i in range(300))  # past CANDIDATES_ABOVE
 
 
-@pytest.fixture
-def router(redis_client: redis.Redis, key_namespace: str):
-    return _router(redis_client, key_namespace)
+@pytest.fixture(params=["in_redis", "in_a_replica"])
+def replica(request, redis_client: redis.Redis, key_namespace: str) -> IndexReplica | None:
+    """Where the router finds a large fleet's candidates: in Redis's index, or in this process's
+    replica of it (routing.kv.replica), built here and synced after each publish (no thread)."""
+    if request.param == "in_redis":
+        return None
+    replica = IndexReplica(redis_client, key_namespace, index=KvIndex(redis_client, key_namespace))
+    replica.sync()
+    return replica
 
 
 @pytest.fixture
-def publisher(redis_client: redis.Redis, key_namespace: str) -> KvEventPublisher:
-    return KvEventPublisher(redis_client, key_namespace, index=KvIndex(redis_client, key_namespace))
+def router(redis_client: redis.Redis, key_namespace: str, replica):
+    return _router(redis_client, key_namespace, replica=replica)
+
+
+@pytest.fixture
+def publisher(redis_client: redis.Redis, key_namespace: str, replica) -> KvEventPublisher:
+    publisher = KvEventPublisher(redis_client, key_namespace, index=KvIndex(redis_client, key_namespace))
+    if replica is not None:
+        publish = publisher.publish
+
+        def publish_and_sync(events):
+            publish(events)
+            replica.sync()
+
+        publisher.publish = publish_and_sync  # type: ignore[method-assign]
+    return publisher
 
 
 def test_a_large_fleet_decision_finds_the_one_worker_holding_the_prefix_among_few_candidates(
@@ -253,3 +274,25 @@ def test_a_prepared_large_fleet_read_has_its_facts_written_once(
     hashes = block_hashes(_tokens(18, 400), BS)
     assert router.route(hashes, 400, BS, FLEET, policy, rng=random.Random(4)).worker in FLEET
     assert facts_keys() == written
+
+
+def test_the_sessions_worker_is_weighed_with_its_exact_overlap_where_its_prefixs_holders_were_drawn(
+    router, publisher, redis_client: redis.Redis
+):
+    # given: 100 workers hold the same 50 blocks (more than are drawn per prefix length), and the
+    # session last went to one of them
+    hashes = block_hashes(_tokens(19, 1_000), BS)
+    holders = FLEET[100:200]
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:50])) for name in holders])
+    session = "c" * 64
+    redis_client.set(router._affinity.key(session), "w150")
+
+    # when: the session's next request is routed, with several draws
+    decisions = [
+        router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), session_key=session, rng=random.Random(seed))
+        for seed in range(5)
+    ]
+
+    # then: its worker is weighed each time with the prefix it holds, and kept
+    for decision in decisions:
+        assert decision.worker == "w150" and decision.overlap == 50 and decision.reason == "affinity"

@@ -30,6 +30,7 @@ from routing.fleet.worker_rows import kept_rows
 from routing.kv.affinity import SessionAffinity
 from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
+from routing.kv.replica import IndexReplica
 from routing.kv.router import KvRouter
 from routing.media.images import SIZES_FLUSHED_KEY, ImageSizes
 from routing.media.store import MediaStore, media_store_from_settings
@@ -69,8 +70,12 @@ class Frontend:
     def reset(self) -> None:
         """Forget every collaborator and what they keep between requests (tests)."""
         with self._lock:
+            routers = [built for (name, _key), built in self._built.items() if name == "router"]
             self._built.clear()
             self._lines.clear()
+        for router in routers:  # their replicas' threads stop
+            if router.replica is not None:
+                router.replica.close()
         forget_cached_policy()
         kept_rows().clear()  # and with them the fleet read made under them (serving.dispatch)
 
@@ -94,18 +99,24 @@ class Frontend:
             settings.ROUTER_AFFINITY_TTL_SECS,
             settings.ROUTER_APPROXIMATE_TTL_SECS,
             settings.ROUTER_PREDICTED_TTL_SECS,
+            settings.ROUTER_INDEX_REPLICA,
         )
 
         def build() -> KvRouter:
             client, namespace = sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
+            index = KvIndex(client, namespace)
             return KvRouter(
                 client,
                 namespace,
-                index=KvIndex(client, namespace),
+                index=index,
                 load=LoadTracker(client, namespace, entry_ttl_s=settings.ROUTER_LOAD_ENTRY_TTL_SECS),
                 affinity=SessionAffinity(client, namespace, ttl_s=settings.ROUTER_AFFINITY_TTL_SECS),
                 approximate_ttl_s=settings.ROUTER_APPROXIMATE_TTL_SECS,
                 predicted_ttl_s=settings.ROUTER_PREDICTED_TTL_SECS,
+                # Started by the first decision over a large fleet (KvRouter.candidates_above).
+                replica=IndexReplica(client, namespace, index=index)
+                if settings.ROUTER_INDEX_REPLICA
+                else None,
             )
 
         return self._get("router", key, build)

@@ -52,6 +52,7 @@ from routing.kv.index import (
 )
 from routing.kv.lease import RequestLease
 from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
+from routing.kv.replica import IndexReplica
 from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
 from routing.state.lua import LuaScript, lua_constants, lua_script
 from routing.state.redis_direct import AsyncDirectCommands
@@ -106,7 +107,11 @@ class KvRouter:
         logger: logging.Logger | None = None,
         approximate_ttl_s: float = DEFAULT_APPROXIMATE_TTL_S,
         predicted_ttl_s: float = DEFAULT_PREDICTED_TTL_S,
+        replica: IndexReplica | None = None,
     ) -> None:
+        """replica: this process's copy of the index (routing.kv.replica), which a large fleet's
+        decisions find their candidates in while it is `ready` (else in Redis, as without one);
+        the router starts it on its first such decision."""
         if index.namespace != namespace or load.namespace != namespace:
             raise ValueError("the router, its index and its load tracker must share one namespace")
         self._client = client
@@ -122,6 +127,9 @@ class KvRouter:
         self._last_packed: _PackedWorkers | None = None
         self._facts_written: str | None = None  # the key of the last facts this router wrote
         self.candidates_above = CANDIDATES_ABOVE
+        self._replica = replica
+        # The replica's mask of the last fleet read's eligible workers: (read, replica version, mask).
+        self._eligible_mask: tuple[_PackedWorkers, int, int] | None = None
 
     @property
     def index(self) -> KvIndex:
@@ -130,6 +138,10 @@ class KvRouter:
     @property
     def load(self) -> LoadTracker:
         return self._load
+
+    @property
+    def replica(self) -> IndexReplica | None:
+        return self._replica
 
     def route(
         self,
@@ -338,7 +350,16 @@ class KvRouter:
             # A large fleet: the script weighs candidates, not every worker (`_decide_among`);
             # only when none of them can take the request does it look at the whole fleet.
             sample = (rng or self._rng).sample(eligible, LOAD_SAMPLE)
-            reply = yield from self._decide_among(args, packed, policy, condition, sample)
+            replica = self._replica
+            if replica is not None and replica.ready:
+                found = replica.candidates(
+                    block_hashes, self._mask_in(replica, packed), HOLDERS_PER_PREFIX, sample, rng or self._rng
+                )
+                reply = yield from self._decide_given(args, packed, policy, condition, found)
+            else:
+                if replica is not None:
+                    replica.start()
+                reply = yield from self._decide_among(args, packed, policy, condition, sample)
             self._check_fresh(reply, only_if)
             if not reply[0]:
                 reply = None
@@ -410,6 +431,8 @@ class KvRouter:
             "",
             0,
             "",
+            "",
+            "",
         )
 
     def _decide_among(
@@ -449,12 +472,65 @@ class KvRouter:
             self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
             HOLDERS_PER_PREFIX,
             "\n".join(sample),
+            "",
+            "",
         )
+        return (yield from self._with_facts(args, fleet))
+
+    @staticmethod
+    def _with_facts(
+        args: tuple[object, ...], fleet: _PackedWorkers
+    ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
             yield fleet  # its facts written
             reply = yield args
         return reply
+
+    def _decide_given(
+        self,
+        common: list[object],
+        fleet: _PackedWorkers,
+        policy: RoutingPolicy,
+        condition: tuple[str, bytes],
+        found: Mapping[str, int],
+    ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
+        """`_decide_among` with the candidates this process's replica of the index found (the
+        same ones: the holders of the longest cached prefixes, at most HOLDERS_PER_PREFIX per
+        prefix length, and the sample), sent with their overlaps and facts: the script adds
+        those only Redis knows of (the workers the predicted marks name, the session's worker)
+        and walks none of the index."""
+        records = fleet.records
+        # (A name the replica gave its bit to after the mask was made is not eligible: left out.)
+        names = [name for name in found if name in records]
+        args = (
+            *common,
+            "",
+            "",
+            int(policy.load_bound_gap),
+            repr(float(policy.load_bound_ratio)),
+            "",
+            "",
+            "",
+            *condition,
+            self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
+            0,
+            "\n".join(names),
+            struct.pack(f">{len(names)}i", *map(found.__getitem__, names)),
+            b"".join(map(records.__getitem__, names)),
+        )
+        return (yield from self._with_facts(args, fleet))
+
+    def _mask_in(self, replica: IndexReplica, fleet: _PackedWorkers) -> int:
+        """The replica's mask of the fleet read's eligible workers, made again only when the read
+        or the replica's workers changed."""
+        version = replica.version()
+        kept = self._eligible_mask
+        if kept is not None and kept[0] is fleet and kept[1] == version:
+            return kept[2]
+        mask, version = replica.mask_of(fleet.eligible)
+        self._eligible_mask = (fleet, version, mask)
+        return mask
 
     def _write_facts(self, fleet: _PackedWorkers) -> None:
         """Writes the fleet read's facts (one transaction: a decision finds them whole or not at

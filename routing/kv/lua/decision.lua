@@ -28,6 +28,11 @@
 -- (kv_candidate_overlaps) and only those the facts name (the eligible ones) are weighed; 21,
 -- 22 and 25 to 27 are ''. A reply of false, 'nofleet' when the facts are gone (nothing read,
 -- nothing reserved).
+-- 33, 34: candidates the frontend found in its replica of the index (routing.kv.replica; '' in
+-- 33 otherwise): 32 their names, joined by newlines, 33 their overlaps, one big-endian i32 each,
+-- 34 their facts, FACTS_FORMAT each, in order. The script adds the workers the predicted marks
+-- name and the session's worker (their facts from 30, their overlaps from the marks and the
+-- index) and raises the approximate workers' overlaps; nothing of the index is walked.
 -- The reply: the chosen worker's place among those weighed (false: none), the reason, the best
 -- overlap, the overlap, prefill and decode columns, the busy places, and, among candidates,
 -- the names of those weighed (an empty list otherwise).
@@ -66,14 +71,47 @@ local among = ARGV[30] ~= ''
 if among then
   -- The facts are written whole in one transaction and go whole when they expire.
   if redis.call('EXISTS', ARGV[30]) == 0 then return {false, 'nofleet', 0, '', '', '', {}, {}} end
-  local sample = {}
-  for name in string.gmatch(ARGV[32], '[^\n]+') do sample[#sample + 1] = name end
-  if ARGV[3] ~= '' then
-    sticky_read = redis.call('GET', ARGV[3]) or false
+  if ARGV[3] ~= '' then sticky_read = redis.call('GET', ARGV[3]) or false end
+  local names_given = {}  -- the sampled names, or the given candidates
+  for name in string.gmatch(ARGV[32], '[^\n]+') do names_given[#names_given + 1] = name end
+  local found, found_overlaps, records
+  if ARGV[33] ~= '' then
+    found, found_overlaps, records = names_given, {}, {}
+    local given, size = ARGV[33], struct.size(FACTS_FORMAT)
+    for at = 1, #given, 4000 do  -- a thousand per unpack (Lua's C stack bounds its results)
+      local chunk = string.sub(given, at, at + 3999)
+      for _, o in ipairs({struct.unpack('>' .. string.rep('i4', #chunk / 4), chunk)}) do
+        if #found_overlaps < #found then found_overlaps[#found_overlaps + 1] = o end
+      end
+    end
+    for k = 1, #found do records[k] = string.sub(ARGV[34], (k - 1) * size + 1, k * size) end
+    local at, extra = {}, {}
+    for k = 1, #found do at[found[k]] = k end
+    local function join(name, o)
+      local k = at[name]
+      if k then
+        if found_overlaps[k] < o then found_overlaps[k] = o end
+      else
+        k = #found + 1
+        found[k], found_overlaps[k], at[name] = name, o, k
+        extra[#extra + 1] = name
+      end
+    end
+    for _, mark in ipairs(kv_predicted_marks(ns, packed)) do join(mark[2], mark[1]) end
+    if sticky_read and not at[sticky_read] then
+      join(sticky_read, kv_worker_overlap(ns, packed, sticky_read))
+    end
+    if #extra > 0 then  -- their facts, where they are eligible
+      local got = kv_hmget(ARGV[30], extra)
+      for i = 1, #extra do records[at[extra[i]]] = got[i] end
+    end
+    kv_approximate_overlaps(ns, packed, found, found_overlaps)
+  else
+    local sample = names_given
     if sticky_read then sample[#sample + 1] = sticky_read end
+    found, found_overlaps = kv_candidate_overlaps(ns, packed, tonumber(ARGV[31]), sample)
+    records = kv_hmget(ARGV[30], found)
   end
-  local found, found_overlaps = kv_candidate_overlaps(ns, packed, tonumber(ARGV[31]), sample)
-  local records = kv_hmget(ARGV[30], found)
   local unpack_record, flags = struct.unpack, {}
   overlaps = {}
   for k = 1, #found do

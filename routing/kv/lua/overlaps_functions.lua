@@ -78,6 +78,25 @@ local function kv_approximate_overlaps(ns, packed, workers, out)
   end
 end
 
+-- One worker's overlap from the index, by bisection over the request's blocks (its blocks are
+-- prefix-closed, kv_change_points says why): about log2(blocks) bucket reads. For a worker a
+-- decision among given candidates weighs without being given its overlap (the session's).
+local function kv_worker_overlap(ns, packed, worker)
+  local n = #packed / 8
+  local id = redis.call('HGET', ns .. WORKER_IDS_KEY, worker)
+  if not id or n == 0 then return 0 end
+  local sub = string.sub
+  local function held(b) return kv_id_at((kv_holders(ns, sub(packed, b * 8 - 7, b * 8))), id) ~= nil end
+  if not held(1) then return 0 end
+  if held(n) then return n end
+  local lo, hi = 1, n - 1  -- block lo is held, block hi + 1 is not
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if held(mid) then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+
 -- Each worker's overlap in `out` (by `position`, a name's place) raised to what the predicted
 -- marks on the request's blocks credit it with (kv_predicted_marks).
 local function kv_marked_overlaps(ns, packed, position, out)
