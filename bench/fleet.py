@@ -81,6 +81,9 @@ SIZES = tuple(int(n) for n in os.environ.get("FLEET_SIZES", "16,64,256,1024").sp
 DECISIONS = int(os.environ.get("FLEET_DECISIONS", "1000"))
 FRONTENDS = tuple(int(n) for n in os.environ.get("FLEET_FRONTENDS", "1,4").split(","))
 RATE = float(os.environ.get("FLEET_RATE", "200"))  # decisions/s offered to several frontends, in all
+# Each frontend's replica of the index (routing.kv.replica; ROUTER_INDEX_REPLICA): each size runs
+# without it first, as the baseline, then with it (FLEET_REPLICA=0: twice without).
+REPLICA = os.environ.get("FLEET_REPLICA", "1") != "0"
 BLOCK_SIZE = 16
 MODEL = "bench-model"
 SYSTEM_TOKENS, IMAGE_TOKENS, PROMPT_TOKENS = 320, 256, 1_000  # 62 full blocks a prompt
@@ -134,6 +137,34 @@ def fleet_reread_usec(client) -> float:
     return stats1[1] - stats0[1]
 
 
+def replica_reads_usec(client) -> float:
+    """µs Redis spent on what the index's replica reads: the stream (XREAD, and XINFO to find what
+    was trimmed). Its snapshots are left out: they come once, when it is built."""
+    stats = client.info("commandstats")
+    return sum(stats[name]["usec"] for name in ("cmdstat_xread", "cmdstat_xinfo") if name in stats)
+
+
+def _replica_ready() -> tuple[float, float]:
+    """Starts this frontend's replica of the index and waits until it is built: how long that took
+    and how much it grew the process (MB of resident memory; 0, 0 when replicas are off)."""
+    from inference_platform.serving.frontend import frontend
+
+    replica = frontend().router().replica
+    if replica is None:
+        return 0.0, 0.0
+    rss0 = _rss_mb()
+    started = time.perf_counter()
+    replica.start()
+    while not replica.ready:
+        time.sleep(0.01)
+    return time.perf_counter() - started, _rss_mb() - rss0
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def register(n: int, rng: random.Random) -> list[str]:
     names = [f"sim-{i}" for i in range(n)]
     Worker.objects.all().delete()
@@ -158,7 +189,7 @@ def register(n: int, rng: random.Random) -> list[str]:
     return names
 
 
-def run_size(n: int) -> dict[str, float]:
+def run_size(n: int, *, several: bool = True) -> dict[str, float]:
     from inference_platform.serving.dispatch import eligible_workers
     from inference_platform.serving.frontend import frontend
     from inference_platform.serving.prepare import areserve_worker
@@ -208,6 +239,7 @@ def run_size(n: int) -> dict[str, float]:
 
     async def decide_all() -> tuple[list[float], list[float], float, float, int, int]:
         eligibility, decide, redis_us, every_us, chosen, oracle = [], [], 0.0, 0.0, 0, 0
+        events: list[KvEvent] = []
         everyone = list(names)
         for k, hashes in enumerate(requests):
             sampled = k % 10 == 0
@@ -235,18 +267,27 @@ def run_size(n: int) -> dict[str, float]:
                 chosen += lease.decision.overlap
                 oracle += oracle_best
             lease.release("done")
+            # The chosen worker computes the prompt and announces its blocks, as a worker does
+            # (in batches of a few): the replicas of the index read them while decisions go on.
+            events.append(KvEvent("stored", lease.worker, tuple(hashes)))
+            if len(events) == 4:
+                publisher.publish(events)
+                events.clear()
         return eligibility, decide, redis_us, every_us, chosen, oracle
 
     asyncio.run(_warm(eligible_workers))
+    replica_build_s, replica_mb = _replica_ready()
+    replica_reads0 = replica_reads_usec(client)
     dispatch._read_again = counted_read_again
     try:
         eligibility, decide, scripts_total, every_total, chosen, oracle = asyncio.run(decide_all())
     finally:
         dispatch._read_again = read_again
+    replica_us = (replica_reads_usec(client) - replica_reads0) / len(requests)
     reread_us = fleet_reread_usec(client)
-    redis_us = (scripts_total + rereads[0] * reread_us) / len(requests)
+    redis_us = (scripts_total + rereads[0] * reread_us) / len(requests) + replica_us
     total = [e + d for e, d in zip(eligibility, decide, strict=True)]
-    several = {f: several_frontends(f, requests, client) for f in FRONTENDS if f > 1}
+    several = {f: several_frontends(f, requests, client) for f in FRONTENDS if f > 1} if several else {}
     return {
         "several": several,
         "workers": n,
@@ -258,6 +299,9 @@ def run_size(n: int) -> dict[str, float]:
         "redis_us": redis_us,
         "every_cmd_us": every_total / len(requests),
         "rereads": rereads[0],
+        "replica_us": replica_us,
+        "replica_build_s": replica_build_s,
+        "replica_mb": replica_mb,
         "reread_us": reread_us,
         "decisions_per_s": 1e6 / redis_us,
         "bytes_per_entry": bytes_per_entry,
@@ -318,6 +362,7 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results) ->
 
     async def run() -> list[float]:
         await _warm(eligible_workers)
+        _replica_ready()
         latencies = []
         start = time.perf_counter() + 0.05
         for k, hashes in enumerate(requests):
@@ -359,6 +404,9 @@ def main() -> None:
     rows = []
     try:
         for n in SIZES:
+            settings.ROUTER_INDEX_REPLICA = False
+            without = run_size(n, several=False)
+            settings.ROUTER_INDEX_REPLICA = REPLICA
             row = run_size(n)
             rows.append(row)
             print(
@@ -368,8 +416,18 @@ def main() -> None:
             )
             print(
                 f"{'':>8}fleet re-reads: {row['rereads']} of {row['reread_us']:.0f} us each, "
+                f"and the index replica's reads of the stream, {row['replica_us']:.0f} us a decision, "
                 "in the redis us above"
             )
+            if REPLICA:
+                print(
+                    f"{'':>8}index replica: built in {row['replica_build_s']:.1f} s, "
+                    f"{row['replica_mb']:.0f} MB; without it (candidates found in Redis): "
+                    f"p50 {without['p50']:.0f} us, p99 {without['p99']:.0f} us, "
+                    f"redis {without['redis_us']:.0f} us, hit/oracle {without['hit_over_oracle']:.3f}; "
+                    f"with it over without: p50 {row['p50'] / without['p50']:.2f}x, "
+                    f"redis {row['redis_us'] / without['redis_us']:.2f}x"
+                )
             for count, figures in row["several"].items():
                 print(
                     f"{'':>8}{count} frontends, open loop at {RATE:.0f}/s: p50 {figures['p50']:.0f} us, "
@@ -378,6 +436,9 @@ def main() -> None:
                     f"redis {figures['redis_us']:.0f} us each"
                 )
     finally:
+        from inference_platform.serving.frontend import frontend
+
+        frontend().reset()  # its replica's thread stops before its Redis does
         _REDIS.stop()
     by = {row["workers"]: row for row in rows}
     if 64 in by and max(by) > 64:
