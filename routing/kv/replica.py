@@ -119,17 +119,7 @@ class _State:
             return
         flag = 1 << bit
         masks = self.masks
-        removed = 0
-        for h in hashes:
-            mask = masks.get(h, 0)
-            if mask & flag:
-                mask ^= flag
-                if mask:
-                    masks[h] = mask
-                else:
-                    del masks[h]
-                removed += 1
-        held = self.held[bit] - removed
+        held = self.held[bit] - self._unset(hashes, flag)
         self.held[bit] = held
         if held <= 0:
             self._forget(worker, bit)
@@ -140,9 +130,14 @@ class _State:
         bit = self.bit_of.get(worker)
         if bit is None:
             return
-        flag = 1 << bit
+        self._unset(self.logs[bit], 1 << bit)
+        self._forget(worker, bit)
+
+    def _unset(self, hashes: Iterable[int], flag: int) -> int:
+        """Takes `flag`'s worker out of these blocks' holders; how many it held."""
         masks = self.masks
-        for h in self.logs[bit]:
+        unset = 0
+        for h in hashes:
             mask = masks.get(h, 0)
             if mask & flag:
                 mask ^= flag
@@ -150,7 +145,8 @@ class _State:
                     masks[h] = mask
                 else:
                     del masks[h]
-        self._forget(worker, bit)
+                unset += 1
+        return unset
 
     def _forget(self, worker: str, bit: int) -> None:
         del self.bit_of[worker], self.logs[bit], self.held[bit]

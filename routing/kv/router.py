@@ -459,6 +459,19 @@ class KvRouter:
         close to the least loaded of all (the power of d choices: with d random choices the
         heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
         reservations made by every frontend move the next draw's choice elsewhere."""
+        args = (HOLDERS_PER_PREFIX, "\n".join(sample), "", "")
+        return (yield from self._with_facts(common, fleet, policy, condition, args))
+
+    def _with_facts(
+        self,
+        common: list[object],
+        fleet: _PackedWorkers,
+        policy: RoutingPolicy,
+        condition: tuple[str, bytes],
+        among: tuple[object, ...],
+    ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
+        """A decision among candidates (`among`: ARGV 31 to 34), weighed by the fleet read's
+        facts, which are written first if the script finds them gone."""
         args = (
             *common,
             "",
@@ -470,17 +483,8 @@ class KvRouter:
             "",
             *condition,
             self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
-            HOLDERS_PER_PREFIX,
-            "\n".join(sample),
-            "",
-            "",
+            *among,
         )
-        return (yield from self._with_facts(args, fleet))
-
-    @staticmethod
-    def _with_facts(
-        args: tuple[object, ...], fleet: _PackedWorkers
-    ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
             yield fleet  # its facts written
@@ -504,22 +508,12 @@ class KvRouter:
         # (A name the replica gave its bit to after the mask was made is not eligible: left out.)
         names = [name for name in found if name in records]
         args = (
-            *common,
-            "",
-            "",
-            int(policy.load_bound_gap),
-            repr(float(policy.load_bound_ratio)),
-            "",
-            "",
-            "",
-            *condition,
-            self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
             0,
             "\n".join(names),
             struct.pack(f">{len(names)}i", *map(found.__getitem__, names)),
             b"".join(map(records.__getitem__, names)),
         )
-        return (yield from self._with_facts(args, fleet))
+        return (yield from self._with_facts(common, fleet, policy, condition, args))
 
     def _mask_in(self, replica: IndexReplica, fleet: _PackedWorkers) -> int:
         """The replica's mask of the fleet read's eligible workers, made again only when the read
