@@ -288,8 +288,8 @@ class IndexReplica:
             event_id, packed = self._index.snapshot(worker)
             state.event_ids[worker] = max(event_id, state.event_ids.get(worker, 0))
             state.store(worker, unpack_hashes(packed))
+        self.rebuilds += 1  # first: a mask made under the last state is never taken for this one's
         self._state = state
-        self.rebuilds += 1
 
     def _catch_up(self, state: _State | None) -> None:
         """If the stream was trimmed past what this replica read, reads again each worker with
@@ -335,22 +335,23 @@ class IndexReplica:
 
     # -- queries ----------------------------------------------------------------------------
 
-    def mask_of(self, workers: Iterable[str]) -> tuple[int, int]:
+    def mask_of(self, workers: Iterable[str]) -> tuple[int, tuple[int, int]]:
         """The bits of these workers that hold blocks, and the state version they are valid for."""
         state = self._state
         if state is None:
-            return 0, -1
+            return 0, (-1, -1)
         bits = state.bit_of
         mask = 0
         for name in workers:
             bit = bits.get(name)
             if bit is not None:
                 mask |= 1 << bit
-        return mask, id(state) ^ state.version
+        return mask, (self.rebuilds, state.version)
 
-    def version(self) -> int:
+    def version(self) -> tuple[int, int]:
+        """Which state and which of its bit assignments: a mask made under another is stale."""
         state = self._state
-        return -1 if state is None else id(state) ^ state.version
+        return (-1, -1) if state is None else (self.rebuilds, state.version)
 
     def candidates(
         self,

@@ -129,7 +129,7 @@ class KvRouter:
         self.candidates_above = CANDIDATES_ABOVE
         self._replica = replica
         # The replica's mask of the last fleet read's eligible workers: (read, replica version, mask).
-        self._eligible_mask: tuple[_PackedWorkers, int, int] | None = None
+        self._eligible_mask: tuple[_PackedWorkers, tuple[int, int], int] | None = None
 
     @property
     def index(self) -> KvIndex:
