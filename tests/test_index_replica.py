@@ -229,3 +229,15 @@ def test_candidates_are_the_eligible_holders_of_each_prefix_length_drawn_and_the
     assert sorted(found.values()).count(10) == 4
     assert all(found[name] == depths[name] for name in found if name in depths)
     assert found["idle-a"] == found["idle-b"] == 0
+
+
+def test_a_draw_among_more_holders_than_wanted_gives_as_many_distinct_holders_as_wanted():
+    from routing.kv.replica import _drawn
+
+    rng = random.Random(11)
+    for _ in range(2_000):
+        members = rng.getrandbits(rng.choice((8, 64, 300, 1_100))) | 1 << rng.randrange(4)
+        cap = rng.randrange(1, 20)
+        drawn = list(_drawn(members, cap, rng))
+        assert len(drawn) == len(set(drawn)) == min(cap, members.bit_count())
+        assert all(members >> bit & 1 for bit in drawn)

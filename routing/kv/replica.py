@@ -436,25 +436,24 @@ def _bits(members: int) -> Iterable[int]:
 
 
 def _drawn(members: int, cap: int, rng: random.Random) -> Iterable[int]:
-    """The bits of `members`: all of them up to `cap`, else at most `cap` of them spread over the
-    mask from a random start (each the first member at or after its place: a member after a long
-    run of non-members is drawn more often, which is spread enough for a draw among holders of
-    one prefix, whom the decision tells apart by load alone)."""
+    """The bits of `members`: all of them up to `cap`, else `cap` distinct ones spread over the
+    mask from a random start (each the first member not yet drawn at or after its place: a member
+    after a long run of non-members is drawn more often, which is spread enough for a draw among
+    holders of one prefix, whom the decision tells apart by load alone)."""
     if members.bit_count() <= cap:
         yield from _bits(members)
         return
     length = members.bit_length()
     start = rng.randrange(length)
-    seen: set[int] = set()
+    left = members  # those not drawn yet: more than `cap` to begin with, so never empty here
     for i in range(cap):
         at = (start + i * length // cap) % length
-        rest = members >> at
+        rest = left >> at
         if not rest:
-            rest, at = members, 0
+            rest, at = left, 0
         bit = at + (rest & -rest).bit_length() - 1
-        if bit not in seen:
-            seen.add(bit)
-            yield bit
+        left ^= 1 << bit
+        yield bit
 
 
 def _stream_id(value: bytes | str) -> tuple[int, int]:
