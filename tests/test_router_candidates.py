@@ -205,7 +205,7 @@ def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router
     assert router.route(hashes, 1_000, BS, FLEET, policy, rng=random.Random(2)).worker == "w250"
 
 
-def test_a_routers_new_facts_replace_the_last_it_wrote(
+def test_a_routers_new_facts_replace_those_before_the_last_it_wrote(
     router, publisher, redis_client: redis.Redis, key_namespace: str
 ):
     hashes = block_hashes(_tokens(16, 400), BS)
@@ -214,16 +214,21 @@ def test_a_routers_new_facts_replace_the_last_it_wrote(
     def facts_keys() -> set[bytes]:
         return set(redis_client.scan_iter(match=f"{key_namespace}{FLEET_FACTS_FAMILY}*"))
 
-    # given: facts written for one read of the fleet
+    # given: facts written for one read of the fleet, then for a newer one whose reports moved
     reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
     router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
     first = facts_keys()
-    # when: a newer read, whose reports moved, decides
     reports["w007"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=5)
     router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
-    # then: its facts replaced the first ones
     second = facts_keys()
-    assert len(first) == len(second) == 1 and first != second
+    # when: a third read decides
+    reports["w008"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=5)
+    router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
+    # then: the last two reads' facts are kept (requests may still decide on the one before the
+    # newest), and the first read's are gone
+    third = facts_keys()
+    assert len(first) == 1 and len(second) == 2 and first < second
+    assert len(third) == 2 and not first & third and second - first < third
 
 
 @pytest.mark.parametrize("fleet_size", [8, len(FLEET)])
@@ -274,6 +279,41 @@ def test_a_prepared_large_fleet_read_has_its_facts_written_once(
     hashes = block_hashes(_tokens(18, 400), BS)
     assert router.route(hashes, 400, BS, FLEET, policy, rng=random.Random(4)).worker in FLEET
     assert facts_keys() == written
+
+
+def test_requests_deciding_on_the_read_before_a_newly_prepared_one_repack_and_rewrite_nothing(
+    router, redis_client: redis.Redis, key_namespace: str, monkeypatch: pytest.MonkeyPatch
+):
+    import routing.kv.router as router_module
+
+    def facts_keys() -> set[bytes]:
+        return set(redis_client.scan_iter(match=f"{key_namespace}{FLEET_FACTS_FAMILY}*"))
+
+    policy = RoutingPolicy()
+    older, newer = FLEET, FLEET[:-1]  # two reads of the fleet: one worker's heartbeat lapsed
+    none_approximate = frozenset()  # (a read passes the same objects each time: EligibleWorkers)
+    router.pack_workers(older, None, none_approximate, policy)
+    hashes = block_hashes(_tokens(20, 400), BS)
+    fleet_read = {"approximate_workers": none_approximate, "reports": None}
+    router.route(hashes, 400, BS, older, policy, rng=random.Random(5), **fleet_read)  # the replica mask made
+    # given: the newer read prepared in the background while requests still decide on the older
+    router.pack_workers(newer, None, none_approximate, policy)
+    assert len(facts_keys()) == 2
+    packs, writes = [], []
+    real_pack, real_write = router_module._PackedWorkers.pack, router._write_facts
+    monkeypatch.setattr(router_module._PackedWorkers, "pack", lambda *a: packs.append(a) or real_pack(*a))
+    monkeypatch.setattr(router, "_write_facts", lambda fleet: writes.append(fleet) or real_write(fleet))
+
+    # when: requests decide on the older read, then on the newer, then on the older again
+    for workers in (older, newer, older):
+        decision = router.route(hashes, 400, BS, workers, policy, rng=random.Random(6), **fleet_read)
+        assert decision.worker in workers
+
+    # then: each read's arguments were packed and its facts written once, in the background
+    assert packs == [] and writes == []
+    # and a third read's facts replace the oldest's: a router keeps the last two
+    router.pack_workers(FLEET[1:], None, none_approximate, policy)
+    assert len(facts_keys()) == 2
 
 
 def test_the_sessions_worker_is_weighed_with_its_exact_overlap_where_its_prefixs_holders_were_drawn(

@@ -32,7 +32,7 @@ import math
 import random
 import struct
 from collections.abc import Collection, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -62,6 +62,7 @@ DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this
 # (KvRouter._decide_among): at most HOLDERS_PER_PREFIX holders per cached prefix length, and
 # LOAD_SAMPLE workers drawn at random. At or below it, every worker, exactly as before.
 CANDIDATES_ABOVE = 64
+PACKED_KEPT = 3  # fleet reads whose packed arguments a router keeps (KvRouter._packed)
 HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
@@ -124,12 +125,16 @@ class KvRouter:
         self._approximate_ttl_ms = max(int(approximate_ttl_s * 1000), 1)
         self._predicted_ttl_ms = max(int(predicted_ttl_s * 1000), 0)
         self._rng = random.Random()
-        self._last_packed: _PackedWorkers | None = None
-        self._facts_written: str | None = None  # the key of the last facts this router wrote
+        # The last fleet reads packed, newest last: a frontend's background re-read packs the
+        # new read while requests still decide on the one before, and the request that first
+        # uses either must find it packed (packing a thousand workers takes milliseconds).
+        # (A tuple, replaced whole: a background thread adds to it while requests look in it.)
+        self._recent_packed: tuple[_PackedWorkers, ...] = ()
+        # The keys of the facts this router wrote last, newest last: the newest read's and the
+        # one before, which requests still decide on while the newest is being prepared.
+        self._facts_written: list[str] = []
         self.candidates_above = CANDIDATES_ABOVE
         self._replica = replica
-        # The replica's mask of the last fleet read's eligible workers: (read, replica version, mask).
-        self._eligible_mask: tuple[_PackedWorkers, tuple[int, int], int] | None = None
 
     @property
     def index(self) -> KvIndex:
@@ -515,30 +520,34 @@ class KvRouter:
         )
         return (yield from self._with_facts(common, fleet, policy, condition, args))
 
-    def _mask_in(self, replica: IndexReplica, fleet: _PackedWorkers) -> int:
-        """The replica's mask of the fleet read's eligible workers, made again only when the read
-        or the replica's workers changed."""
+    @staticmethod
+    def _mask_in(replica: IndexReplica, fleet: _PackedWorkers) -> int:
+        """The replica's mask of the fleet read's eligible workers, kept with the read and made
+        again only when the replica's workers changed."""
         version = replica.version()
-        kept = self._eligible_mask
-        if kept is not None and kept[0] is fleet and kept[1] == version:
-            return kept[2]
+        kept = fleet.replica_mask[0] if fleet.replica_mask else None
+        if kept is not None and kept[0] == version:
+            return kept[1]
         mask, version = replica.mask_of(fleet.eligible)
-        self._eligible_mask = (fleet, version, mask)
+        fleet.replica_mask[:] = [(version, mask)]  # one item, replaced whole (threads read it)
         return mask
 
     def _write_facts(self, fleet: _PackedWorkers) -> None:
         """Writes the fleet read's facts (one transaction: a decision finds them whole or not at
-        all) and deletes the last ones this router wrote, which no newer read of its uses."""
+        all) and deletes those this router wrote before the last ones: the read before this one
+        may still be decided on until this one replaces it, and deleting its facts would have its
+        decisions write them again, on the request path."""
         key = self._namespace + FLEET_FACTS_FAMILY + fleet.digest
+        kept = [written for written in self._facts_written if written != key][-1:]
         pipe = self._client.pipeline(transaction=True)
-        previous = self._facts_written
-        if previous is not None and previous != key:
-            pipe.delete(previous)
+        for older in self._facts_written:
+            if older != key and older not in kept:
+                pipe.delete(older)
         pipe.delete(key)
         pipe.hset(key, mapping=fleet.records)
         pipe.pexpire(key, FLEET_FACTS_TTL_MS)
         pipe.execute()
-        self._facts_written = key
+        self._facts_written = [*kept, key]
 
     def pack_workers(
         self,
@@ -552,9 +561,13 @@ class KvRouter:
         too, so its decisions among candidates find them (unless it wrote the same facts last:
         a decision that finds them gone, expired or lost with Redis, writes them again)."""
         packed = self._packed(workers, reports, approximate, policy)
-        large = len(packed.eligible) > self.candidates_above
-        if large and self._namespace + FLEET_FACTS_FAMILY + packed.digest != self._facts_written:
+        if len(packed.eligible) <= self.candidates_above:
+            return
+        if self._namespace + FLEET_FACTS_FAMILY + packed.digest not in self._facts_written[-1:]:
             self._write_facts(packed)
+        replica = self._replica
+        if replica is not None and replica.ready:
+            self._mask_in(replica, packed)
 
     def _packed(
         self,
@@ -572,16 +585,16 @@ class KvRouter:
             bool(policy.prefill_drain),
             bool(policy.shortest_first_queues),
         )
-        last = self._last_packed
-        if last is not None and last.made_of(workers, reports, approximate, key):
-            return last
+        for kept in reversed(self._recent_packed):
+            if kept.made_of(workers, reports, approximate, key):
+                return kept
         packed = _PackedWorkers.pack(workers, reports, approximate, key)
         if (
             isinstance(workers, tuple)
             and isinstance(reports, MappingProxyType | None)
             and isinstance(approximate, frozenset)
         ):
-            self._last_packed = packed
+            self._recent_packed = (*self._recent_packed[-(PACKED_KEPT - 1) :], packed)
         return packed
 
     def _log(self, decision: RoutingDecision, policy: RoutingPolicy) -> None:
@@ -632,6 +645,9 @@ class _PackedWorkers:
     prefill_rates: bytes
     approximate_at: bytes
     schedules: bytes
+    # [(replica version, mask)]: the eligible workers' bits in this frontend's replica of the
+    # index, for that version of its bit assignments (KvRouter._mask_in).
+    replica_mask: list[tuple[tuple[int, int], int]] = field(default_factory=list, repr=False)
 
     def made_of(
         self, workers: object, reports: object, approximate: object, key: tuple[bool, bool, bool]
