@@ -81,6 +81,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         f"worker processes started: {model + simulated} ({model} with the model, {simulated} simulated); "
         f"frontends started: {harness.frontend_starts()}"
     )
+    by_module = harness.worker_starts_by_module()
+    if by_module:
+        terminalreporter.write_line(
+            "worker processes by test module: " + ", ".join(f"{m} {n}" for m, n in by_module.items())
+        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -45,8 +45,10 @@ starts_allowed_for: str | None = None
 def _count_start(name: str, kind: str) -> None:
     path = os.environ.get(WORKER_STARTS_FILE)
     if path:
+        # The test module that started it, for the summary's account (`-` outside a test).
+        module = (starts_allowed_for or "-").split("::")[0].replace(" ", "_")
         with open(path, "a", encoding="utf-8") as starts:
-            starts.write(f"{name} {kind}\n")
+            starts.write(f"{name} {module} {kind}\n")
 
 
 def count_worker_start(name: str, *, simulated: bool = False) -> None:
@@ -60,6 +62,20 @@ def _starts(kinds: tuple[str, ...]) -> int:
         return 0
     with open(path, encoding="utf-8") as starts:
         return sum(1 for line in starts if line.split()[-1] in kinds)
+
+
+def worker_starts_by_module() -> dict[str, int]:
+    """This session's `run_worker` starts, by the test module that made them, most first."""
+    path = os.environ.get(WORKER_STARTS_FILE)
+    counts: dict[str, int] = {}
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as starts:
+            for line in starts:
+                fields = line.split()
+                if fields[-1] in WORKER_KINDS:
+                    module = fields[-2] if len(fields) >= 3 else "-"
+                    counts[module] = counts.get(module, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def worker_starts(kind: str | None = None) -> int:
