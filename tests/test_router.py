@@ -449,6 +449,26 @@ def test_predicted_blocks_credit_an_event_publishing_worker_only_until_their_ttl
     assert blind.route(hashes, 640, BS, ["gpu1"], RoutingPolicy()).overlap == 0
 
 
+@pytest.mark.parametrize("shared_blocks", [21, 32, 37, 40, 50])
+def test_a_sibling_is_credited_with_exactly_the_blocks_it_shares_with_a_predicted_prompt(
+    redis_client: redis.Redis, key_namespace: str, shared_blocks: int
+) -> None:
+    # given: a 40-block prompt sent to gpu0 (marks every PREDICTED_STRIDE blocks, each carrying
+    # the blocks up to the next), and a sibling of 50 blocks sharing its first `shared_blocks`
+    # (between two marks, on one, past the prompt's end)
+    router = _router(redis_client, key_namespace, predicted_ttl_s=30.0)
+    prompt = _tokens(8, 40 * BS)
+    router.decide("r1", block_hashes(prompt, BS), len(prompt), BS, ["gpu0"], RoutingPolicy())
+    sibling = (prompt + _tokens(9, 10 * BS))[: shared_blocks * BS] + _tokens(10, 50 * BS)
+    sibling = sibling[: 50 * BS]
+
+    # when
+    decision = router.route(block_hashes(sibling, BS), len(sibling), BS, ["gpu0", "gpu1"], RoutingPolicy())
+
+    # then: credited to the exact block, never past what the prompt held
+    assert {s.worker: s.overlap for s in decision.scores} == {"gpu0": min(shared_blocks, 40), "gpu1": 0}
+
+
 @pytest.mark.usefixtures("redis_client")  # removes what the test wrote
 def test_decisions_in_the_same_instant_see_each_others_reservations(
     redis_url: str, key_namespace: str

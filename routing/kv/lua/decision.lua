@@ -80,11 +80,12 @@ if among then
     local given, size = ARGV[33], struct.size(FACTS_FORMAT)
     for at = 1, #given, 4000 do  -- a thousand per unpack (Lua's C stack bounds its results)
       local chunk = string.sub(given, at, at + 3999)
-      for _, o in ipairs({struct.unpack('>' .. string.rep('i4', #chunk / 4), chunk)}) do
-        if #found_overlaps < #found then found_overlaps[#found_overlaps + 1] = o end
-      end
+      local values = {struct.unpack('>' .. string.rep('i4', #chunk / 4), chunk)}
+      local offset = (at - 1) / 4
+      for k = 1, #chunk / 4 do found_overlaps[offset + k] = values[k] end
     end
-    for k = 1, #found do records[k] = string.sub(ARGV[34], (k - 1) * size + 1, k * size) end
+    -- A given candidate's record is where it starts in ARGV[34] (read in place: no copy of it).
+    for k = 1, #found do records[k] = (k - 1) * size + 1 end
     local at, extra = {}, {}
     for k = 1, #found do at[found[k]] = k end
     local function join(name, o)
@@ -112,13 +113,18 @@ if among then
     found, found_overlaps = kv_candidate_overlaps(ns, packed, tonumber(ARGV[31]), sample)
     records = kv_hmget(ARGV[30], found)
   end
-  local unpack_record, flags = struct.unpack, {}
+  local unpack_record, flags, given_facts = struct.unpack, {}, ARGV[34]
   overlaps = {}
   for k = 1, #found do
     local record = records[k]
     if record then  -- an eligible worker: weighed
       local name = found[k]
-      local cap, req, kv, r, schedule, approx = unpack_record(FACTS_FORMAT, record)
+      local cap, req, kv, r, schedule, approx
+      if type(record) == 'number' then
+        cap, req, kv, r, schedule, approx = unpack_record(FACTS_FORMAT, given_facts, record)
+      else
+        cap, req, kv, r, schedule, approx = unpack_record(FACTS_FORMAT, record)
+      end
       n = n + 1
       names[n], position[name], prefill[n], decode[n], requests[n] = name, n, 0, 0, 0
       overlaps[n], flags[n] = found_overlaps[k], schedule

@@ -299,11 +299,18 @@ local function kv_predicted_marks(ns, packed)
     if mark then
       local cut = string.find(mark, '\n', 1, true)
       local b = at[i]
-      -- The blocks after the mark that the marked prompt shares with this one.
+      -- The blocks after the mark that the marked prompt shares with this one: usually all the
+      -- mark carries (a repeat of its prompt), found by one comparison; block by block otherwise.
       local next_at = cut + 1
-      while b < n and next_at + 7 <= #mark
-        and string.sub(mark, next_at, next_at + 7) == string.sub(packed, b * 8 + 1, b * 8 + 8) do
-        b, next_at = b + 1, next_at + 8
+      local span = math.min(n - b, math.floor((#mark - cut) / 8))
+      if span > 0 and string.sub(mark, next_at, next_at + span * 8 - 1)
+          == string.sub(packed, b * 8 + 1, (b + span) * 8) then
+        b = b + span
+      else
+        while b < n and next_at + 7 <= #mark
+          and string.sub(mark, next_at, next_at + 7) == string.sub(packed, b * 8 + 1, b * 8 + 8) do
+          b, next_at = b + 1, next_at + 8
+        end
       end
       out[#out + 1] = {b, string.sub(mark, 1, cut - 1)}
     end
