@@ -14,18 +14,25 @@ each lease. It prints, per size: decision p50/p99 split into eligibility and dec
 10,000 events included), and the hit rate against the oracle
 (the chosen worker's overlap over the best overlap any worker had).
 
-Redis-side time, from INFO commandstats around each decision: the usec of the scripts the
-decision ran (EVALSHA), which include every command they call, plus the frontend's background
-re-reads of the fleet amortized over the decisions (one re-read's commands, measured apart, times
-the re-reads made). Not the sum over every command: Redis counts a command a script calls both
-under its own name and inside the script's EVALSHA, so that sum counts it twice (it is printed
-too, as `all cmds`, for comparison with earlier runs). The lease's release is not the decision's.
+Redis-side time: the µs Redis spent executing the decision scripts (their EVALSHA calls, which
+include every command they call), read from Redis's SLOWLOG with its threshold at 0 for the run:
+per command, the same duration INFO commandstats adds up per name, but told apart by script, so
+the event publisher's and the lease release's scripts stay out without a read around each
+decision. Plus the frontend's background re-reads of the fleet amortized over the decisions (one
+re-read's commands, measured apart, times the re-reads made) and the index replica's stream
+reads. Nothing is read between decisions, so the loop runs as a frontend's would. A last pass of
+COLD_PASS decisions reads INFO commandstats around each one, as this bench did before: it prints
+the scripts' µs by both readings (they agree: one measure) beside the run's, and that pass's p50.
+The lease's release is not the decision's.
 
 Then, per size, FLEET_FRONTENDS (default 1,4) beyond one: that many frontend processes (forked
 after the fill, each with connections of its own) decide the same requests between them in an
-open loop at FLEET_RATE decisions/s in all (default 200): each decision's time runs from when it
-was due, so frontends that cannot keep up show it; printed with the decisions per second made in
-all and per frontend and the Redis-side µs per decision.
+open loop at FLEET_RATE decisions/s in all (default 200), all starting at once once each has
+built its replica: each decision's time runs from when it was due if its frontend was still busy
+with the one before (a frontend that cannot keep up shows it), else from when its event loop woke
+for it (a timer's wake-up is late by a millisecond or more, a socket's is not); printed with the
+decisions per second made in all and per frontend while they decided, and the Redis-side µs per
+decision.
 
 Usage: .venv/bin/python bench/fleet.py   (FLEET_SIZES, default 16,64,256,1024; FLEET_DECISIONS,
 default 1000). It starts a redis-server of its own (so that INFO counts its commands alone) and
@@ -110,6 +117,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 SCRIPTS = ("cmdstat_evalsha", "cmdstat_eval")
+COLD_PASS = 200  # decisions made again with INFO commandstats around each (see the docstring)
 
 
 def redis_side_usec(client) -> tuple[float, float]:
@@ -125,6 +133,43 @@ def redis_side_usec(client) -> tuple[float, float]:
     return scripts, every
 
 
+class CommandLog:
+    """Redis's own account of each command it executes (SLOWLOG at threshold 0): the µs of the
+    calls of one script, told apart by its SHA, and of commands by name."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.saved = client.config_get("slowlog-*")
+
+    def __enter__(self) -> CommandLog:
+        self.client.config_set("slowlog-max-len", 1_000_000)
+        self.client.config_set("slowlog-log-slower-than", 0)
+        self.client.slowlog_reset()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, value in self.saved.items():
+            self.client.config_set(name, value)
+        self.client.slowlog_reset()
+
+    def read(self) -> list[tuple[list[bytes], int]]:
+        """What ran since the last read (each command's arguments and µs), and forget it."""
+        entries = self.client.execute_command("SLOWLOG", "GET", "-1")
+        self.client.slowlog_reset()
+        return [(entry[3], entry[2]) for entry in entries]
+
+    @staticmethod
+    def usec(entries, *, sha: str = "", names: tuple[str, ...] = ()) -> tuple[int, int]:
+        """How many of `entries` were calls of the script `sha` (or of the commands `names`), and
+        their µs."""
+        calls = usec = 0
+        for args, duration in entries:
+            name = args[0].decode().upper() if args else ""
+            if (sha and name == "EVALSHA" and args[1].decode() == sha) or name in names:
+                calls, usec = calls + 1, usec + duration
+        return calls, usec
+
+
 def fleet_reread_usec(client) -> float:
     """µs Redis spends on one of a frontend's re-reads of the fleet (no script runs in it, so
     the sum over its commands counts each once)."""
@@ -135,13 +180,6 @@ def fleet_reread_usec(client) -> float:
     stats1 = redis_side_usec(client)
     assert stats1[0] == stats0[0], "a fleet read ran a script"
     return stats1[1] - stats0[1]
-
-
-def replica_reads_usec(client) -> float:
-    """µs Redis spent on what the index's replica reads: the stream (XREAD, and XINFO to find what
-    was trimmed). Its snapshots are left out: they come once, when it is built."""
-    stats = client.info("commandstats")
-    return sum(stats[name]["usec"] for name in ("cmdstat_xread", "cmdstat_xinfo") if name in stats)
 
 
 def _replica_ready() -> tuple[float, float]:
@@ -237,16 +275,22 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
         rereads[0] += 1
         return await read_again(model)
 
-    async def decide_all() -> tuple[list[float], list[float], float, float, int, int]:
-        eligibility, decide, redis_us, every_us, chosen, oracle = [], [], 0.0, 0.0, 0, 0
+    async def decide_all(
+        batch: list[list[int]], *, info_around_each: bool = False
+    ) -> tuple[list[float], list[float], float, int, int]:
+        """Decides `batch`: each decision's eligibility and decide µs, the scripts' µs INFO
+        commandstats saw around the decisions (`info_around_each`; 0 otherwise), and the chosen
+        and best overlaps summed over every tenth decision."""
+        eligibility, decide, info_us, chosen, oracle = [], [], 0.0, 0, 0
         events: list[KvEvent] = []
         everyone = list(names)
-        for k, hashes in enumerate(requests):
+        for k, hashes in enumerate(batch):
             sampled = k % 10 == 0
             if sampled:  # the oracle (before the decision predicts its blocks somewhere), untimed
                 overlaps = index.overlaps(hashes, everyone)
                 oracle_best = max(overlaps.values()) if overlaps else 0
-            usec0 = redis_side_usec(client)
+            if info_around_each:
+                usec0 = redis_side_usec(client)[0]
             t0 = time.perf_counter()
             workers = await eligible_workers(MODEL, BLOCK_SIZE, checked=False)
             t1 = time.perf_counter()
@@ -256,11 +300,10 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
                 ),
                 policy=DEPLOYMENT_POLICY,
             )
-            lease = await areserve_worker(prepared, workers, None, f"bench-{k}")
+            lease = await areserve_worker(prepared, workers, None, f"bench-{k}-{info_around_each}")
             t2 = time.perf_counter()
-            usec1 = redis_side_usec(client)
-            redis_us += usec1[0] - usec0[0]
-            every_us += usec1[1] - usec0[1]
+            if info_around_each:
+                info_us += redis_side_usec(client)[0] - usec0
             eligibility.append((t1 - t0) * 1e6)
             decide.append((t2 - t1) * 1e6)
             if sampled:
@@ -273,20 +316,30 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
             if len(events) == 4:
                 publisher.publish(events)
                 events.clear()
-        return eligibility, decide, redis_us, every_us, chosen, oracle
+        return eligibility, decide, info_us, chosen, oracle
 
     asyncio.run(_warm(eligible_workers))
     replica_build_s, replica_mb = _replica_ready()
-    replica_reads0 = replica_reads_usec(client)
+    decision_sha = frontend().router()._decision.sha
     dispatch._read_again = counted_read_again
     try:
-        eligibility, decide, scripts_total, every_total, chosen, oracle = asyncio.run(decide_all())
+        with CommandLog(client) as log:
+            eligibility, decide, _, chosen, oracle = asyncio.run(decide_all(requests))
+            ran = log.read()
+            cold = requests[:COLD_PASS]
+            cold_run = asyncio.run(decide_all(cold, info_around_each=True))
+            cold_eligibility, cold_decide, cold_info_us = cold_run[:3]
+            cold_ran = log.read()
     finally:
         dispatch._read_again = read_again
-    replica_us = (replica_reads_usec(client) - replica_reads0) / len(requests)
+    decisions, scripts_total = CommandLog.usec(ran, sha=decision_sha)
+    assert decisions == len(requests), f"{decisions} decision scripts logged for {len(requests)} decisions"
+    replica_us = CommandLog.usec(ran, names=("XREAD", "XINFO"))[1] / len(requests)
+    cold_decisions, cold_logged_us = CommandLog.usec(cold_ran, sha=decision_sha)
     reread_us = fleet_reread_usec(client)
     redis_us = (scripts_total + rereads[0] * reread_us) / len(requests) + replica_us
     total = [e + d for e, d in zip(eligibility, decide, strict=True)]
+    cold_total = [e + d for e, d in zip(cold_eligibility, cold_decide, strict=True)]
     several = {f: several_frontends(f, requests, client) for f in FRONTENDS if f > 1} if several else {}
     return {
         "several": several,
@@ -297,7 +350,10 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
         "p50": percentile(total, 0.5),
         "p99": percentile(total, 0.99),
         "redis_us": redis_us,
-        "every_cmd_us": every_total / len(requests),
+        "script_us": scripts_total / len(requests),
+        "cold_p50": percentile(cold_total, 0.5),
+        "cold_script_us": cold_logged_us / cold_decisions,
+        "cold_info_us": cold_info_us / len(cold),
         "rereads": rereads[0],
         "replica_us": replica_us,
         "replica_build_s": replica_build_s,
@@ -311,33 +367,38 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
 
 def several_frontends(count: int, requests: list[list[int]], client) -> dict[str, float]:
     """`count` frontend processes (forked from this one: the index and the fleet as filled) decide
-    the requests between them, each at RATE / count decisions per second in an open loop: a
-    decision's time runs from when it was due, so a frontend that falls behind shows it. Redis-side
-    time from INFO around the whole run (a Redis of the bench's own: nothing else runs there)."""
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
+    the requests between them, each at RATE / count decisions per second in an open loop (the
+    module's docstring says from when a decision's time runs). Redis-side
+    time: the decision scripts' µs in Redis's command log (CommandLog), over the decisions (the
+    children's background re-reads left out here, see run_size)."""
     from django.db import connections
 
+    from inference_platform.serving.frontend import frontend
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
     connections.close_all()  # each child opens its own
-    usec0, _ = redis_side_usec(client)
-    started = time.perf_counter()
-    children = [
-        context.Process(target=_frontend_process, args=(i, count, requests[i::count], results))
-        for i in range(count)
-    ]
-    for child in children:
-        child.start()
-    latencies: list[float] = []
-    for _ in children:
-        answer = results.get(timeout=600)
-        if isinstance(answer, BaseException):
-            raise RuntimeError(f"a frontend process failed: {answer!r}")
-        latencies += answer
-    for child in children:
-        child.join()
-    wall = time.perf_counter() - started
-    # Scripts alone: the children's background re-reads are left out here (see run_size).
-    redis_us = (redis_side_usec(client)[0] - usec0) / len(latencies)
+    decision_sha = frontend().router()._decision.sha
+    ready = context.Barrier(count)
+    with CommandLog(client) as log:
+        children = [
+            context.Process(target=_frontend_process, args=(i, count, requests[i::count], results, ready))
+            for i in range(count)
+        ]
+        for child in children:
+            child.start()
+        latencies: list[float] = []
+        first, last = float("inf"), 0.0
+        for _ in children:
+            answer = results.get(timeout=600)
+            if isinstance(answer, BaseException):
+                raise RuntimeError(f"a frontend process failed: {answer!r}")
+            latencies += answer[0]
+            first, last = min(first, answer[1]), max(last, answer[2])
+        for child in children:
+            child.join()
+        wall = last - first  # the deciding, not the frontends' start (monotonic: one clock for all)
+        redis_us = CommandLog.usec(log.read(), sha=decision_sha)[1] / len(latencies)
     return {
         "p50": percentile(latencies, 0.5),
         "p99": percentile(latencies, 0.99),
@@ -346,7 +407,7 @@ def several_frontends(count: int, requests: list[list[int]], client) -> dict[str
     }
 
 
-def _frontend_process(i: int, count: int, requests: list[list[int]], results) -> None:
+def _frontend_process(i: int, count: int, requests: list[list[int]], results, ready) -> None:
     from asgiref.sync import SyncToAsync
 
     from inference_platform.serving.dispatch import eligible_workers, forget_fleet_read
@@ -360,16 +421,24 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results) ->
     forget_fleet_read()
     interval = count / RATE
 
-    async def run() -> list[float]:
+    async def run() -> tuple[list[float], float, float]:
         await _warm(eligible_workers)
         _replica_ready()
+        # Every frontend starts deciding at once (a replica takes seconds to build), each one's
+        # arrivals falling between the others'.
+        ready.wait()
         latencies = []
-        start = time.perf_counter() + 0.05
+        start = time.perf_counter() + 0.05 + i * interval / count
+        finished = start
         for k, hashes in enumerate(requests):
             due = start + k * interval
             wait = due - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
+            # From when it was due if the frontend was still busy then (its queue counts), else
+            # from when the loop woke for it: a timer's wake-up is rounded up to the millisecond
+            # and more, where a request's arrival on a socket wakes the loop at once.
+            began = due if finished > due else time.perf_counter()
             workers = await eligible_workers(MODEL, BLOCK_SIZE, checked=False)
             prepared = types.SimpleNamespace(
                 view=types.SimpleNamespace(
@@ -378,9 +447,10 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results) ->
                 policy=DEPLOYMENT_POLICY,
             )
             lease = await areserve_worker(prepared, workers, None, f"bench-{i}-{k}")
-            latencies.append((time.perf_counter() - due) * 1e6)
+            latencies.append((time.perf_counter() - began) * 1e6)
             lease.release("done")
-        return latencies
+            finished = time.perf_counter()
+        return latencies, start, finished
 
     try:
         results.put(asyncio.run(run()))
@@ -399,7 +469,7 @@ def main() -> None:
     print("one frontend (in process), one Redis; a shared machine: figures move from run to run")
     print(
         f"{'workers':>8}{'entries':>11}{'elig p50':>10}{'decide p50':>12}{'p50 us':>9}{'p99 us':>9}"
-        f"{'redis us':>10}{'all cmds':>10}{'decisions/s':>13}{'B/entry':>9}{'hit/oracle':>12}"
+        f"{'redis us':>10}{'decisions/s':>13}{'B/entry':>9}{'hit/oracle':>12}"
     )
     rows = []
     try:
@@ -411,13 +481,18 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{row['workers']:>8}{row['entries']:>11,}{row['eligibility_p50']:>10.0f}{row['decide_p50']:>12.0f}"
-                f"{row['p50']:>9.0f}{row['p99']:>9.0f}{row['redis_us']:>10.0f}{row['every_cmd_us']:>10.0f}"
+                f"{row['p50']:>9.0f}{row['p99']:>9.0f}{row['redis_us']:>10.0f}"
                 f"{row['decisions_per_s']:>13,.0f}{row['bytes_per_entry']:>9.1f}{row['hit_over_oracle']:>12.3f}"
             )
             print(
                 f"{'':>8}fleet re-reads: {row['rereads']} of {row['reread_us']:.0f} us each, "
                 f"and the index replica's reads of the stream, {row['replica_us']:.0f} us a decision, "
                 "in the redis us above"
+            )
+            print(
+                f"{'':>8}{COLD_PASS} decisions more with INFO commandstats around each (the earlier method): "
+                f"their scripts {row['cold_info_us']:.0f} us by INFO, {row['cold_script_us']:.0f} us by the "
+                f"command log (the run's: {row['script_us']:.0f} us), p50 {row['cold_p50']:.0f} us"
             )
             if REPLICA:
                 print(
