@@ -333,7 +333,8 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
     finally:
         dispatch._read_again = read_again
     decisions, scripts_total = CommandLog.usec(ran, sha=decision_sha)
-    assert decisions == len(requests), f"{decisions} decision scripts logged for {len(requests)} decisions"
+    # A decision whose fleet read went stale (the rows moved) runs the script again: both count.
+    assert decisions >= len(requests), f"{decisions} decision scripts logged for {len(requests)} decisions"
     replica_us = CommandLog.usec(ran, names=("XREAD", "XINFO"))[1] / len(requests)
     cold_decisions, cold_logged_us = CommandLog.usec(cold_ran, sha=decision_sha)
     reread_us = fleet_reread_usec(client)
