@@ -423,11 +423,13 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results, re
     interval = count / RATE
 
     async def run() -> tuple[list[float], float, float]:
-        await _warm(eligible_workers)
         _replica_ready()
         # Every frontend starts deciding at once (a replica takes seconds to build), each one's
-        # arrivals falling between the others'.
+        # arrivals falling between the others', with a fleet read made then: one made before
+        # the wait would be stale by the first decision, and every frontend would read the fleet
+        # again inside its first timed decisions at the same moment.
         ready.wait()
+        await _warm(eligible_workers)
         latencies = []
         start = time.perf_counter() + 0.05 + i * interval / count
         finished = start
