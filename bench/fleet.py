@@ -79,6 +79,7 @@ from routing.contract.kv_events import KvEvent  # noqa: E402
 from routing.fleet.registry import Heartbeat, WorkerRegistry  # noqa: E402
 from routing.kv.events import KvEventPublisher  # noqa: E402
 from routing.kv.index import KvIndex  # noqa: E402
+from routing.kv.router import CANDIDATES_ABOVE  # noqa: E402
 from routing.models import Worker  # noqa: E402
 from routing.policy import DEPLOYMENT_POLICY  # noqa: E402
 from routing.prompt.hashing import MediaPlacement, block_hashes  # noqa: E402
@@ -88,8 +89,9 @@ SIZES = tuple(int(n) for n in os.environ.get("FLEET_SIZES", "16,64,256,1024").sp
 DECISIONS = int(os.environ.get("FLEET_DECISIONS", "1000"))
 FRONTENDS = tuple(int(n) for n in os.environ.get("FLEET_FRONTENDS", "1,4").split(","))
 RATE = float(os.environ.get("FLEET_RATE", "200"))  # decisions/s offered to several frontends, in all
-# Each frontend's replica of the index (routing.kv.replica; ROUTER_INDEX_REPLICA): each size runs
-# without it first, as the baseline, then with it (FLEET_REPLICA=0: twice without).
+# Each frontend's replica of the index (routing.kv.replica; ROUTER_INDEX_REPLICA): each size above
+# CANDIDATES_ABOVE runs without it first, as the baseline, then with it (FLEET_REPLICA=0: twice
+# without); at or below, where decisions weigh every worker, a frontend starts none, nor does this.
 REPLICA = os.environ.get("FLEET_REPLICA", "1") != "0"
 BLOCK_SIZE = 16
 MODEL = "bench-model"
@@ -182,13 +184,16 @@ def fleet_reread_usec(client) -> float:
     return stats1[1] - stats0[1]
 
 
-def _replica_ready() -> tuple[float, float]:
+def _replica_ready(n: int) -> tuple[float, float]:
     """Starts this frontend's replica of the index and waits until it is built: how long that took
-    and how much it grew the process (MB of resident memory; 0, 0 when replicas are off)."""
+    and how much it grew the process (MB of resident memory; 0, 0 when replicas are off, or for a
+    fleet of CANDIDATES_ABOVE workers or fewer, whose decisions weigh every worker: a frontend
+    starts its replica at its first decision over a larger fleet, and a replica following the
+    stream beside decisions that never read it would slow them for nothing)."""
     from inference_platform.serving.frontend import frontend
 
     replica = frontend().router().replica
-    if replica is None:
+    if replica is None or n <= CANDIDATES_ABOVE:
         return 0.0, 0.0
     rss0 = _rss_mb()
     started = time.perf_counter()
@@ -319,7 +324,7 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
         return eligibility, decide, info_us, chosen, oracle
 
     asyncio.run(_warm(eligible_workers))
-    replica_build_s, replica_mb = _replica_ready()
+    replica_build_s, replica_mb = _replica_ready(n)
     decision_sha = frontend().router()._decision.sha
     dispatch._read_again = counted_read_again
     try:
@@ -341,7 +346,7 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
     redis_us = (scripts_total + rereads[0] * reread_us) / len(requests) + replica_us
     total = [e + d for e, d in zip(eligibility, decide, strict=True)]
     cold_total = [e + d for e, d in zip(cold_eligibility, cold_decide, strict=True)]
-    several = {f: several_frontends(f, requests, client) for f in FRONTENDS if f > 1} if several else {}
+    several = {f: several_frontends(f, n, requests, client) for f in FRONTENDS if f > 1} if several else {}
     return {
         "several": several,
         "workers": n,
@@ -366,7 +371,7 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
     }
 
 
-def several_frontends(count: int, requests: list[list[int]], client) -> dict[str, float]:
+def several_frontends(count: int, n: int, requests: list[list[int]], client) -> dict[str, float]:
     """`count` frontend processes (forked from this one: the index and the fleet as filled) decide
     the requests between them, each at RATE / count decisions per second in an open loop (the
     module's docstring says from when a decision's time runs). Redis-side
@@ -383,7 +388,7 @@ def several_frontends(count: int, requests: list[list[int]], client) -> dict[str
     ready = context.Barrier(count)
     with CommandLog(client) as log:
         children = [
-            context.Process(target=_frontend_process, args=(i, count, requests[i::count], results, ready))
+            context.Process(target=_frontend_process, args=(i, count, n, requests[i::count], results, ready))
             for i in range(count)
         ]
         for child in children:
@@ -408,7 +413,7 @@ def several_frontends(count: int, requests: list[list[int]], client) -> dict[str
     }
 
 
-def _frontend_process(i: int, count: int, requests: list[list[int]], results, ready) -> None:
+def _frontend_process(i: int, count: int, n: int, requests: list[list[int]], results, ready) -> None:
     from asgiref.sync import SyncToAsync
 
     from inference_platform.serving.dispatch import eligible_workers, forget_fleet_read
@@ -423,7 +428,7 @@ def _frontend_process(i: int, count: int, requests: list[list[int]], results, re
     interval = count / RATE
 
     async def run() -> tuple[list[float], float, float]:
-        _replica_ready()
+        _replica_ready(n)
         # Every frontend starts deciding at once (a replica takes seconds to build), each one's
         # arrivals falling between the others', with a fleet read made then: one made before
         # the wait would be stale by the first decision, and every frontend would read the fleet
@@ -477,8 +482,10 @@ def main() -> None:
     rows = []
     try:
         for n in SIZES:
-            settings.ROUTER_INDEX_REPLICA = False
-            without = run_size(n, several=False)
+            replica_used = REPLICA and n > CANDIDATES_ABOVE
+            if replica_used:
+                settings.ROUTER_INDEX_REPLICA = False
+                without = run_size(n, several=False)
             settings.ROUTER_INDEX_REPLICA = REPLICA
             row = run_size(n)
             rows.append(row)
@@ -497,7 +504,12 @@ def main() -> None:
                 f"their scripts {row['cold_info_us']:.0f} us by INFO, {row['cold_script_us']:.0f} us by the "
                 f"command log (the run's: {row['script_us']:.0f} us), p50 {row['cold_p50']:.0f} us"
             )
-            if REPLICA:
+            if REPLICA and not replica_used:
+                print(
+                    f"{'':>8}index replica: not started (decisions over {CANDIDATES_ABOVE} workers or fewer "
+                    "weigh every worker; a frontend starts it above that)"
+                )
+            elif REPLICA:
                 print(
                     f"{'':>8}index replica: built in {row['replica_build_s']:.1f} s, "
                     f"{row['replica_mb']:.0f} MB; without it (candidates found in Redis): "
