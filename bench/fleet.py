@@ -90,7 +90,7 @@ DECISIONS = int(os.environ.get("FLEET_DECISIONS", "1000"))
 FRONTENDS = tuple(int(n) for n in os.environ.get("FLEET_FRONTENDS", "1,4").split(","))
 RATE = float(os.environ.get("FLEET_RATE", "200"))  # decisions/s offered to several frontends, in all
 # Each frontend's replica of the index (routing.kv.replica; ROUTER_INDEX_REPLICA): each size above
-# CANDIDATES_ABOVE runs without it first, as the baseline, then with it (FLEET_REPLICA=0: twice
+# CANDIDATES_ABOVE runs without it first, as the baseline, then with it (FLEET_REPLICA=0: once,
 # without); at or below, where decisions weigh every worker, a frontend starts none, nor does this.
 REPLICA = os.environ.get("FLEET_REPLICA", "1") != "0"
 BLOCK_SIZE = 16
@@ -341,7 +341,7 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
     # A decision whose fleet read went stale (the rows moved) runs the script again: both count.
     assert decisions >= len(requests), f"{decisions} decision scripts logged for {len(requests)} decisions"
     replica_us = CommandLog.usec(ran, names=("XREAD", "XINFO"))[1] / len(requests)
-    cold_decisions, cold_logged_us = CommandLog.usec(cold_ran, sha=decision_sha)
+    cold_logged_us = CommandLog.usec(cold_ran, sha=decision_sha)[1]
     reread_us = fleet_reread_usec(client)
     redis_us = (scripts_total + rereads[0] * reread_us) / len(requests) + replica_us
     total = [e + d for e, d in zip(eligibility, decide, strict=True)]
@@ -358,7 +358,7 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
         "redis_us": redis_us,
         "script_us": scripts_total / len(requests),
         "cold_p50": percentile(cold_total, 0.5),
-        "cold_script_us": cold_logged_us / cold_decisions,
+        "cold_script_us": cold_logged_us / len(cold),  # per decision, as INFO's reading beside it
         "cold_info_us": cold_info_us / len(cold),
         "rereads": rereads[0],
         "replica_us": replica_us,
@@ -506,8 +506,8 @@ def main() -> None:
             )
             if REPLICA and not replica_used:
                 print(
-                    f"{'':>8}index replica: not started (decisions over {CANDIDATES_ABOVE} workers or fewer "
-                    "weigh every worker; a frontend starts it above that)"
+                    f"{'':>8}index replica: not started (decisions over a fleet of {CANDIDATES_ABOVE} "
+                    "workers or fewer weigh every worker; a frontend starts it above that)"
                 )
             elif REPLICA:
                 print(
