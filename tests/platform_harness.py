@@ -56,25 +56,25 @@ def count_worker_start(name: str, *, simulated: bool = False) -> None:
     _count_start(name, "sim" if simulated else "model")
 
 
-def _starts(kinds: tuple[str, ...]) -> int:
+def _started() -> list[list[str]]:
+    """Each start this session recorded, as its fields: name, test module, kind (`_count_start`)."""
     path = os.environ.get(WORKER_STARTS_FILE)
     if not path or not os.path.exists(path):
-        return 0
+        return []
     with open(path, encoding="utf-8") as starts:
-        return sum(1 for line in starts if line.split()[-1] in kinds)
+        return [line.split() for line in starts]
+
+
+def _starts(kinds: tuple[str, ...]) -> int:
+    return sum(1 for fields in _started() if fields[-1] in kinds)
 
 
 def worker_starts_by_module() -> dict[str, int]:
     """This session's `run_worker` starts, by the test module that made them, most first."""
-    path = os.environ.get(WORKER_STARTS_FILE)
     counts: dict[str, int] = {}
-    if path and os.path.exists(path):
-        with open(path, encoding="utf-8") as starts:
-            for line in starts:
-                fields = line.split()
-                if fields[-1] in WORKER_KINDS:
-                    module = fields[-2] if len(fields) >= 3 else "-"
-                    counts[module] = counts.get(module, 0) + 1
+    for fields in _started():
+        if fields[-1] in WORKER_KINDS:
+            counts[fields[-2]] = counts.get(fields[-2], 0) + 1
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
