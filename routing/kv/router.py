@@ -538,11 +538,11 @@ class KvRouter:
         may still be decided on until this one replaces it, and deleting its facts would have its
         decisions write them again, on the request path."""
         key = self._namespace + FLEET_FACTS_FAMILY + fleet.digest
-        kept = [written for written in self._facts_written if written != key][-1:]
+        others = [written for written in self._facts_written if written != key]
+        kept = others[-1:]
         pipe = self._client.pipeline(transaction=True)
-        for older in self._facts_written:
-            if older != key and older not in kept:
-                pipe.delete(older)
+        for older in others[:-1]:
+            pipe.delete(older)
         pipe.delete(key)
         pipe.hset(key, mapping=fleet.records)
         pipe.pexpire(key, FLEET_FACTS_TTL_MS)
