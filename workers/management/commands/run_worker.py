@@ -426,6 +426,7 @@ class Command(BaseCommand):
             # each worker counts its KV hits and misses as a real one does (flushed with the metrics)
             runtime.stats = CacheStats(client, statistics, runtime.name, recorder=metrics)
             install_runtime(runtime, queue)
+            runtime.report_engine_gauges()  # as a model's worker does: an idle one is on the charts too
         self.stdout.write(
             f"worker {name}: {options['count']} simulated workers (profile {profile.name}, "
             f"speed-up {options['sim_speedup']:g}) serving via {redact_url(settings.CELERY_BROKER_URL)}"
