@@ -1,8 +1,11 @@
 """One real platform shared by the observability tests (window figures, dashboard, browser).
 
-Started once per session: two `run_worker` processes, one uvicorn frontend, an image origin and
-an admin login. Every request the tests send goes through `send`, which keeps a ledger of what
-was sent and answered, so a test can compare what the dashboard shows with what it sent.
+Started once per session: two simulated workers in one `run_worker --engine sim` process (what
+these tests read is what the platform counts and shows, which a simulated worker reports as a
+model's does: its cached tokens from a real prefix pool, its queue, KV use and latencies), one
+uvicorn frontend, an image origin and an admin login. Every request the tests send goes through
+`send`, which keeps a ledger of what was sent and answered, so a test can compare what the
+dashboard shows with what it sent.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from tests.platform_harness import PlatformProcesses
 
 ADMIN_USER = "observer"
 ADMIN_PASSWORD = "observer-pw-5d1e"  # a throwaway login in the test's own SQLite file
-WORKERS = ("obs-a", "obs-b")
+WORKER_PROCESS = "obs"
+WORKERS = ("obs-0", "obs-1")  # its workers
 
 
 def picture(seed: int, size: tuple[int, int] = (64, 48)) -> bytes:
@@ -127,8 +131,7 @@ def stream_usage(events: str) -> dict:
 
 
 def start_observed_platform(processes: PlatformProcesses, origin: ImageServer) -> ObservedPlatform:
-    for name in WORKERS:
-        processes.start_worker(name)
+    assert tuple(processes.start_sim_workers(WORKER_PROCESS, len(WORKERS))) == WORKERS
     processes.make_superuser(ADMIN_USER, ADMIN_PASSWORD)
     processes.wait_for_workers(*WORKERS)
     return ObservedPlatform(processes, processes.start_server(), origin)

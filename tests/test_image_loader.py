@@ -19,6 +19,7 @@ import redis
 from PIL import Image
 
 from routing.media.images import MediaPolicy, fetch_bytes
+from routing.observe import telemetry
 from routing.observe.cache_stats import CacheStats, read_all
 from routing.prompt.session_scope import scope_hash
 from tests.redis_cluster import running_redis_cluster
@@ -256,6 +257,22 @@ def test_load_counts_reach_the_cache_stats(
     assert counts["local_image"]["hits"] == 1
     assert counts["shared_image"]["misses"] == 1
     stats.close()
+
+
+def test_each_decode_is_timed_in_the_workers_metrics_and_a_local_hit_decodes_nothing(
+    origin: Origin, make_loader: object, redis_client: redis.Redis, key_namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    recorder = telemetry.MetricsRecorder(redis_client, key_namespace, source="gpu0")
+    monkeypatch.setattr(telemetry, "_process_recorder", recorder)  # what `run_worker` attaches
+    loader = make_loader(None, worker="gpu0")  # type: ignore[operator]
+    for path in ("/timed-1.png", "/timed-1.png", "/timed-2.png"):
+        load(loader, origin.url(path))
+    recorder.flush()
+    decodes = telemetry.histogram_merged(
+        telemetry.read_totals(redis_client, key_namespace), "image_decode_seconds", worker="gpu0"
+    )
+    assert sum(decodes) == 2
 
 
 # -- a cache that is down -------------------------------------------------------------------
