@@ -377,6 +377,9 @@ class PlatformProcesses:
 
     def _spawn(self, label: str, args: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
         log = self.tmp / f"{label}.log"
+        if log.exists():  # a process started again under its label: its predecessor's log is kept
+            earlier = sum(1 for _ in self.tmp.glob(f"{label}.log.*"))
+            log.rename(log.with_name(f"{log.name}.{earlier + 1}"))
         self._logs.append(log)
         handle = log.open("wb")
         return subprocess.Popen(
