@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import io
 import json
+import logging
 import os
 import signal
 import time
@@ -311,9 +312,18 @@ async def test_a_streamed_answer_releases_each_resource_once(
     await nothing_left(rid, tenant_caller, ["w1"])
 
 
+def gone_lines(caplog: pytest.LogCaptureFixture, request_id: str) -> list[str]:
+    """What the frontend said of a request whose client went away."""
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if request_id in record.getMessage() and "client went away" in record.getMessage()
+    ]
+
+
 @pytestmark_db
 async def test_a_client_gone_before_the_first_token_cancels_the_worker_and_releases_each_resource_once(
-    served_demo_model, tenant_caller, releases
+    served_demo_model, tenant_caller, releases, caplog
 ):
     # given a request its worker has started
     worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model)
@@ -324,12 +334,16 @@ async def test_a_client_gone_before_the_first_token_cancels_the_worker_and_relea
     # when the client goes away before any token (its task is cancelled)
     following = asyncio.ensure_future(drain(request))
     await asyncio.sleep(0.3)
-    following.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await following
+    with caplog.at_level(logging.INFO, logger="inference_platform.serving"):
+        following.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await following
 
     # then the worker is told to stop, and each resource was released exactly once
     assert releases.cancels[rid] == 1
+    assert gone_lines(caplog, rid) == [
+        f"request {rid}: the client went away after 0 pieces of the answer; worker w1 told to stop"
+    ]
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({served.CLIENT_CLOSED: 1})
@@ -338,7 +352,7 @@ async def test_a_client_gone_before_the_first_token_cancels_the_worker_and_relea
 
 @pytestmark_db
 async def test_a_client_gone_after_the_first_token_cancels_the_worker_and_releases_each_resource_once(
-    served_demo_model, tenant_caller, releases
+    served_demo_model, tenant_caller, releases, caplog
 ):
     # given a request whose first token reached the client
     worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model)
@@ -350,11 +364,15 @@ async def test_a_client_gone_after_the_first_token_cancels_the_worker_and_releas
     assert isinstance(first, TokenEvent) and first.text == "Hel"
 
     # when the client goes away (the stream is closed), twice over
-    await events.aclose()
-    await request.close(served.CLIENT_CLOSED)
+    with caplog.at_level(logging.INFO, logger="inference_platform.serving"):
+        await events.aclose()
+        await request.close(served.CLIENT_CLOSED)
 
-    # then the worker is told to stop, and each resource was released exactly once
+    # then the worker is told to stop, and each resource was released exactly once (said once)
     assert releases.cancels[rid] == 1
+    assert gone_lines(caplog, rid) == [
+        f"request {rid}: the client went away after 1 piece of the answer; worker w1 told to stop"
+    ]
     assert releases.tenant_slot[rid] == 1 and releases.load[("w1", rid)] == 1
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({served.CLIENT_CLOSED: 1})

@@ -774,6 +774,16 @@ class ServedRequest:
                 )
             if self.prepared is not None:
                 turns().notify(self.prepared.model.name)  # a request of this process may go now
+        if status == CLIENT_CLOSED:
+            # Said once per request, as its sending was: what became of a request cut off mid-answer.
+            pieces = len(self._text)
+            logger.info(
+                "request %s: the client went away after %d piece%s of the answer%s",
+                self.request_id,
+                pieces,
+                "" if pieces == 1 else "s",
+                "" if self.lease is None or self._worker_ended else f"; worker {self.worker} told to stop",
+            )
         model = self.prepared.model.name if self.prepared is not None else None
         self.clock.finish(status, self.worker, done, model)
         if self._admitted:
