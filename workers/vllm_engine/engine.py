@@ -384,6 +384,11 @@ class VllmEngine(FollowsSubmitted):
                     flight.events.put((DONE, self._result(flight, output)))
                     return
             # The stream ended without a finished output: vLLM aborted it.
+            logger.debug(
+                "request %s ended unfinished: vLLM aborted it after %d tokens",
+                request.request_id,
+                flight.completion_tokens,
+            )
             flight.events.put((DONE, self._result(flight, None)))
         except asyncio.CancelledError:
             # A cancel (`RequestHandle.cancel`): vLLM has aborted it; the caller gets what came.
