@@ -268,11 +268,6 @@ class RunResult:
     engine_ttft_mean: float = float("nan")
     # warm requests one cache of every worker's blocks serves, by its eviction (cache_reference)
     references: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def lru_reference(self) -> int:
-        return self.references.get("lru", 0)
-
     failures: list[str] = field(default_factory=list)
     reasons: list[tuple[int, int, str]] = field(default_factory=list)  # overlap, best, reason
 
@@ -729,8 +724,9 @@ def cache_reference(outcomes: Sequence[Outcome], blocks: int, eviction: str = "l
       the whole sequence; what it leaves out, no eviction could keep."""
     if eviction not in REFERENCES:
         raise ValueError(f"unknown eviction {eviction!r}; expected one of {REFERENCES}")
-    order = [o.turn.prefix for o in sorted(outcomes, key=lambda o: o.sent_at)]
-    sizes = [o.prompt_tokens // BLOCK_SIZE for o in sorted(outcomes, key=lambda o: o.sent_at)]
+    sent = sorted(outcomes, key=lambda o: o.sent_at)
+    order = [o.turn.prefix for o in sent]
+    sizes = [o.prompt_tokens // BLOCK_SIZE for o in sent]
     next_use: list[float] = [float("inf")] * len(order)
     upcoming: dict[str, int] = {}
     for i in range(len(order) - 1, -1, -1):
@@ -943,7 +939,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(
                             f"[{shape} {mode:<11} seed {seed}] hit {result.hit_rate:.3f}"
                             f" warm {result.warm}/{len(result.outcomes)} (bound {result.bound},"
-                            f" LRU {result.lru_reference}, LFU {result.references['lfu']},"
+                            f" LRU {result.references['lru']}, LFU {result.references['lfu']},"
                             f" clairvoyant {result.references['clairvoyant']}) engine ttft mean"
                             f" {result.engine_ttft_mean * 1000:.0f} ms, client"
                             f" {result.client_ttft_mean * 1000:.0f} ms (warm {warm_ms:.0f},"
@@ -1005,7 +1001,7 @@ def report(
             f"warm requests at most, for any router (every request but the first to show its prefix):"
             f" {figure([r.bound for r in first], 1)}; one cache of both workers'"
             f" {WORKERS * args.kv_blocks} blocks, each prefix once, in kv's order, evicting the least"
-            f" recently asked (LRU reference): {figure([r.lru_reference for r in referenced], 1)},"
+            f" recently asked (LRU reference): {figure([r.references['lru'] for r in referenced], 1)},"
             f" the least often asked so far: {figure([r.references['lfu'] for r in referenced], 1)},"
             f" the one asked again last (clairvoyant):"
             f" {figure([r.references['clairvoyant'] for r in referenced], 1)}"
@@ -1076,7 +1072,7 @@ def report(
             f"kv/rr, run by run: hit rate {figure(hit)}, engine ttft mean {figure(ttft)}"
             f" (every request of every run pooled: {pooled_ttft_ratio(kv, rr):.3f}),"
             f" client ttft mean {figure(client)}; kv's warm requests over the bound {figure(warm)},"
-            f" over the LRU reference {figure([r.warm / max(r.lru_reference, 1) for r in kv])}"
+            f" over the LRU reference {figure([r.warm / max(r.references['lru'], 1) for r in kv])}"
         )
         print(
             "acceptance: " + "; ".join(f"{name} {'yes' if held else 'NO'}" for name, held in checks.items())
