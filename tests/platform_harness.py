@@ -245,7 +245,6 @@ class PlatformProcesses:
         self.servers: list[subprocess.Popen] = []
         self.server_urls: list[str] = []  # each server's base URL, in the order of `servers`
         self.base_url = ""  # the first server's
-        self._logs: list[Path] = []
         self._pool: PlatformProcesses | None = None  # the platform whose workers this one borrows
         self.api_key = self._fresh_database(env or {}) if api_key is None else api_key
         self.headers = {"Authorization": f"Bearer {self.api_key}"}
@@ -380,7 +379,6 @@ class PlatformProcesses:
         if log.exists():  # a process started again under its label: its predecessor's log is kept
             earlier = sum(1 for _ in self.tmp.glob(f"{label}.log.*"))
             log.rename(log.with_name(f"{log.name}.{earlier + 1}"))
-        self._logs.append(log)
         handle = log.open("wb")
         return subprocess.Popen(
             args, cwd=REPO, env={**self.env, **(env or {})}, stdout=handle, stderr=subprocess.STDOUT
