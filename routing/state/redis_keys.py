@@ -123,7 +123,8 @@ _async_clients: dict[tuple[str, int], object] = {}
 
 
 def async_client(url: str):  # -> redis.asyncio.Redis
-    """An asyncio client bound to the running event loop (asyncio clients must not cross loops)."""
+    """An asyncio client bound to the running event loop (asyncio clients must not cross loops),
+    whose commands can always be cancelled (`_keeping_cancellations`)."""
     import asyncio
 
     import redis.asyncio
@@ -133,5 +134,56 @@ def async_client(url: str):  # -> redis.asyncio.Redis
     client = _async_clients.get(key)
     if client is None:
         client = redis.asyncio.Redis.from_url(url, **_client_options(asyncio=True))
+        pool = client.connection_pool
+        pool.connection_class = _keeping_cancellations(pool.connection_class)
         _async_clients[key] = client
     return client
+
+
+_cancellable_classes: dict[type, type] = {}
+
+
+def _keeping_cancellations(connection_class: type) -> type:
+    """`connection_class` (plain, TLS or Unix socket, as the URL chose) sending each command
+    under `asyncio.timeout` instead of redis-py's `asyncio.wait_for`.
+
+    On Python 3.11, `wait_for` returns its result when a cancellation comes as the awaited send
+    completes, and the cancellation is lost: measured here, 273 of 400 cancellations of a task
+    that runs commands in a loop. The frontend learns that a client went away only by such a
+    cancellation (Django cancels the request's task), so a lost one left the worker generating
+    the whole answer for nobody. `asyncio.timeout` keeps the cancellation (3.12's `wait_for` is
+    built on it); the socket timeout bounds the send as before.
+    """
+    found = _cancellable_classes.get(connection_class)
+    if found is None:
+        found = _cancellable_classes[connection_class] = type(
+            connection_class.__name__, (_SendsUnderTimeout, connection_class), {}
+        )
+    return found
+
+
+class _SendsUnderTimeout:
+    """The send of `_keeping_cancellations`' connection classes (a mixin before redis-py's)."""
+
+    socket_timeout: float | None
+
+    async def send_packed_command(self, command, check_health: bool = True) -> None:
+        import asyncio
+
+        import redis
+
+        timeout = self.socket_timeout
+        if not timeout:  # no timeout: redis-py sends without wait_for
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+            return
+        # Without a socket timeout redis-py sends directly; the one here bounds the whole send
+        # (the connect and health check it may start included). One command at a time uses a
+        # connection, so no other reader sees the timeout cleared.
+        self.socket_timeout = None
+        try:
+            async with asyncio.timeout(timeout):
+                await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except TimeoutError:  # redis-py has closed the connection on the cancellation
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        finally:
+            self.socket_timeout = timeout
