@@ -162,7 +162,8 @@ class Turns:
             last_first = first
             nudge.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(nudge.wait(), poll_s)
+                async with asyncio.timeout(poll_s):  # not wait_for: see `wait`
+                    await nudge.wait()
 
 
 _turns = Turns()
