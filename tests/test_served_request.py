@@ -624,3 +624,31 @@ def test_a_worker_killed_mid_stream_leaves_the_client_one_uninterrupted_greedy_a
     while platform.redis.hgetall(f"{platform.namespace}load:totals") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert platform.redis.hgetall(f"{platform.namespace}load:totals") == {}
+
+
+# --- clients that hang up, with real processes ----------------------------------------------------
+def test_every_client_that_hangs_up_mid_stream_stops_its_worker(pooled_sim_frontend):
+    """The whole way from a closed connection to a stopped worker: uvicorn's disconnect, Django's
+    cancellation of the request's task, the request's close, the worker's stop. (That no
+    cancellation is lost on the way, as redis-py's sends under asyncio.wait_for lost them on
+    Python 3.11, needs more tries than fit here: tests/test_redis_async_client.py.)"""
+    platform = pooled_sim_frontend
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+        "max_tokens": 4000,  # about half a minute of a simulated worker's decoding
+        "stream": True,
+    }
+    url = f"{platform.base_url}/v1/chat/completions"
+    for _ in range(3):
+        # given a streamed answer under way
+        with httpx.stream("POST", url, json=body, headers=platform.headers, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            worker = response.headers["X-Routed-Worker"]
+            for line in response.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    break
+        # when its client hangs up after the first piece (leaving the block closes the connection)
+
+        # then its worker stops: idle again long before its 4,000 tokens, every time
+        platform.wait_until_idle(worker, timeout=10)
