@@ -8,8 +8,10 @@ import time
 
 import pytest
 import redis
+import redis.asyncio
 
 from routing.admission.queue import AdmissionQueue, QueuedRequest, QueueFull, Ticket, wait_estimate_s
+from routing.state.redis_direct import AsyncDirectCommands
 
 
 @pytest.fixture
@@ -159,6 +161,37 @@ def test_a_full_queue_is_seen_before_joining_it(make_queue):
     assert queue.full_for("demo", "A", 0, max_depth=10, max_tenant_depth=2) is None
     assert queue.full_for("demo", "A", 0, max_depth=10, max_tenant_depth=1).cause == "tenant"
     assert queue.full_for("demo", "B", 0, max_depth=1, max_tenant_depth=5).cause == "total"
+
+
+async def test_an_event_loop_sees_the_queue_as_a_thread_does(make_queue, redis_url) -> None:
+    # given a queue with one request of tenant A, and two dispatches in the drain window
+    queue = make_queue()
+    join(queue, "r1", "A")
+    for done in ("d1", "d2"):
+        assert queue.leave(join(queue, done, "C"), dispatched=True)
+    lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
+
+    # when a frontend's event loop looks on its own connections, then it finds what full_for
+    # and waiting find
+    for model, tenant, max_depth, max_tenant_depth in (
+        ("demo", "A", 10, 2),
+        ("demo", "A", 10, 1),
+        ("demo", "B", 1, 5),
+        ("other", "A", 1, 5),
+    ):
+        bounds = {"max_depth": max_depth, "max_tenant_depth": max_tenant_depth}
+        threaded = queue.full_for(model, tenant, 0, **bounds)
+        looped = await queue.afull_for(lines, model, tenant, 0, **bounds)
+        assert (looped is None) == (threaded is None)
+        if threaded is not None:
+            assert (looped.cause, looped.depth, looped.drain_per_s) == (
+                threaded.cause,
+                threaded.depth,
+                threaded.drain_per_s,
+            )
+            assert threaded.drain_per_s > 0 or model == "other"
+    assert await queue.awaiting(lines, "demo") and not await queue.awaiting(lines, "other")
+    await lines.close()
 
 
 def test_the_front_is_the_first_entries_across_bands_in_order(make_queue):

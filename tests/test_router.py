@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from routing.contract.kv_events import KvEvent
 from routing.kv.affinity import SessionAffinity
@@ -23,6 +25,7 @@ from routing.kv.load import LoadTracker
 from routing.kv.router import KvRouter
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import MediaPlacement, block_hashes
+from routing.state.redis_direct import AsyncDirectCommands
 
 BS = 16
 WORKERS = ["gpu0", "gpu1", "gpu2", "gpu3"]
@@ -589,6 +592,28 @@ def test_a_lease_frees_its_load_exactly_once_and_runs_its_callbacks_once(router:
     assert released == ["done"] and router.load.snapshot(["gpu0"])["gpu0"] == (0, 0, 0)
     lease.on_release(lambda done: released.append("late"))  # already released: runs at once
     assert released == ["done", "late"]
+
+
+async def test_an_event_loop_moves_and_renews_a_lease_on_its_own_connections(
+    router: KvRouter, redis_url: str
+) -> None:
+    # given a reservation that expires in 0.5 s unless renewed, followed from an event loop
+    hashes = block_hashes(_tokens(19, 320), BS)
+    lease = router.decide("r1", hashes, 320, BS, ["gpu0"], RoutingPolicy(), reservation_ttl_s=0.5)
+    lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
+
+    # when its first token comes, then its load moves from prefill to decode, once
+    assert await lease.afirst_token(lines) and not await lease.afirst_token(lines)
+    assert router.load.snapshot(["gpu0"])["gpu0"] == (0, 20, 1)
+
+    # and while the loop renews it, a sweep past its first expiry leaves it
+    for _ in range(4):
+        await asyncio.sleep(0.2)
+        assert await lease.arenew(lines, 0.5)
+    router.load.sweep()
+    assert router.load.snapshot(["gpu0"])["gpu0"].active_requests == 1
+    assert lease.release("done") and not await lease.arenew(lines, 0.5)
+    await lines.close()
 
 
 def test_a_lease_moves_to_another_worker_before_its_first_token(router: KvRouter) -> None:

@@ -394,19 +394,18 @@ def _eligible(
     return eligible
 
 
-def _mark_followed(follow_id: str) -> None:
-    sync_client(settings.REDIS_URL).set(
-        live_key(settings.REDIS_KEY_PREFIX, follow_id),
-        b"1",
-        px=max(1, int(settings.REQUEST_LIVENESS_TTL_SECS * 1000)),
-    )
+async def _mark_followed(follow_id: str) -> None:
+    """The request's liveness mark, which the worker looks for (refreshed by `follow_task`)."""
+    ttl_ms = max(1, int(settings.REQUEST_LIVENESS_TTL_SECS * 1000))
+    mark = live_key(settings.REDIS_KEY_PREFIX, follow_id)
+    await frontend().redis_lines().execute("SET", mark, b"1", "PX", ttl_ms)
 
 
 async def send_to_worker(worker: str, task: GenerateTask) -> None:
     """Put the task on the worker's own queue; it expires if nobody starts it in time."""
     if task.follow_id:  # marked before the worker can look for the mark
         try:
-            await asyncio.to_thread(_mark_followed, task.follow_id)
+            await _mark_followed(task.follow_id)
         except redis.RedisError as exc:
             raise state_unavailable(task.follow_id, exc) from exc
     try:
@@ -517,10 +516,11 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
     marked_at = 0.0
     timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
     deadline = time.monotonic() + timeout
+    lines = frontend().redis_lines()  # this loop's own connections: no thread hand-over
     while True:
         if time.monotonic() - marked_at > settings.REQUEST_LIVENESS_TTL_SECS / 4:
-            await client.set(mark, b"1", px=max(1, mark_ttl_ms))
-            await asyncio.to_thread(lease.renew, lease_ttl_s())
+            await lines.execute("SET", mark, b"1", "PX", max(1, mark_ttl_ms))
+            await lease.arenew(lines, lease_ttl_s())
             marked_at = time.monotonic()
         events = await read_response_events(client, namespace, rid, last_id, _POLL_MS)
         for event in events:
@@ -535,13 +535,13 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
             if event.type == ERROR and event.data.get("code") == ENGINE_DEAD:
                 # The worker lost its engine under the request and is going away: as if it had
                 # vanished, so the request may move on.
-                await client.delete(response_key(namespace, rid))
+                await lines.execute("DEL", response_key(namespace, rid))
                 lost = _vanished(worker, lease.request_id, started, produced)
                 raise WorkerLost(lost, after_tokens=produced)
             if event.type in (DONE, ERROR):
                 # Read to the end: the stream has served its purpose (its TTL covers a frontend
                 # that dies before getting here).
-                await client.delete(response_key(namespace, rid))
+                await lines.execute("DEL", response_key(namespace, rid))
                 yield event
                 return
             yield event
@@ -553,7 +553,7 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
                 f"Worker {worker} did not answer request {rid} within {timeout:g} s.",
                 code="worker_timeout",
             )
-        raw = await client.get(heartbeat_key(namespace, worker))
+        raw = await lines.execute("GET", heartbeat_key(namespace, worker))
         beat = Heartbeat.from_json(raw) if raw is not None else None
         # A new process under the same name is not the one the request went to, unless that
         # new process is the one that started it (it took the task from the shared queue).

@@ -80,8 +80,10 @@ class Frontend:
         kept_rows().clear()  # and with them the fleet read made under them (serving.dispatch)
 
     def redis_lines(self) -> AsyncDirectCommands:
-        """The running event loop's own connections to Redis, for the router's scripts awaited on
-        it (KvRouter.adecide): connections belong to the loop they were made on."""
+        """The running event loop's own connections to Redis, for what a request awaits on it in
+        one round trip (the router's decision, the lease's moves, the liveness mark, the queue's
+        look): no thread to hand it to and back, ~135 us of CPU less a call than a sync client's
+        command in a thread here. Connections belong to the loop they were made on."""
         loop = asyncio.get_running_loop()
         url = settings.REDIS_URL
         with self._lock:

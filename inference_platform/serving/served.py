@@ -233,6 +233,9 @@ class ServedRequest:
         caller = self.caller
         if caller.tenant_id is None:
             return
+        if not caller.requests_per_minute and not caller.max_concurrent_requests:
+            self._admitted = True  # nothing to count against: no round trip, no thread
+            return
         try:
             budget = await asyncio.to_thread(
                 frontend().limiter().admit,
@@ -275,7 +278,7 @@ class ServedRequest:
         """Take the prompt's tokens from its tenant's per-minute budget, or 429; keeps the
         `x-ratelimit-*-tokens` headers (none without a prompt-tokens-per-minute limit)."""
         caller = self.caller
-        if caller.tenant_id is None:
+        if caller.tenant_id is None or not caller.prompt_tokens_per_minute:
             return
         try:
             budget = await asyncio.to_thread(
@@ -310,13 +313,17 @@ class ServedRequest:
     async def _shed_if_full(self, model: str) -> None:
         """Refuse at once, before any preparation, a request that would find the queue full: a
         flood costs the frontend one read per request, not a prompt's preparation."""
-        full = await asyncio.to_thread(
-            frontend().admission_queue().full_for,
-            model,
-            self._queue_tenant,
-            self.priority or 0,
-            max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
-            max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+        full = (
+            await frontend()
+            .admission_queue()
+            .afull_for(
+                frontend().redis_lines(),
+                model,
+                self._queue_tenant,
+                self.priority or 0,
+                max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
+                max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
+            )
         )
         if full is not None:
             raise queue_full(model, full)
@@ -415,7 +422,7 @@ class ServedRequest:
         else join the admission queue (routing.admission) and hand back the place."""
         model = prepared.model.name
         queue = frontend().admission_queue()
-        if not await asyncio.to_thread(queue.waiting, model):
+        if not await queue.awaiting(frontend().redis_lines(), model):
             try:
                 await self._decide_and_send(prepared, self.request_id, workers=workers)
                 return None
@@ -575,7 +582,7 @@ class ServedRequest:
                         if isinstance(event, TokenEvent):
                             if self.lease.state == RESERVED:
                                 # The first token ends prefill: the request's load moves to decode.
-                                await asyncio.to_thread(self.lease.first_token)
+                                await self.lease.afirst_token(frontend().redis_lines())
                             self.clock.first_token()
                             self._note_sent(event)
                             yield event
@@ -840,7 +847,8 @@ def as_api_error(exc: BaseException, request_id: str) -> ApiError:
 async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
     """Free the tenant's concurrency slot and count what the request used."""
     try:
-        await asyncio.to_thread(frontend().limiter().release, caller.tenant_id, request_id)
+        if caller.max_concurrent_requests:  # only then did the request take a slot (`_admit`)
+            await asyncio.to_thread(frontend().limiter().release, caller.tenant_id, request_id)
         if done is not None:
             await asyncio.to_thread(_count_usage, caller.usage_id, done)  # type: ignore[arg-type]
     except redis.RedisError:

@@ -27,12 +27,16 @@ Key families (owned here, named once and given to the Lua in `lua/`):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import redis
 
 from routing.state.lua import LuaScript, lua_constants, lua_script, lua_text
+
+if TYPE_CHECKING:
+    from routing.state.redis_direct import AsyncDirectCommands
 
 QUEUE_FAMILY = "admq:q:"
 BANDS_FAMILY = "admq:bands:"
@@ -128,6 +132,7 @@ class AdmissionQueue:
         self._leave = LuaScript(client, lua_script(__package__, "leave.lua", _FUNCTIONS))
         self._depths = LuaScript(client, lua_script(__package__, "depths.lua", _FUNCTIONS))
         self._front = LuaScript(client, lua_script(__package__, "front.lua", _FUNCTIONS))
+        self._look = LuaScript(client, lua_script(__package__, "look.lua", _FUNCTIONS))
         self._client = client
 
     def join(self, request: QueuedRequest, *, max_depth: int, max_tenant_depth: int) -> Ticket:
@@ -174,6 +179,10 @@ class AdmissionQueue:
         """Whether any request of `model` is queued (a new one then joins behind them)."""
         return bool(self._client.exists(f"{self._namespace}{BANDS_FAMILY}{model}"))
 
+    async def awaiting(self, lines: AsyncDirectCommands, model: str) -> bool:
+        """`waiting` on an event loop's own connections (`lines`): no thread to hand it to."""
+        return bool(await lines.execute("EXISTS", f"{self._namespace}{BANDS_FAMILY}{model}"))
+
     def full_for(
         self, model: str, tenant: str, priority: int, *, max_depth: int, max_tenant_depth: int
     ) -> QueueFull | None:
@@ -181,13 +190,22 @@ class AdmissionQueue:
         a sweep), so a flood is shed before the work of preparing it: a tenant with requests queued
         has every new one queued behind them. The drain rate is the model's dispatches kept for the window
         (trimmed by the last join or leave)."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.hget(f"{self._namespace}{TENANT_DEPTH_KEY}", f"{tenant}\t{int(priority)}")
-        pipe.get(f"{self._namespace}{TOTAL_KEY}")
-        pipe.zcard(f"{self._namespace}{DRAINED_FAMILY}{model}")
-        mine, total, drained = (int(n or 0) for n in pipe.execute())
-        cause = "tenant" if mine >= max_tenant_depth else "total" if total >= max_depth else None
-        return None if cause is None else QueueFull(cause, total, drained / DRAIN_WINDOW_S)
+        look = self._look(self._namespace, model, f"{tenant}\t{int(priority)}")
+        return _full(look, max_depth=max_depth, max_tenant_depth=max_tenant_depth)
+
+    async def afull_for(
+        self,
+        lines: AsyncDirectCommands,
+        model: str,
+        tenant: str,
+        priority: int,
+        *,
+        max_depth: int,
+        max_tenant_depth: int,
+    ) -> QueueFull | None:
+        """`full_for` on an event loop's own connections (`lines`)."""
+        look = await self._look.acall(lines, self._namespace, model, f"{tenant}\t{int(priority)}")
+        return _full(look, max_depth=max_depth, max_tenant_depth=max_tenant_depth)
 
     def depths(self) -> list[QueueDepth]:
         """What is queued, by model, tenant and priority (dead frontends' entries swept first)."""
@@ -197,3 +215,10 @@ class AdmissionQueue:
             model, tenant, band = (field.decode() if isinstance(field, bytes) else field).split("\t")
             depths.append(QueueDepth(model, tenant, int(band), int(count)))
         return depths
+
+
+def _full(look: Sequence[int], *, max_depth: int, max_tenant_depth: int) -> QueueFull | None:
+    """The verdict of look.lua's reply: the flow's depth, the total, the drained count."""
+    mine, total, drained = (int(n) for n in look[:3])
+    cause = "tenant" if mine >= max_tenant_depth else "total" if total >= max_depth else None
+    return None if cause is None else QueueFull(cause, total, drained / DRAIN_WINDOW_S)

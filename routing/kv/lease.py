@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from routing.kv.decision import RoutingDecision
     from routing.kv.load import LoadTracker
+    from routing.state.redis_direct import AsyncDirectCommands
 
 logger = logging.getLogger("routing.kv.lease")
 
@@ -61,6 +62,15 @@ class RequestLease:
         self.load.prefill_done(self.worker, self.request_id)
         return True
 
+    async def afirst_token(self, lines: AsyncDirectCommands) -> bool:
+        """`first_token` on an event loop's own connections (`lines`)."""
+        with self._lock:
+            if self.state != RESERVED:
+                return False
+            self.state = DECODING
+        await self.load.aprefill_done(lines, self.worker, self.request_id)
+        return True
+
     def renew(self, ttl_s: float) -> bool:
         """The frontend still follows the request: its reservation lives ttl_s more.
 
@@ -70,6 +80,12 @@ class RequestLease:
         if self.state == RELEASED:
             return False
         return self.load.renew(self.worker, self.request_id, ttl_s)
+
+    async def arenew(self, lines: AsyncDirectCommands, ttl_s: float) -> bool:
+        """`renew` on an event loop's own connections (`lines`)."""
+        if self.state == RELEASED:
+            return False
+        return await self.load.arenew(lines, self.worker, self.request_id, ttl_s)
 
     def on_release(self, callback: Callable[[RequestLease], None]) -> None:
         """Run `callback(lease)` once when the lease is released (at once if it already was)."""

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
 from routing.contract.kv_events import check_worker_name
 from routing.state.lua import LuaScript, execute_pipeline, lua_constants, lua_script, lua_text
+
+if TYPE_CHECKING:
+    from routing.state.redis_direct import AsyncDirectCommands
 
 REQUESTS_FAMILY = "load:req:"
 TOTALS_KEY = "load:totals"
@@ -117,6 +120,11 @@ class LoadTracker:
         """The first token came: the request leaves prefill. False if it is not tracked."""
         return bool(self._prefill_done(self._namespace, check_worker_name(worker), request_id, self._ttl_ms))
 
+    async def aprefill_done(self, lines: AsyncDirectCommands, worker: str, request_id: str) -> bool:
+        """`prefill_done` on an event loop's own connections (`lines`): no thread to hand it to."""
+        args = (self._namespace, check_worker_name(worker), request_id, self._ttl_ms)
+        return bool(await self._prefill_done.acall(lines, *args))
+
     def free(self, worker: str, request_id: str) -> bool:
         """Completion, failure or cancellation. False if it was not tracked (already freed)."""
         return bool(self._free(self._namespace, check_worker_name(worker), request_id))
@@ -125,6 +133,13 @@ class LoadTracker:
         """Push the entry's expiry to now + ttl_s (its frontend still follows it)."""
         ttl_ms = max(int(ttl_s * 1000), 1)
         return bool(self._renew(self._namespace, check_worker_name(worker), request_id, ttl_ms))
+
+    async def arenew(self, lines: AsyncDirectCommands, worker: str, request_id: str, ttl_s: float) -> bool:
+        """`renew` on an event loop's own connections (`lines`)."""
+        ttl_ms = max(int(ttl_s * 1000), 1)
+        return bool(
+            await self._renew.acall(lines, self._namespace, check_worker_name(worker), request_id, ttl_ms)
+        )
 
     def sweep(self) -> int:
         """Release entries whose time ran out; how many (workers run it with every heartbeat)."""
