@@ -48,6 +48,12 @@ def note_key_used(prefix: str) -> None:
         logger.debug("could not record the use of key %s: %s", prefix, exc)
 
 
+def use_due(prefix: str) -> bool:
+    """Whether `note_key_used(prefix)` would write now (a look: it records nothing)."""
+    with _lock:
+        return time.monotonic() - _recorded_at.get(prefix, -RECORD_EVERY_S) >= RECORD_EVERY_S
+
+
 def forget_recorded_uses() -> None:
     """This process writes each key's next use at once (tests; the throttle is per process)."""
     with _lock:

@@ -16,6 +16,7 @@ request asks the database.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import hmac
@@ -27,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import redis
 from django.conf import settings
@@ -36,8 +38,11 @@ from django.utils import timezone
 from routing.prompt.hashing import cache_salt
 from routing.state.expiring import ExpiringLru
 from routing.state.redis_keys import read_generation, renew_generation, sync_client
-from tenants.key_use import note_key_used
+from tenants.key_use import note_key_used, use_due
 from tenants.models import DEFAULT_PRIORITY, ApiKey, Tenant
+
+if TYPE_CHECKING:
+    from routing.state.redis_direct import AsyncDirectCommands
 
 logger = logging.getLogger("tenants.keys")
 
@@ -199,6 +204,23 @@ def authenticate(presented: str) -> Caller:
     return caller
 
 
+async def averified_caller(presented: str, lines: AsyncDirectCommands) -> Caller | None:
+    """The caller of a key verified lately under the current generation, the generation read on
+    an event loop's own connections (`lines`): no thread, no database. None where only
+    `authenticate` can tell (a key not verified lately, no generation from Redis, keeping off)."""
+    presented = presented.strip()
+    shape = _KEY_SHAPE.fullmatch(presented)
+    if shape is None:
+        return None
+    generation = await _ageneration(lines)
+    if generation is None:
+        return None
+    caller = verified_keys().get(hash_key(presented), generation)
+    if caller is not None and use_due(shape.group(1)):  # once a minute: its write in a thread
+        await asyncio.to_thread(note_key_used, shape.group(1))
+    return caller
+
+
 GENERATION_KEY = "keys:generation"  # Redis: set anew by every change to a key or a tenant
 # The generation is read before each key check: a Redis that does not answer within this makes
 # the check ask the database instead, and costs the request no more than this wait (its own
@@ -276,6 +298,23 @@ def _generation() -> bytes | None:
         client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
         return read_generation(client, f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:
+        _generation_failed = (settings.REDIS_URL, time.monotonic())
+        return None
+
+
+async def _ageneration(lines: AsyncDirectCommands) -> bytes | None:
+    """`_generation` on an event loop's own connections, with its timeout and its pause after a
+    failed read; None too where Redis holds none yet (`authenticate` makes one)."""
+    global _generation_failed
+    if settings.API_KEY_CACHE_SECS <= 0:
+        return None
+    failed_url, failed_at = _generation_failed
+    if failed_url == settings.REDIS_URL and time.monotonic() - failed_at < _GENERATION_RETRY_S:
+        return None
+    try:
+        async with asyncio.timeout(_GENERATION_TIMEOUT_S):
+            return await lines.execute("GET", f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
+    except (redis.RedisError, TimeoutError):
         _generation_failed = (settings.REDIS_URL, time.monotonic())
         return None
 

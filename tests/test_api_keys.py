@@ -3,19 +3,23 @@ endpoints; the admin and the commands that manage keys. In-process against the r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from datetime import timedelta
 
 import pytest
+import redis.asyncio
 from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
+from routing.state.redis_direct import AsyncDirectCommands
 from tenants.keys import (
     GENERATION_KEY,
     KeyRefused,
     authenticate,
+    averified_caller,
     create_api_key,
     hash_key,
     revoke_api_key,
@@ -110,8 +114,9 @@ def test_operator_endpoints_refuse_a_tenant_key_and_take_a_staff_key_or_the_metr
     settings.METRICS_TOKEN = "scrape-me"
     tenant, staff = bearer(make_api_key("acme")), bearer(make_api_key("ops", staff=True))
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
-    route = Client(headers=tenant).post("/v1/route", data=body, content_type="application/json")
-    assert_openai_error(route, 403, "operator_only")
+    for _ in range(2):  # checked in the database, then known on the event loop: refused both times
+        route = Client(headers=tenant).post("/v1/route", data=body, content_type="application/json")
+        assert_openai_error(route, 403, "operator_only")
     route = Client(headers=staff).post("/v1/route", data=body, content_type="application/json")
     assert route.status_code == 200
     assert Client(headers=tenant).get("/metrics").status_code == 403
@@ -225,6 +230,35 @@ def test_a_key_verified_once_is_answered_without_the_database(django_assert_num_
         again = authenticate(f"  {plaintext} ")
     assert again == first and again.tenant_name == "acme"
     assert plaintext not in repr(verified_keys().__dict__)  # kept by its hash, never the key
+
+
+def test_an_event_loop_knows_a_key_verified_lately_and_leaves_anything_else_to_the_database(settings):
+    # given a key, and a frontend's event loop asking on its own connections
+    tenant = Tenant.objects.create(name="acme")
+    key, plaintext = create_api_key(tenant, "ci")
+
+    def known(presented: str):
+        async def ask():
+            lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(settings.REDIS_URL))
+            try:
+                return await averified_caller(presented, lines)
+            finally:
+                await lines.close()
+
+        return asyncio.run(ask())
+
+    # then a key not verified yet, or not a key at all, is left to `authenticate`
+    assert known(plaintext) is None and known("sk-not-a-key") is None
+    # when it is verified once, then the loop knows it as `authenticate` does, spaces and all
+    caller = authenticate(plaintext)
+    assert known(f" {plaintext} ") == caller
+    # and a wrong secret never passes for it
+    assert known(f"sk-{key.prefix}.{'x' * 43}") is None
+    # and once it is revoked (the generation moved), the loop knows it no more
+    assert revoke_api_key(key)
+    assert known(plaintext) is None
+    with pytest.raises(KeyRefused, match="revoked"):
+        authenticate(plaintext)
 
 
 def test_a_wrong_secret_is_never_answered_from_what_was_verified(django_assert_num_queries):
