@@ -288,35 +288,40 @@ def _generation() -> bytes | None:
     share one thread (inference_platform.api.handler), so a frozen Redis would otherwise cost
     every waiting request its timeout, one after another. None is always safe: the key is then
     checked against the database."""
-    global _generation_failed
-    if settings.API_KEY_CACHE_SECS <= 0:
-        return None
-    failed_url, failed_at = _generation_failed
-    if failed_url == settings.REDIS_URL and time.monotonic() - failed_at < _GENERATION_RETRY_S:
+    if not _generation_worth_asking():
         return None
     try:
         client = sync_client(settings.REDIS_URL, timeout_s=_GENERATION_TIMEOUT_S)
         return read_generation(client, f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except redis.RedisError:
-        _generation_failed = (settings.REDIS_URL, time.monotonic())
+        _generation_read_failed()
         return None
 
 
 async def _ageneration(lines: AsyncDirectCommands) -> bytes | None:
     """`_generation` on an event loop's own connections, with its timeout and its pause after a
     failed read; None too where Redis holds none yet (`authenticate` makes one)."""
-    global _generation_failed
-    if settings.API_KEY_CACHE_SECS <= 0:
-        return None
-    failed_url, failed_at = _generation_failed
-    if failed_url == settings.REDIS_URL and time.monotonic() - failed_at < _GENERATION_RETRY_S:
+    if not _generation_worth_asking():
         return None
     try:
         async with asyncio.timeout(_GENERATION_TIMEOUT_S):
             return await lines.execute("GET", f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}")
     except (redis.RedisError, TimeoutError):
-        _generation_failed = (settings.REDIS_URL, time.monotonic())
+        _generation_read_failed()
         return None
+
+
+def _generation_worth_asking() -> bool:
+    """Keeping is on, and no read of this Redis failed in the last _GENERATION_RETRY_S."""
+    if settings.API_KEY_CACHE_SECS <= 0:
+        return False
+    failed_url, failed_at = _generation_failed
+    return failed_url != settings.REDIS_URL or time.monotonic() - failed_at >= _GENERATION_RETRY_S
+
+
+def _generation_read_failed() -> None:
+    global _generation_failed
+    _generation_failed = (settings.REDIS_URL, time.monotonic())
 
 
 def keys_changed() -> None:
