@@ -128,3 +128,26 @@ def test_a_heartbeat_says_its_engines_schedule_and_the_router_reads_it_or_assume
     # then: a policy it knows is the load bound's word for that worker; anything else (None)
     # leaves the frontend's assumption (RoutingPolicy.shortest_first_queues)
     assert report.shortest_first is read
+
+
+def test_a_worker_tells_its_frontends_cancel_from_its_frontends_death(redis_client, key_namespace):
+    from routing.contract.responses import ResponseWriter, cancel_key, live_key
+
+    def writer_for(request_id: str) -> ResponseWriter:
+        redis_client.set(live_key(key_namespace, request_id), b"1")  # its frontend follows it
+        writer = ResponseWriter(redis_client, key_namespace, request_id)
+        writer.follow(request_id)
+        assert not writer.cancelled()
+        return writer
+
+    # given a request whose frontend ends it as ServedRequest does: the cancel, then the mark
+    stopped = writer_for("stopped")
+    redis_client.set(cancel_key(key_namespace, "stopped"), b"1")
+    redis_client.delete(live_key(key_namespace, "stopped"))
+    # and one whose frontend died: its mark lapsed, nothing asked
+    orphan = writer_for("orphan")
+    redis_client.delete(live_key(key_namespace, "orphan"))
+
+    # then both stop, each for what it was
+    assert stopped.cancelled() and stopped.cancel_seen and not stopped.abandoned
+    assert orphan.cancelled() and orphan.abandoned and not orphan.cancel_seen

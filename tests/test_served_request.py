@@ -627,7 +627,7 @@ def test_a_worker_killed_mid_stream_leaves_the_client_one_uninterrupted_greedy_a
 
 
 # --- clients that hang up, with real processes ----------------------------------------------------
-def test_every_client_that_hangs_up_mid_stream_stops_its_worker(pooled_sim_frontend):
+def test_every_client_that_hangs_up_mid_stream_stops_its_worker(pooled_sim_frontend, sim_pool):
     """The whole way from a closed connection to a stopped worker: uvicorn's disconnect, Django's
     cancellation of the request's task, the request's close, the worker's stop. (That no
     cancellation is lost on the way, as redis-py's sends under asyncio.wait_for lost them on
@@ -644,7 +644,7 @@ def test_every_client_that_hangs_up_mid_stream_stops_its_worker(pooled_sim_front
         # given a streamed answer under way
         with httpx.stream("POST", url, json=body, headers=platform.headers, timeout=60) as response:
             assert response.status_code == 200, response.read()
-            worker = response.headers["X-Routed-Worker"]
+            worker, rid = response.headers["X-Routed-Worker"], response.headers["X-Request-Id"]
             for line in response.iter_lines():
                 if line.startswith("data: ") and '"content"' in line:
                     break
@@ -652,3 +652,9 @@ def test_every_client_that_hangs_up_mid_stream_stops_its_worker(pooled_sim_front
 
         # then its worker stops: idle again long before its 4,000 tokens, every time
         platform.wait_until_idle(worker, timeout=10)
+        # and says why: its frontend cancelled it (not that its frontend died)
+        deadline = time.monotonic() + 10
+        while f"request {rid} stopped after" not in (log := sim_pool.processes.log("worker-simpool")):
+            assert time.monotonic() < deadline, log[-2000:]
+            time.sleep(0.05)
+        assert f"request {rid} dropped" not in log

@@ -231,6 +231,13 @@ class WorkerRuntime:
             receipt = receipts[0] if receipts else None
             if self._drop_abandoned(task, writer):
                 return
+            if writer.cancel_seen:
+                logger.info(
+                    "request %s stopped after %d tokens: its frontend cancelled it "
+                    "(the client went away, or it timed out)",
+                    request_id,
+                    result.completion_tokens,
+                )
         except Exception as exc:
             status = getattr(exc, "status", None)
             if isinstance(exc, MediaError | ImageLoadError) and isinstance(status, int) and status >= 500:

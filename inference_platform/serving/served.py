@@ -798,15 +798,17 @@ class ServedRequest:
 
     def _released(self, lease: RequestLease) -> None:
         """What rides on the lease, freed once when it is released (in the releasing thread)."""
+        if not self._worker_ended:
+            # The worker may still be at it (the client went away, a timeout, a failure here).
+            # Asked before the liveness mark goes: a worker that finds the mark gone and no
+            # cancel takes its frontend for dead (workers.runtime says which it was).
+            _cancel_task(self.task_id)
         release_media(self.request_id, self.media)
         try:
             client = sync_client(settings.REDIS_URL)
             client.delete(live_key(settings.REDIS_KEY_PREFIX, self.request_id))
         except redis.RedisError:
             logger.warning("could not drop the liveness mark of request %s (it expires)", self.request_id)
-        if not self._worker_ended:
-            # The worker may still be at it (the client went away, a timeout, a failure here).
-            _cancel_task(self.task_id)
 
     async def _end_for_tenant(self, done: DoneEvent | None) -> None:
         if redis_recently_failed():

@@ -75,6 +75,7 @@ class ResponseWriter:
         self._live_key: str | None = None
         self._expiry_set = False
         self.abandoned = False  # the frontend's liveness mark expired: nobody reads this answer
+        self.cancel_seen = False  # the frontend asked this worker to stop
 
     def follow(self, follow_id: str | None) -> None:
         """Watch the frontend's liveness mark for this request too (see LIVE_FAMILY)."""
@@ -97,15 +98,20 @@ class ResponseWriter:
         self.send(event.type, **event_data(event))
 
     def cancelled(self) -> bool:
-        """Whether to stop: the frontend asked (the client went away, the request timed out), or
-        the frontend itself is gone (its liveness mark expired; `abandoned` says which)."""
+        """Whether to stop: the frontend asked (the client went away, the request timed out:
+        `cancel_seen`), or the frontend itself is gone (its liveness mark expired without a
+        cancel: `abandoned`). A frontend that ends a request sets its cancel before it drops the
+        mark, so a deliberate stop never reads as a dead frontend."""
         if self._live_key is None:
-            return bool(self._client.exists(self._cancel_key))
-        pipe = self._client.pipeline(transaction=False)
-        pipe.exists(self._cancel_key)
-        pipe.exists(self._live_key)
-        cancelled, followed = pipe.execute()
-        if not followed:
+            cancelled, followed = self._client.exists(self._cancel_key), True
+        else:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.exists(self._cancel_key)
+            pipe.exists(self._live_key)
+            cancelled, followed = pipe.execute()
+        if cancelled:
+            self.cancel_seen = True
+        elif not followed:
             self.abandoned = True
         return bool(cancelled) or not followed
 
