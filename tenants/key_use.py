@@ -38,7 +38,7 @@ def note_key_used(prefix: str) -> None:
     """The key with this prefix opened a request now (written at most once a minute per process)."""
     now = time.monotonic()
     with _lock:
-        if now - _recorded_at.get(prefix, -RECORD_EVERY_S) < RECORD_EVERY_S:
+        if not _due(prefix, now):
             return
         _recorded_at[prefix] = now
     try:
@@ -51,7 +51,12 @@ def note_key_used(prefix: str) -> None:
 def use_due(prefix: str) -> bool:
     """Whether `note_key_used(prefix)` would write now (a look: it records nothing)."""
     with _lock:
-        return time.monotonic() - _recorded_at.get(prefix, -RECORD_EVERY_S) >= RECORD_EVERY_S
+        return _due(prefix, time.monotonic())
+
+
+def _due(prefix: str, now: float) -> bool:
+    """No use of this key written by this process in the last RECORD_EVERY_S (under `_lock`)."""
+    return now - _recorded_at.get(prefix, -RECORD_EVERY_S) >= RECORD_EVERY_S
 
 
 def forget_recorded_uses() -> None:

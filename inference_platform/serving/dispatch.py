@@ -395,7 +395,8 @@ def _eligible(
 
 
 async def _mark_followed(follow_id: str) -> None:
-    """The request's liveness mark, which the worker looks for (refreshed by `follow_task`)."""
+    """The request's liveness mark, which the worker looks for, set for one liveness TTL (set
+    before the send, then renewed by `follow_task` a few times per TTL: see LIVE_FAMILY)."""
     ttl_ms = max(1, int(settings.REQUEST_LIVENESS_TTL_SECS * 1000))
     mark = live_key(settings.REDIS_KEY_PREFIX, follow_id)
     await frontend().redis_lines().execute("SET", mark, b"1", "PX", ttl_ms)
@@ -511,15 +512,13 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
     started = False
     started_by = ""
     produced = False  # a token of this task was read
-    # Refreshed a few times per TTL while this process follows the request (see LIVE_FAMILY).
-    mark, mark_ttl_ms = live_key(namespace, lease.request_id), int(settings.REQUEST_LIVENESS_TTL_SECS * 1000)
     marked_at = 0.0
     timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
     deadline = time.monotonic() + timeout
     lines = frontend().redis_lines()  # this loop's own connections: no thread hand-over
     while True:
         if time.monotonic() - marked_at > settings.REQUEST_LIVENESS_TTL_SECS / 4:
-            await lines.execute("SET", mark, b"1", "PX", max(1, mark_ttl_ms))
+            await _mark_followed(lease.request_id)
             await lease.arenew(lines, lease_ttl_s())
             marked_at = time.monotonic()
         events = await read_response_events(client, namespace, rid, last_id, _POLL_MS)

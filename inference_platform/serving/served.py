@@ -313,17 +313,14 @@ class ServedRequest:
     async def _shed_if_full(self, model: str) -> None:
         """Refuse at once, before any preparation, a request that would find the queue full: a
         flood costs the frontend one read per request, not a prompt's preparation."""
-        full = (
-            await frontend()
-            .admission_queue()
-            .afull_for(
-                frontend().redis_lines(),
-                model,
-                self._queue_tenant,
-                self.priority or 0,
-                max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
-                max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
-            )
+        front = frontend()
+        full = await front.admission_queue().afull_for(
+            front.redis_lines(),
+            model,
+            self._queue_tenant,
+            self.priority or 0,
+            max_depth=settings.ROUTER_QUEUE_MAX_DEPTH,
+            max_tenant_depth=settings.ROUTER_QUEUE_MAX_TENANT_DEPTH,
         )
         if full is not None:
             raise queue_full(model, full)
