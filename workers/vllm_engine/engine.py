@@ -10,6 +10,7 @@ engines alike. Imported only in the vLLM virtualenv (`make vllm`).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import queue
@@ -200,6 +201,7 @@ class VllmEngine(FollowsSubmitted):
     # --- start and stop --------------------------------------------------------------------------------
     def start(self) -> VllmEngine:
         """Starts the loop thread and vLLM in it (vLLM's engine core starts as a child process)."""
+        _import_vllm()
         if self._subscriber is not None:
             self._publish([KvEvent("cleared", self._translator.worker)])  # vLLM starts empty
             self._subscriber.start()
@@ -588,6 +590,28 @@ class KvEventSubscriber:
                         logger.warning("publishing vLLM's KV events failed", exc_info=True)
         finally:
             socket.close(linger=0)
+
+
+_THREAD_IMPORTS = (
+    "msgspec",
+    "zmq",
+    "transformers",
+    "vllm.distributed.kv_events",
+    "vllm.engine.arg_utils",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.metrics.loggers",
+)
+
+
+def _import_vllm() -> None:
+    """Imports what the loop thread and the KV event thread import, once, before either starts.
+
+    Left to the two threads, vLLM, torch and setuptools were imported from both at once, and
+    setuptools' distutils shim is not thread-safe: it swaps `sys.modules["distutils"]` and its
+    finder in and out, and a worker once died at start with "No module named
+    'distutils.compat'". Imports in one thread first, the threads then find them loaded."""
+    for module in _THREAD_IMPORTS:
+        importlib.import_module(module)
 
 
 def _openai_logprob(token: int, entry: dict[int, Any], top: int) -> dict[str, Any]:
