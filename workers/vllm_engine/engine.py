@@ -10,7 +10,6 @@ engines alike. Imported only in the vLLM virtualenv (`make vllm`).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import queue
@@ -201,7 +200,6 @@ class VllmEngine(FollowsSubmitted):
     # --- start and stop --------------------------------------------------------------------------------
     def start(self) -> VllmEngine:
         """Starts the loop thread and vLLM in it (vLLM's engine core starts as a child process)."""
-        _import_vllm()
         if self._subscriber is not None:
             self._publish([KvEvent("cleared", self._translator.worker)])  # vLLM starts empty
             self._subscriber.start()
@@ -546,9 +544,18 @@ class KvEventSubscriber:
         self._publish = publish
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
+        self._decoder: Any = None  # vLLM's batch decoder, made by `start`
         self.gaps = 0
 
     def start(self) -> None:
+        # Imported here, in the starting thread, not in the thread started: the engine's loop
+        # thread imports vLLM (torch, setuptools) next, and setuptools' distutils shim, which
+        # swaps `sys.modules["distutils"]` and its finder in and out, is not thread-safe (a worker
+        # died at start with "No module named 'distutils.compat'" when both threads imported).
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch  # (it imports zmq too)
+
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._thread.start()
 
     def stop(self) -> None:
@@ -556,11 +563,9 @@ class KvEventSubscriber:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
+        import zmq  # loaded already (start)
 
-        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        decoder = self._decoder
         context = zmq.Context.instance()
         socket = context.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -590,28 +595,6 @@ class KvEventSubscriber:
                         logger.warning("publishing vLLM's KV events failed", exc_info=True)
         finally:
             socket.close(linger=0)
-
-
-_THREAD_IMPORTS = (
-    "msgspec",
-    "zmq",
-    "transformers",
-    "vllm.distributed.kv_events",
-    "vllm.engine.arg_utils",
-    "vllm.v1.engine.async_llm",
-    "vllm.v1.metrics.loggers",
-)
-
-
-def _import_vllm() -> None:
-    """Imports what the loop thread and the KV event thread import, once, before either starts.
-
-    Left to the two threads, vLLM, torch and setuptools were imported from both at once, and
-    setuptools' distutils shim is not thread-safe: it swaps `sys.modules["distutils"]` and its
-    finder in and out, and a worker once died at start with "No module named
-    'distutils.compat'". Imports in one thread first, the threads then find them loaded."""
-    for module in _THREAD_IMPORTS:
-        importlib.import_module(module)
 
 
 def _openai_logprob(token: int, entry: dict[int, Any], top: int) -> dict[str, Any]:
