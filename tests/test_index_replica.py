@@ -217,13 +217,16 @@ def test_candidates_are_the_eligible_holders_of_each_prefix_length_drawn_and_the
     publisher.publish([KvEvent("stored", name, tuple(hashes[:d])) for name, d in depths.items()])
     replica = _replica(redis_client, key_namespace, index)
     replica.sync()
-    eligible = [name for name in WORKERS if name != "g02"]  # g02 holds 30 but is not eligible
-    mask, _version = replica.mask_of(eligible)
+    # g02 holds 30 blocks but is not eligible; two eligible workers hold nothing
+    eligible = [name for name in WORKERS if name != "g02"] + ["idle-a", "idle-b"]
+    fleet = replica.fleet(eligible)
 
-    # when: at most 4 per prefix length, and a sample of two workers holding nothing
-    found = replica.candidates(hashes, mask, 4, ["idle-a", "idle-b"], random.Random(1))
+    # when: at most 4 per prefix length, and a sample of the two workers holding nothing
+    at = replica.candidates(hashes, fleet, 4, [len(eligible) - 2, len(eligible) - 1], random.Random(1))
 
     # then
+    assert at is not None
+    found = {eligible[position]: overlap for position, overlap in at.items()}
     assert "g02" not in found
     assert sorted(found.values()).count(30) == 4 and sorted(found.values()).count(20) == 4
     assert sorted(found.values()).count(10) == 4
@@ -241,3 +244,35 @@ def test_a_draw_among_more_holders_than_wanted_gives_as_many_distinct_holders_as
         drawn = list(_drawn(members, cap, rng))
         assert len(drawn) == len(set(drawn)) == min(cap, members.bit_count())
         assert all(members >> bit & 1 for bit in drawn)
+
+
+def test_a_view_of_the_fleet_made_before_the_replica_gave_a_bit_is_refused_not_misread(
+    redis_client, key_namespace, index, publisher
+):
+    # given: a view of the fleet made while g00 alone held blocks
+    hashes = block_hashes(list(range(1, 65)), BS)
+    publisher.publish([KvEvent("stored", "g00", tuple(hashes))])
+    replica = _replica(redis_client, key_namespace, index)
+    replica.sync()
+    fleet = replica.fleet(["g00", "g01"])
+    assert replica.candidates(hashes, fleet, 4, [], random.Random(1)) == {0: len(hashes)}
+
+    # when: g01 stores blocks, so the replica gives it a bit the view does not know
+    publisher.publish([KvEvent("stored", "g01", tuple(hashes))])
+    replica.sync()
+
+    # then: the old view is refused (the router makes it again), and a new one sees both
+    assert replica.candidates(hashes, fleet, 4, [], random.Random(1)) is None
+    again = replica.fleet(["g00", "g01"])
+    assert replica.candidates(hashes, again, 4, [], random.Random(1)) == {0: len(hashes), 1: len(hashes)}
+
+
+def test_a_load_sample_is_distinct_positions_of_the_fleet():
+    from routing.kv.router import _positions
+
+    rng = random.Random(5)
+    for n, k in ((1_024, 16), (17, 16), (16, 16), (3, 16)):
+        for _ in range(200):
+            drawn = _positions(rng, n, k)
+            assert len(drawn) == len(set(drawn)) == min(n, k)
+            assert all(0 <= position < n for position in drawn)

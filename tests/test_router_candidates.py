@@ -336,3 +336,27 @@ def test_the_sessions_worker_is_weighed_with_its_exact_overlap_where_its_prefixs
     # then: its worker is weighed each time with the prefix it holds, and kept
     for decision in decisions:
         assert decision.worker == "w150" and decision.overlap == 50 and decision.reason == "affinity"
+
+
+def test_a_decision_whose_replica_bits_moved_under_it_finds_its_candidates_in_redis(
+    redis_client, key_namespace, monkeypatch
+):
+    # given: a replica that refuses the view of the fleet it is asked with (its bits moved in
+    # between, a race with its event thread), and the one worker holding the image
+    replica = IndexReplica(redis_client, key_namespace, index=KvIndex(redis_client, key_namespace))
+    router = _router(redis_client, key_namespace, replica=replica)
+    publisher = KvEventPublisher(redis_client, key_namespace, index=KvIndex(redis_client, key_namespace))
+    tokens = _tokens(7, 1_000)
+    hashes = block_hashes(tokens, BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
+    publisher.publish([KvEvent("stored", "w137", tuple(hashes[:50]))])
+    replica.sync()
+    asked = []
+    monkeypatch.setattr(replica, "candidates", lambda *args: asked.append(args) and None)
+
+    # when
+    decision = router.route(hashes, len(tokens), BS, FLEET, RoutingPolicy(), rng=random.Random(1))
+
+    # then: asked, refused, and decided from Redis's index all the same
+    assert len(asked) == 1
+    assert decision.worker == "w137" and decision.overlap == 50 == decision.best_overlap

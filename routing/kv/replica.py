@@ -45,6 +45,7 @@ so a reader sees each block's holders before or after an event, never torn).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -52,6 +53,7 @@ import threading
 import time
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import redis
 
@@ -64,6 +66,9 @@ STALE_AFTER_S = 5.0
 BATCH = 2_000  # stream entries per read
 # A field of the index's id maps that no worker name can be (index_functions.lua's TABLE_FIELD).
 _TABLE_FIELD = b"\n\n\n"
+
+
+_serials = itertools.count()
 
 
 class _State:
@@ -80,7 +85,8 @@ class _State:
         self.free_bits: list[int] = []
         self.logs: dict[int, array] = {}  # bit -> the hashes it stored (removals stay)
         self.held: dict[int, int] = {}  # bit -> how many blocks it holds
-        self.version = 0  # moves when a bit is given or freed: masks of names made before are stale
+        self.serial = next(_serials)  # tells this state from every other one of the process
+        self.version = 0  # moves when a bit is given or freed: views of names made before are stale
 
     def _bit(self, worker: str) -> int:
         bit = self.bit_of.get(worker)
@@ -161,6 +167,15 @@ class _State:
             self.remove(worker, hashes)
         elif kind == "cleared":
             self.clear(worker)
+
+
+class ReplicaFleet(NamedTuple):
+    """A list of workers (a fleet read's eligible ones) as an IndexReplica's bits (`fleet`)."""
+
+    version: tuple[int, int]  # the replica's state and the version of its bits it was made under
+    mask: int  # the bits of the listed workers that hold blocks
+    bits: array  # each listed worker's bit, by position in the list; -1: it holds nothing here
+    position_of: array  # each bit's position in the list; -1: not listed
 
 
 class IndexReplica:
@@ -288,7 +303,7 @@ class IndexReplica:
             event_id, packed = self._index.snapshot(worker)
             state.event_ids[worker] = max(event_id, state.event_ids.get(worker, 0))
             state.store(worker, unpack_hashes(packed))
-        self.rebuilds += 1  # first: a mask made under the last state is never taken for this one's
+        self.rebuilds += 1
         self._state = state
 
     def _catch_up(self, state: _State | None) -> None:
@@ -335,44 +350,55 @@ class IndexReplica:
 
     # -- queries ----------------------------------------------------------------------------
 
-    def mask_of(self, workers: Iterable[str]) -> tuple[int, tuple[int, int]]:
-        """The bits of these workers that hold blocks, and the state version they are valid for."""
+    def fleet(self, workers: Sequence[str]) -> ReplicaFleet:
+        """These workers (a fleet read's eligible list) as this replica's bits, for the state
+        version they are valid for: made once per read and version (KvRouter keeps it), so a
+        decision finds its candidates by position in the list, with no lookup by name."""
         state = self._state
         if state is None:
-            return 0, (-1, -1)
-        bits = state.bit_of
+            return ReplicaFleet((-1, -1), 0, array("i"), array("i"))
+        # (Read first: a bit given or freed while this is made leaves the view stale, never wrong.)
+        version = (state.serial, state.version)
+        bit_of = state.bit_of
+        bits = array("i", (bit_of.get(name, -1) for name in workers))
+        position_of = array("i", [-1]) * len(state.name_of)
         mask = 0
-        for name in workers:
-            bit = bits.get(name)
-            if bit is not None:
+        for position, bit in enumerate(bits):
+            if bit >= 0:
+                position_of[bit] = position
                 mask |= 1 << bit
-        return mask, (self.rebuilds, state.version)
+        return ReplicaFleet(version, mask, bits, position_of)
 
     def version(self) -> tuple[int, int]:
-        """Which state and which of its bit assignments: a mask made under another is stale."""
+        """Which state and which of its bit assignments: a view made under another is stale."""
         state = self._state
-        return (-1, -1) if state is None else (self.rebuilds, state.version)
+        return (-1, -1) if state is None else (state.serial, state.version)
 
     def candidates(
         self,
         block_hashes: Sequence[int],
-        eligible: int,
+        fleet: ReplicaFleet,
         cap: int,
-        sample: Sequence[str],
+        sample: Iterable[int],
         rng: random.Random,
-    ) -> dict[str, int]:
-        """The workers of `eligible` (a mask_of) holding the request's longest cached prefixes,
-        at most `cap` per prefix length, drawn at random where more hold it (they hold the same
-        prefix: the decision weighs them by load alone), deepest first, and the `sample`'s; each
-        with its overlap in blocks (exact: a worker's overlap is the first block it lacks)."""
+    ) -> dict[int, int] | None:
+        """The workers of `fleet` (by position in its list) holding the request's longest cached
+        prefixes, at most `cap` per prefix length, drawn at random where more hold it (they hold
+        the same prefix: the decision weighs them by load alone), deepest first, and the
+        `sample`'s (positions too); each with its overlap in blocks (exact: a worker's overlap
+        is the first block it lacks). None if the replica's bits moved since `fleet` was made
+        (make it again).
+
+        Hot path: at 1,024 workers it runs once per decision, so it touches compact arrays and
+        the blocks' masks, never a worker's name."""
         state = self._state
-        if state is None:
-            raise RuntimeError("the index replica is not built yet")
-        masks = state.masks
-        alive, depth = eligible, 0
+        if state is None or (state.serial, state.version) != fleet.version:
+            return None
+        get = state.masks.get
+        alive, depth = fleet.mask, 0
         levels: list[tuple[int, int]] = []  # (overlap, the workers with that overlap)
         for h in block_hashes:
-            held = masks.get(h, 0) & alive
+            held = get(h, 0) & alive
             if held != alive:
                 if depth:
                     levels.append((depth, alive ^ held))
@@ -382,27 +408,29 @@ class IndexReplica:
             depth += 1
         if alive and depth:
             levels.append((depth, alive))
-        # The sample first: its members holding a prefix count among that length's `cap`, so
-        # a prefix the whole fleet holds (a system prompt) adds no draws to the sample's.
-        found: dict[str, int] = dict.fromkeys(sample, 0)
-        bit_of, name_of = state.bit_of, state.name_of
-        sampled = 0
-        for name in sample:
-            bit = bit_of.get(name)
-            if bit is not None:
-                sampled |= 1 << bit
-        for overlap, members in reversed(levels):
-            among_sample = members & sampled
-            if among_sample:
-                for bit in _bits(among_sample):
-                    found[name_of[bit]] = overlap  # type: ignore[index]
-                members ^= among_sample
-            wanted = cap - among_sample.bit_count()
-            if members and wanted > 0:
-                for bit in _drawn(members, wanted, rng):
-                    name = name_of[bit]
-                    if name is not None:
-                        found[name] = overlap
+        found: dict[int, int] = dict.fromkeys(sample, 0)
+        if levels:
+            # The sample first: its members holding a prefix count among that length's `cap`, so
+            # a prefix the whole fleet holds (a system prompt) adds no draws to the sample's.
+            bits, position_of = fleet.bits, fleet.position_of
+            flags = bytearray(len(position_of) + 7 >> 3)
+            for position in found:
+                bit = bits[position]
+                if bit >= 0:
+                    flags[bit >> 3] |= 1 << (bit & 7)
+            sampled = int.from_bytes(flags, "little")
+            for overlap, members in reversed(levels):
+                among_sample = members & sampled
+                if among_sample:
+                    for bit in _bits(among_sample):
+                        found[position_of[bit]] = overlap
+                    members ^= among_sample
+                wanted = cap - among_sample.bit_count()
+                if members and wanted > 0:
+                    for bit in _drawn(members, wanted, rng):
+                        found[position_of[bit]] = overlap
+        if state.version != fleet.version[1]:
+            return None  # bits moved while it looked: a position may stand for another worker
         return found
 
     def overlaps(self, block_hashes: Sequence[int], workers: Sequence[str]) -> dict[str, int]:

@@ -52,8 +52,8 @@ from routing.kv.index import (
 )
 from routing.kv.lease import RequestLease
 from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
-from routing.kv.replica import IndexReplica
-from routing.kv.selection import DeferredScores, RoutingPolicy, score_workers
+from routing.kv.replica import IndexReplica, ReplicaFleet
+from routing.kv.selection import DeferredScores, RoutingPolicy, Score, score_workers
 from routing.state.lua import LuaScript, lua_constants, lua_script
 from routing.state.redis_direct import AsyncDirectCommands
 
@@ -135,6 +135,7 @@ class KvRouter:
         self._facts_written: list[str] = []
         self.candidates_above = CANDIDATES_ABOVE
         self._replica = replica
+        self._policy_kept: tuple[RoutingPolicy, tuple[object, ...]] | None = None
 
     @property
     def index(self) -> KvIndex:
@@ -334,13 +335,7 @@ class KvRouter:
             request_id,
             isl,
             block_size,
-            repr(float(policy.overlap_credit)),
-            repr(float(policy.prefill_load_scale)),
-            repr(float(policy.temperature)),
-            repr(float(policy.affinity_cost_slack)),
-            int(policy.affinity_max_overlap_lead),
-            int(policy.busy_max_requests),
-            repr(float(policy.busy_kv_fraction)),
+            *self._policy_args(policy),
             mode,
             repr((rng or self._rng).random()),
             reservation_ttl_ms or self._load.entry_ttl_ms,
@@ -354,17 +349,21 @@ class KvRouter:
         if mode == "kv" and len(eligible) > self.candidates_above:
             # A large fleet: the script weighs candidates, not every worker (`_decide_among`);
             # only when none of them can take the request does it look at the whole fleet.
-            sample = (rng or self._rng).sample(eligible, LOAD_SAMPLE)
+            draw = rng or self._rng
+            sample = _positions(draw, len(eligible), LOAD_SAMPLE)
             replica = self._replica
+            found = None
             if replica is not None and replica.ready:
                 found = replica.candidates(
-                    block_hashes, self._mask_in(replica, packed), HOLDERS_PER_PREFIX, sample, rng or self._rng
+                    block_hashes, self._replica_fleet(replica, packed), HOLDERS_PER_PREFIX, sample, draw
                 )
+            elif replica is not None:
+                replica.start()
+            if found is not None:
                 reply = yield from self._decide_given(args, packed, policy, condition, found)
-            else:
-                if replica is not None:
-                    replica.start()
-                reply = yield from self._decide_among(args, packed, policy, condition, sample)
+            else:  # no replica, or its bits moved just now: Redis's index
+                sample_names = [eligible[position] for position in sample]
+                reply = yield from self._decide_among(args, packed, policy, condition, sample_names)
             self._check_fresh(reply, only_if)
             if not reply[0]:
                 reply = None
@@ -372,25 +371,26 @@ class KvRouter:
             reply = yield self._over_args(args, packed, policy, condition)
             self._check_fresh(reply, only_if)
         chosen_at, reason, best_overlap, *packed_columns, busy_at, weighed = reply
-        if weighed:  # a large fleet's candidates, those weighed
-            eligible = [name.decode() if isinstance(name, bytes) else name for name in weighed]
+        # A large fleet's candidates, those weighed, as the script names them: decoded where read
+        # (most are read only if something asks for the scores).
+        names: Sequence[str | bytes] = weighed or eligible
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
-        busy = tuple(eligible[j - 1] for j in busy_at)
+        busy = tuple(_text(names[j - 1]) for j in busy_at)
         if not chosen_at:
-            raise AllWorkersBusy(eligible)
-        chosen = eligible[chosen_at - 1]
+            raise AllWorkersBusy(list(map(_text, names)))
+        chosen = _text(names[chosen_at - 1])
         reason = reason.decode() if isinstance(reason, bytes) else reason
         if busy:
             busy_positions = set(busy_at)
-            kept = [i for i in range(len(eligible)) if i + 1 not in busy_positions]
-            candidates = [eligible[i] for i in kept]
+            kept = [i for i in range(len(names)) if i + 1 not in busy_positions]
+            candidates = [names[i] for i in kept]
             columns = [[column[i] for i in kept] for column in (overlaps, prefill, decode)]
         else:
-            candidates, columns = eligible, [overlaps, prefill, decode]
+            candidates, columns = names, [overlaps, prefill, decode]
         # The script computed the same costs to choose; Python's Scores, for display and logs,
         # are built from the numbers it read only when something reads them.
         scores = DeferredScores(
-            functools.partial(score_workers, candidates, *columns, isl, block_size, policy), len(candidates)
+            functools.partial(_scores, candidates, *columns, isl, block_size, policy), len(candidates)
         )
         decision = RoutingDecision(
             worker=chosen,
@@ -407,6 +407,24 @@ class KvRouter:
         if self._logger.isEnabledFor(logging.DEBUG):
             self._log(decision, policy)
         return decision
+
+    def _policy_args(self, policy: RoutingPolicy) -> tuple[object, ...]:
+        """The decision script's arguments from the policy (ARGV 7 to 13), made again only for
+        another policy object (a RoutingPolicy is frozen: a frontend decides on one for a while)."""
+        kept = self._policy_kept
+        if kept is not None and kept[0] is policy:
+            return kept[1]
+        args = (
+            repr(float(policy.overlap_credit)),
+            repr(float(policy.prefill_load_scale)),
+            repr(float(policy.temperature)),
+            repr(float(policy.affinity_cost_slack)),
+            int(policy.affinity_max_overlap_lead),
+            int(policy.busy_max_requests),
+            repr(float(policy.busy_kv_fraction)),
+        )
+        self._policy_kept = (policy, args)  # replaced whole (threads decide too)
+        return args
 
     @staticmethod
     def _check_fresh(reply: list, only_if: tuple[str, bytes] | None) -> None:
@@ -502,35 +520,32 @@ class KvRouter:
         fleet: _PackedWorkers,
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
-        found: Mapping[str, int],
+        found: Mapping[int, int],
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """`_decide_among` with the candidates this process's replica of the index found (the
         same ones: the holders of the longest cached prefixes, at most HOLDERS_PER_PREFIX per
-        prefix length, and the sample), sent with their overlaps and facts: the script adds
-        those only Redis knows of (the workers the predicted marks name, the session's worker)
-        and walks none of the index."""
-        records = fleet.records
-        # (A name the replica gave its bit to after the mask was made is not eligible: left out.)
-        names = [name for name in found if name in records]
+        prefix length, and the sample), by position in the fleet read's list, sent with their
+        names, overlaps and facts: the script adds those only Redis knows of (the workers the
+        predicted marks name, the session's worker) and walks none of the index."""
+        eligible, records = fleet.eligible, fleet.records_at
         args = (
             0,
-            "\n".join(names),
-            struct.pack(f">{len(names)}i", *map(found.__getitem__, names)),
-            b"".join(map(records.__getitem__, names)),
+            "\n".join([eligible[position] for position in found]),
+            struct.pack(f">{len(found)}i", *found.values()),
+            b"".join([records[position] for position in found]),
         )
         return (yield from self._with_facts(common, fleet, policy, condition, args))
 
     @staticmethod
-    def _mask_in(replica: IndexReplica, fleet: _PackedWorkers) -> int:
-        """The replica's mask of the fleet read's eligible workers, kept with the read and made
-        again only when the replica's workers changed."""
-        version = replica.version()
-        kept = fleet.replica_mask[0] if fleet.replica_mask else None
-        if kept is not None and kept[0] == version:
-            return kept[1]
-        mask, version = replica.mask_of(fleet.eligible)
-        fleet.replica_mask[:] = [(version, mask)]  # one item, replaced whole (threads read it)
-        return mask
+    def _replica_fleet(replica: IndexReplica, fleet: _PackedWorkers) -> ReplicaFleet:
+        """The fleet read's eligible workers as the replica's bits, kept with the read and made
+        again only when the replica's bits moved."""
+        kept = fleet.replica_fleet[0] if fleet.replica_fleet else None
+        if kept is not None and kept.version == replica.version():
+            return kept
+        made = replica.fleet(fleet.eligible)
+        fleet.replica_fleet[:] = [made]  # one item, replaced whole (threads read it)
+        return made
 
     def _write_facts(self, fleet: _PackedWorkers) -> None:
         """Writes the fleet read's facts (one transaction: a decision finds them whole or not at
@@ -567,7 +582,7 @@ class KvRouter:
             self._write_facts(packed)
         replica = self._replica
         if replica is not None and replica.ready:
-            self._mask_in(replica, packed)
+            self._replica_fleet(replica, packed)
 
     def _packed(
         self,
@@ -645,9 +660,9 @@ class _PackedWorkers:
     prefill_rates: bytes
     approximate_at: bytes
     schedules: bytes
-    # [(replica version, mask)]: the eligible workers' bits in this frontend's replica of the
-    # index, for that version of its bit assignments (KvRouter._mask_in).
-    replica_mask: list[tuple[tuple[int, int], int]] = field(default_factory=list, repr=False)
+    # [view]: the eligible workers as bits of this frontend's replica of the index, for one
+    # version of its bit assignments (KvRouter._replica_fleet).
+    replica_fleet: list[ReplicaFleet] = field(default_factory=list, repr=False)
 
     def made_of(
         self, workers: object, reports: object, approximate: object, key: tuple[bool, bool, bool]
@@ -708,6 +723,11 @@ class _PackedWorkers:
         }
 
     @functools.cached_property
+    def records_at(self) -> list[bytes]:
+        """`records` by position in `eligible`."""
+        return list(self.records.values())
+
+    @functools.cached_property
     def digest(self) -> str:
         """Names the fleet read's facts: the same facts of the same workers, the same digest."""
         digest = hashlib.blake2b(self.names.encode(), digest_size=16)
@@ -765,6 +785,34 @@ def _as_rate(value: object) -> float:
         return math.inf
     except (TypeError, ValueError):
         return 0.0
+
+
+def _positions(rng: random.Random, n: int, k: int) -> list[int]:
+    """`k` distinct positions of `n`, drawn at random (all of them if `k` >= `n`): for k << n,
+    draws with few repeats, cheaper than `Random.sample`, which builds a list of the population."""
+    if k >= n:
+        return list(range(n))
+    draw = rng.random
+    drawn = {int(draw() * n) for _ in range(k)}
+    while len(drawn) < k:
+        drawn.add(int(draw() * n))
+    return list(drawn)
+
+
+def _text(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _scores(
+    names: Sequence[str | bytes],
+    overlaps: Sequence[int],
+    prefill: Sequence[int],
+    decode: Sequence[int],
+    isl: int,
+    block_size: int,
+    policy: RoutingPolicy,
+) -> list[Score]:
+    return score_workers(list(map(_text, names)), overlaps, prefill, decode, isl, block_size, policy)
 
 
 def _integers(packed: bytes) -> tuple[int, ...]:
