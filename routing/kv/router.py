@@ -63,11 +63,7 @@ DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this
 # LOAD_SAMPLE workers drawn at random. At or below it, every worker, exactly as before.
 CANDIDATES_ABOVE = 64
 PACKED_KEPT = 3  # fleet reads whose packed arguments a router keeps (KvRouter._packed)
-# Holders of one prefix length differ by load alone, and the decision takes the least loaded:
-# with d drawn the heaviest exceeds the mean by O(log log n / log d), so 8 give nearly all of
-# 16's balance at half the script's work per level (~2 us of Redis's thread per candidate).
-# The load sample stands for the whole fleet (cold requests, the busy check): it stays larger.
-HOLDERS_PER_PREFIX = 8
+HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 STALE = (b"stale", "stale")  # the decision script's reason when its `only_if` key moved
