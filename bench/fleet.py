@@ -43,10 +43,12 @@ workers=1024 decision_p50_us=… decision_p99_us=… decisions_per_s=… bytes_p
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import multiprocessing
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -57,6 +59,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 _TMP = tempfile.mkdtemp(prefix="bench-fleet-")
+# Its database and Redis files go with it (the frontends forked later end without atexit hooks).
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 # A redis-server of the bench's own: INFO commandstats then counts this bench's commands alone,
 # not those of whatever else shares the machine's Redis.
 from tests.platform_harness import PrivateRedis  # noqa: E402
