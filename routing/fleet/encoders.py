@@ -38,6 +38,8 @@ from typing import Any
 
 import redis
 
+from routing.state.redis_keys import reply_text
+
 CACHED_FAMILY = "enc:cached:"
 PENDING_FAMILY = "enc:pending:"
 BUSY_FAMILY = "enc:busy:"
@@ -371,7 +373,7 @@ class EncoderPool:
         for worker in workers:
             raw = next(answers)
             counters = {field: 0 for field in STAT_FIELDS}
-            counters.update({_text(k): int(v) for k, v in raw.items() if _text(k) in counters})
+            counters.update({reply_text(k): int(v) for k, v in raw.items() if reply_text(k) in counters})
             result[worker] = {
                 **counters,
                 "pending": int(next(answers)),
@@ -397,10 +399,6 @@ def summarize(counters: Mapping[str, int]) -> dict[str, float | None]:
         "get_ms_per_image": counters.get("get_us", 0) / 1000 / received if received else None,
         "fallbacks": sum(counters.get(f"fallback_{cause}", 0) for cause in FALLBACK_CAUSES),
     }
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def dashboard_section(pool: EncoderPool, roles: Mapping[str, str]) -> dict[str, Any]:

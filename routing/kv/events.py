@@ -16,6 +16,7 @@ import redis
 from routing.contract.kv_events import KvEvent
 from routing.kv.index import EVENTS_STREAM, INDEX_LUA_FUNCTIONS, STREAM_MAXLEN, KvIndex, pack_hashes
 from routing.state.lua import LuaScript, lua_script
+from routing.state.redis_keys import reply_text
 
 __all__ = ["EVENTS_STREAM", "STREAM_MAXLEN", "KvEventPublisher", "read_events"]
 
@@ -56,12 +57,8 @@ def read_events(
     for _stream, entries in reply or ():
         for stream_id, fields in entries:
             # Works whether or not the client decodes responses.
-            text = {_text(k): _text(v) for k, v in fields.items()}
+            text = {reply_text(k): reply_text(v) for k, v in fields.items()}
             data = json.loads(text["event"])
             data["event_id"] = int(text["event_id"])
-            out.append((_text(stream_id), KvEvent.from_dict(data)))
+            out.append((reply_text(stream_id), KvEvent.from_dict(data)))
     return out
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -58,6 +58,7 @@ from typing import NamedTuple
 import redis
 
 from routing.kv.index import EVENT_IDS_KEY, EVENTS_STREAM, WORKER_IDS_KEY, KvIndex, unpack_hashes
+from routing.state.redis_keys import reply_text
 
 logger = logging.getLogger("routing.replica")
 
@@ -292,14 +293,14 @@ class IndexReplica:
         for reply in (counts, holding):
             if isinstance(reply, Exception):
                 raise reply
-        state = _State(epoch, b"0-0", {_text(name): int(count) for name, count in counts.items()})
+        state = _State(epoch, b"0-0", {reply_text(name): int(count) for name, count in counts.items()})
         if not isinstance(info, Exception):  # (an error: no stream yet)
             state.last_id = info["last-entry"][0] if info.get("last-entry") else info["last-generated-id"]
             state.read_count = int(info["entries-added"])
         for raw in holding:
             if raw == _TABLE_FIELD:
                 continue
-            worker = _text(raw)
+            worker = reply_text(raw)
             event_id, packed = self._index.snapshot(worker)
             state.event_ids[worker] = max(event_id, state.event_ids.get(worker, 0))
             state.store(worker, unpack_hashes(packed))
@@ -322,7 +323,7 @@ class IndexReplica:
             return
         counts = self._client.hgetall(f"{self._namespace}{EVENT_IDS_KEY}")
         for raw, count in counts.items():
-            worker = _text(raw)
+            worker = reply_text(raw)
             if int(count) > state.event_ids.get(worker, 0):
                 self._resync(state, worker)
         state.read_count = first_kept - 1  # what was trimmed is in the snapshots now
@@ -335,7 +336,7 @@ class IndexReplica:
         state.event_ids[worker] = last
 
     def _apply_entry(self, state: _State, fields: dict) -> None:
-        worker = _text(fields[b"worker"])
+        worker = reply_text(fields[b"worker"])
         event_id = int(fields[b"event_id"])
         last = state.event_ids.get(worker, 0)
         if event_id <= last:
@@ -485,7 +486,7 @@ def _drawn(members: int, cap: int, rng: random.Random) -> Iterable[int]:
 
 
 def _stream_id(value: bytes | str) -> tuple[int, int]:
-    ms, _, seq = _text(value).partition("-")
+    ms, _, seq = reply_text(value).partition("-")
     return int(ms), int(seq or 0)
 
 
@@ -493,7 +494,3 @@ def _before(value: bytes | str) -> bytes:
     """The stream id just before this one."""
     ms, seq = _stream_id(value)
     return f"{ms}-{seq - 1}".encode() if seq else f"{ms - 1}-{2**64 - 1}".encode()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

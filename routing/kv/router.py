@@ -56,6 +56,7 @@ from routing.kv.replica import IndexReplica, ReplicaFleet
 from routing.kv.selection import DeferredScores, RoutingPolicy, Score, score_workers
 from routing.state.lua import LuaScript, lua_constants, lua_script
 from routing.state.redis_direct import AsyncDirectCommands
+from routing.state.redis_keys import reply_text
 
 DEFAULT_PREDICTED_TTL_S = 3.0  # Dynamo's --router-predicted-ttl-secs is of this order
 # Above this many eligible workers a decision weighs candidates, not the whole fleet
@@ -375,11 +376,11 @@ class KvRouter:
         # (most are read only if something asks for the scores).
         names: Sequence[str | bytes] = weighed or eligible
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
-        busy = tuple(_text(names[j - 1]) for j in busy_at)
+        busy = tuple(reply_text(names[j - 1]) for j in busy_at)
         if not chosen_at:
-            raise AllWorkersBusy(list(map(_text, names)))
-        chosen = _text(names[chosen_at - 1])
-        reason = reason.decode() if isinstance(reason, bytes) else reason
+            raise AllWorkersBusy(list(map(reply_text, names)))
+        chosen = reply_text(names[chosen_at - 1])
+        reason = reply_text(reason)
         if busy:
             busy_positions = set(busy_at)
             kept = [i for i in range(len(names)) if i + 1 not in busy_positions]
@@ -799,10 +800,6 @@ def _positions(rng: random.Random, n: int, k: int) -> list[int]:
     return list(drawn)
 
 
-def _text(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, bytes) else name
-
-
 def _scores(
     names: Sequence[str | bytes],
     overlaps: Sequence[int],
@@ -812,7 +809,7 @@ def _scores(
     block_size: int,
     policy: RoutingPolicy,
 ) -> list[Score]:
-    return score_workers(list(map(_text, names)), overlaps, prefill, decode, isl, block_size, policy)
+    return score_workers(list(map(reply_text, names)), overlaps, prefill, decode, isl, block_size, policy)
 
 
 def _integers(packed: bytes) -> tuple[int, ...]:

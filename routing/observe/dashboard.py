@@ -18,6 +18,7 @@ from routing.kv.load import IDLE, LoadTracker, WorkerLoad
 from routing.observe import telemetry
 from routing.observe.cache_stats import CACHES, FIELDS, series_key, totals_key, workers_key
 from routing.state.lua import execute_pipeline
+from routing.state.redis_keys import reply_text
 
 DEFAULT_MINUTES = 30
 # The windows the dashboard offers (minutes); any 1..MAX_MINUTES is accepted.
@@ -98,7 +99,7 @@ class DashboardReader:
             raise ValueError(f"minutes must be between 0 and {MAX_MINUTES}")
         now = time.time() if now is None else now
         rows_by_name = {row.name: row for row in rows}
-        reported = {_text(name) for name in self._client.smembers(workers_key(self._statistics))}
+        reported = {reply_text(name) for name in self._client.smembers(workers_key(self._statistics))}
         names = sorted(rows_by_name.keys() | reported)
         # Heartbeats of known names, not WorkerRegistry.all_alive: its SCAN walks the whole
         # keyspace (every KV block is a key) on each 2 s poll. A worker process registers its
@@ -485,12 +486,8 @@ def _summed(many: Iterable[Counts]) -> Counts:
 def _counts(reply: dict[Any, Any]) -> Counts:
     counts = dict.fromkeys(FIELDS, 0)
     for field, value in reply.items():
-        name = _text(field)
+        name = reply_text(field)
         # A field this version does not know (a newer worker's) must not break the dashboard.
         if name in counts:
             counts[name] = int(value)
     return counts
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

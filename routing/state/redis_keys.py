@@ -38,6 +38,11 @@ def redact_text(text: str) -> str:
     return _PASSWORD_IN_TEXT.sub(r"\1***\3", text)
 
 
+def reply_text(value: bytes | str) -> str:
+    """A Redis reply's string as text, whether the client decodes responses or not."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 # Bounded waits: a Redis that stops answering must fail a request, never hang it. Blocking
 # reads (XREAD BLOCK, 1 s) stay under the socket timeout. `configure_timeouts` sets them from
 # the deployment's REDIS_TIMEOUT_SECS (the web and worker apps call it at start-up).
