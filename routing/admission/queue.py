@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import redis
 
 from routing.state.lua import LuaScript, lua_constants, lua_script, lua_text
+from routing.state.redis_keys import reply_text
 
 if TYPE_CHECKING:
     from routing.state.redis_direct import AsyncDirectCommands
@@ -155,7 +156,7 @@ class AdmissionQueue:
             self._window_ms,
         )
         drain_per_s = int(drained) / DRAIN_WINDOW_S
-        what = what.decode() if isinstance(what, bytes) else what
+        what = reply_text(what)
         if not joined:
             raise QueueFull(what, int(ahead), drain_per_s)
         return Ticket(what, request.model, int(ahead), drain_per_s)
@@ -169,7 +170,7 @@ class AdmissionQueue:
         """The members of the first `count` entries of `model`'s order, first in line first; it
         renews this frontend's liveness mark (one call per frontend, for all its waiting requests)."""
         members = self._front(self._namespace, model, self.frontend, self._ttl_ms, int(count))
-        return [m.decode() if isinstance(m, bytes) else m for m in members]
+        return [reply_text(m) for m in members]
 
     def leave(self, ticket: Ticket, *, dispatched: bool) -> bool:
         """Take the ticket's entry out (at most once: False if it had gone already)."""
@@ -212,7 +213,7 @@ class AdmissionQueue:
         flat = self._depths(self._namespace)
         depths = []
         for field, count in zip(flat[::2], flat[1::2], strict=True):
-            model, tenant, band = (field.decode() if isinstance(field, bytes) else field).split("\t")
+            model, tenant, band = reply_text(field).split("\t")
             depths.append(QueueDepth(model, tenant, int(band), int(count)))
         return depths
 

@@ -15,6 +15,7 @@ import redis
 
 # The event types are the contract's; re-exported for the stream's readers.
 from routing.contract.tasks import DONE, ERROR, STARTED, TOKEN, StreamEvent, event_data, parse_event
+from routing.state.redis_keys import reply_text
 
 __all__ = [
     "CANCEL_FAMILY",
@@ -119,10 +120,10 @@ class ResponseWriter:
 def parse_stream_entries(entries: list[Any]) -> list[ResponseEvent]:
     events = []
     for entry_id, fields in entries:
-        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        decoded = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+        entry_id = reply_text(entry_id)
+        decoded = {reply_text(k): v for k, v in fields.items()}
         raw_type = decoded.get("type", b"")
-        event_type = raw_type.decode() if isinstance(raw_type, bytes) else raw_type
+        event_type = reply_text(raw_type)
         events.append(ResponseEvent(entry_id, event_type, json.loads(decoded.get("data", b"{}"))))
     return events
 

@@ -17,6 +17,7 @@ import redis
 
 from routing.contract.tasks import CONTRACT_VERSION
 from routing.state.lua import lua_text
+from routing.state.redis_keys import reply_text
 
 HEARTBEAT_FAMILY = "hb:"
 ROUND_ROBIN_KEY = "rr"
@@ -189,7 +190,7 @@ class WorkerRegistry:
 
     def all_alive(self) -> dict[str, Heartbeat]:
         prefix = self._key("")
-        keys = [k.decode() if isinstance(k, bytes) else k for k in self._client.scan_iter(match=f"{prefix}*")]
+        keys = [reply_text(k) for k in self._client.scan_iter(match=f"{prefix}*")]
         return self.alive([k[len(prefix) :] for k in keys])
 
     def next_round_robin(self) -> int:

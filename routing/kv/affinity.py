@@ -10,6 +10,8 @@ import re
 
 import redis
 
+from routing.state.redis_keys import reply_text
+
 AFFINITY_FAMILY = "aff:"
 DEFAULT_AFFINITY_TTL_S = 1800.0
 
@@ -47,4 +49,4 @@ class SessionAffinity:
     def parse(raw: bytes | str | None) -> str | None:
         if raw is None:
             return None
-        return raw.decode() if isinstance(raw, bytes) else raw
+        return reply_text(raw)

@@ -48,6 +48,7 @@ import redis
 
 from routing.contract.kv_events import check_worker_name
 from routing.state.lua import LuaScript, lua_constants, lua_script, lua_text
+from routing.state.redis_keys import reply_text
 
 if TYPE_CHECKING:
     from routing.contract.kv_events import KvEvent
@@ -253,10 +254,7 @@ class KvIndex:
         if isinstance(overlaps, str):
             overlaps = overlaps.encode("latin-1")
         found = struct.unpack(f">{len(overlaps) // 4}i", overlaps)
-        return {
-            (name.decode() if isinstance(name, bytes) else name): overlap
-            for name, overlap in zip(names, found, strict=True)
-        }
+        return {reply_text(name): overlap for name, overlap in zip(names, found, strict=True)}
 
     def overlaps(self, block_hashes: Sequence[int], workers: Sequence[str]) -> dict[str, int]:
         """For each worker, how many leading blocks of the request it holds (one round trip)."""

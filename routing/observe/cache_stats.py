@@ -19,6 +19,7 @@ from collections.abc import Callable
 import redis
 
 from routing.observe.telemetry import FLUSH_INTERVAL_SECS, CountTable, MetricsRecorder
+from routing.state.redis_keys import reply_text
 
 CACHES: tuple[str, ...] = ("kv", "embedding", "local_image", "shared_image")
 # The KV cache also counts tokens: its hit rate is cached over prompt tokens, as the issue defines it.
@@ -99,9 +100,7 @@ class CacheStats:
 
 def read_all(client: redis.Redis, namespace: str) -> Counts:
     """Totals of every worker that ever reported: worker -> cache -> field -> count."""
-    workers = sorted(
-        w.decode() if isinstance(w, bytes) else w for w in client.smembers(workers_key(namespace))
-    )
+    workers = sorted(reply_text(w) for w in client.smembers(workers_key(namespace)))
     pipe = client.pipeline(transaction=False)
     for worker in workers:
         for cache in CACHES:
@@ -139,6 +138,6 @@ def read_series(
 def _as_counts(reply: dict[bytes | str, bytes | str]) -> dict[str, int]:
     counts = dict.fromkeys(FIELDS, 0)
     for field, value in reply.items():
-        name = field.decode() if isinstance(field, bytes) else field
+        name = reply_text(field)
         counts[name] = int(value)
     return counts

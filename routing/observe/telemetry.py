@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import redis
 
 from routing.observe.metric_catalog import CATALOG, Metric
+from routing.state.redis_keys import reply_text
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ def parse_fields(reply: Mapping[bytes | str, bytes | str]) -> Parsed:
     """A hash of fields as `MetricsRecorder.flush` writes them, by metric and labels."""
     parsed: Parsed = {}
     for raw_field, raw_value in reply.items():
-        text = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+        text = reply_text(raw_field)
         name, part, label_json = ([*text.split(SEP, 2), "", ""])[:3]
         metric = CATALOG.get(name)
         if metric is None:
@@ -386,7 +387,7 @@ def read_gauges(client: redis.Redis, namespace: str, *, now: float | None = None
         return {}
     pipe = client.pipeline(transaction=False)
     for source in sources:
-        pipe.hgetall(gauge_key(namespace, source.decode() if isinstance(source, bytes) else source))
+        pipe.hgetall(gauge_key(namespace, reply_text(source)))
     return merge(parse_fields(reply) for reply in pipe.execute())
 
 

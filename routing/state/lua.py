@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from routing.state.redis_direct import AsyncDirectCommands, direct_commands
+from routing.state.redis_keys import reply_text
 
 
 @functools.cache
@@ -62,7 +63,7 @@ class LuaScript:
 
     def _load(self) -> str:
         sha = self._direct.execute("SCRIPT", "LOAD", self.source)
-        return sha.decode() if isinstance(sha, bytes) else sha
+        return reply_text(sha)
 
     def __call__(self, *args: Any) -> Any:
         try:
@@ -77,7 +78,7 @@ class LuaScript:
             return await lines.execute("EVALSHA", self.sha, 0, *args)
         except redis.exceptions.NoScriptError:
             sha = await lines.execute("SCRIPT", "LOAD", self.source)
-            self.sha = sha.decode() if isinstance(sha, bytes) else sha
+            self.sha = reply_text(sha)
             return await lines.execute("EVALSHA", self.sha, 0, *args)
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
