@@ -381,7 +381,7 @@ async def test_a_failure_while_following_fault_injected_still_answers_in_the_api
     stream says it in its status line until its first token, in its last event after it."""
     from inference_platform.serving import served
 
-    async def failing_follow(lease, task_id):
+    async def failing_follow(lease, task_id, marked_at=0.0):
         if after_a_token:
             yield ResponseEvent("1-0", TOKEN, {"text": "Hel"})
         raise fault

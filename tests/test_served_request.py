@@ -285,6 +285,47 @@ async def test_a_served_answer_releases_each_resource_once(served_demo_model, te
 
 
 @pytestmark_db
+@pytest.mark.parametrize(("ttl_s", "follow_after_s"), [(60.0, 0.0), (0.4, 0.15)])
+async def test_the_follow_renews_the_mark_and_reservation_a_quarter_ttl_after_the_send_not_at_once(
+    served_demo_model, tenant_caller, settings, monkeypatch, ttl_s, follow_after_s
+):
+    # given liveness marks of `ttl_s` (renewed every quarter of it) and spies on both renewals
+    from inference_platform.serving import dispatch
+    from routing.kv.lease import RequestLease
+
+    settings.REQUEST_LIVENESS_TTL_SECS = ttl_s
+    marks: list[str] = []
+    renewals: list[str] = []
+    mark, renew = dispatch._mark_followed, RequestLease.arenew
+
+    async def counted_mark(follow_id: str) -> None:
+        marks.append(follow_id)
+        await mark(follow_id)
+
+    async def counted_renew(self, *args, **kwargs):
+        renewals.append(self.request_id)
+        return await renew(self, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_mark_followed", counted_mark)
+    monkeypatch.setattr(RequestLease, "arenew", counted_renew)
+    worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model)
+    request = await open_request(tenant_caller, chat_request(served_demo_model))
+    rid = request.request_id
+    task = await worker.next_task()
+    worker.answer(task, [("Hi", [11])])  # the whole answer waits on its stream
+    assert marks == [rid] and renewals == []  # the send set the mark; the decision reserved
+
+    # when it is followed at once (well within 15 s), or after a quarter of a 0.4 s TTL
+    await asyncio.sleep(follow_after_s)
+    events = await drain(request)
+
+    # then the prompt follow renewed neither again; the late one renewed both before reading
+    assert isinstance(events[-1], DoneEvent)
+    assert marks == [rid] * (2 if follow_after_s else 1)
+    assert renewals == ([rid] if follow_after_s else [])
+
+
+@pytestmark_db
 async def test_a_streamed_answer_releases_each_resource_once(
     served_demo_model, tenant_key, tenant_caller, releases
 ):
@@ -519,7 +560,7 @@ async def test_redis_failing_while_following_fault_injected_answers_503_and_rele
     request = await open_request(tenant_caller, chat_request(served_demo_model))
     rid = request.request_id
 
-    async def failing_follow(lease, task_id):
+    async def failing_follow(lease, task_id, marked_at=0.0):
         raise redis.ConnectionError("fault injected")
         yield  # an async generator, as follow_task is
 

@@ -402,13 +402,17 @@ async def _mark_followed(follow_id: str) -> None:
     await frontend().redis_lines().execute("SET", mark, b"1", "PX", ttl_ms)
 
 
-async def send_to_worker(worker: str, task: GenerateTask) -> None:
-    """Put the task on the worker's own queue; it expires if nobody starts it in time."""
+async def send_to_worker(worker: str, task: GenerateTask) -> float:
+    """Put the task on the worker's own queue; it expires if nobody starts it in time. Returns
+    when the request's liveness mark was set (`time.monotonic()`; 0.0 for a task with none), for
+    `follow_task` to renew it from then on."""
+    marked_at = 0.0
     if task.follow_id:  # marked before the worker can look for the mark
         try:
             await _mark_followed(task.follow_id)
         except redis.RedisError as exc:
             raise state_unavailable(task.follow_id, exc) from exc
+        marked_at = time.monotonic()
     try:
         await asyncio.to_thread(
             celery_app.send_task,
@@ -428,6 +432,7 @@ async def send_to_worker(worker: str, task: GenerateTask) -> None:
             f"Could not queue request {task.request_id} for worker {worker}: broker unavailable.",
             code="broker_unavailable",
         ) from exc
+    return marked_at
 
 
 def lease_ttl_s() -> float:
@@ -496,9 +501,14 @@ def state_unavailable(request_id: str, exc: Exception) -> ApiError:
     )
 
 
-async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[ResponseEvent]:
+async def follow_task(
+    lease: RequestLease, task_id: str, marked_at: float = 0.0
+) -> AsyncIterator[ResponseEvent]:
     """One task's events on its response stream until DONE or ERROR, keeping the request's
-    liveness mark and lease reservation fresh while it waits.
+    liveness mark and lease reservation fresh while it waits: every quarter of the liveness TTL
+    from `marked_at` (send_to_worker's answer: the send set the mark, and the decision just
+    before it reserved for two TTLs, so a prompt follow renews neither again at once; 0.0 renews
+    both at the start).
 
     A worker that vanishes (its heartbeat lapses, or a new process took its name) raises
     `WorkerLost`, saying whether a token of this task was read already; a worker that stays
@@ -512,7 +522,6 @@ async def follow_task(lease: RequestLease, task_id: str) -> AsyncIterator[Respon
     started = False
     started_by = ""
     produced = False  # a token of this task was read
-    marked_at = 0.0
     timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
     deadline = time.monotonic() + timeout
     lines = frontend().redis_lines()  # this loop's own connections: no thread hand-over

@@ -119,6 +119,7 @@ class ServedRequest:
         self.lease: RequestLease | None = None
         self.task: GenerateTask | None = None  # the task last sent
         self.task_id = request_id  # `<id>-m<n>` after a migration, `<id>-r1` after a replan
+        self._marked_at = 0.0  # when the send last set the liveness mark (send_to_worker)
         self.migrations = 0
         self.tried: list[str] = []  # workers that had the request, in order
         self.media: list[MediaRef] = []  # every blob stored for it, freed with the lease
@@ -562,7 +563,9 @@ class ServedRequest:
             task = dataclasses.replace(resend, request_id=task_id)
         self.task = task
         # Stamped at the send, for the worker's queue-time histogram (wall clocks of two hosts).
-        await send_to_worker(lease.worker, dataclasses.replace(task, dispatched_at=time.time()))
+        self._marked_at = await send_to_worker(
+            lease.worker, dataclasses.replace(task, dispatched_at=time.time())
+        )
 
     # -- events --------------------------------------------------------------------------------
 
@@ -574,7 +577,7 @@ class ServedRequest:
         try:
             while True:
                 try:
-                    async for entry in follow_task(self.lease, self.task_id):
+                    async for entry in follow_task(self.lease, self.task_id, self._marked_at):
                         event = entry.event
                         if isinstance(event, TokenEvent):
                             if self.lease.state == RESERVED:
