@@ -23,12 +23,13 @@ from routing.observe.cache_stats import CACHES
 from routing.observe.dashboard import MAX_MINUTES, WINDOWS, Snapshot, shared_reader
 from routing.state.redis_keys import redact_text, redact_url, sync_client
 
-POLL_INTERVAL_MS = 5000
-
 
 def poll_interval_ms(minutes: int) -> int:
-    """Every 5 s up to an hour; a day's chart (1,440 points a read) moves a pixel a minute at most."""
-    return POLL_INTERVAL_MS if minutes <= 60 else 30_000 if minutes <= 360 else 60_000
+    """Every DASHBOARD_POLL_INTERVAL_SECS (5 s) up to an hour; then every 30 s, and a minute past six
+    hours (a day's chart, 1,440 points a read, moves a pixel a minute at most), or the setting's
+    interval where it is longer."""
+    every = max(1, round(settings.DASHBOARD_POLL_INTERVAL_SECS * 1000))
+    return every if minutes <= 60 else max(every, 30_000 if minutes <= 360 else 60_000)
 
 
 DASHBOARD_DEFAULT_MINUTES = 60

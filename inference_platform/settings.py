@@ -191,6 +191,9 @@ REQUEST_LIVENESS_TTL_SECS = env_float("REQUEST_LIVENESS_TTL_SECS", 10.0, positiv
 API_AUTH_REQUIRED = env_bool("API_AUTH_REQUIRED", True)
 # Prometheus may scrape /metrics with this bearer token instead of a staff key (empty: staff keys only).
 METRICS_TOKEN = env_str("METRICS_TOKEN") or ""
+# How often the admin dashboard asks for new figures while it shows an hour or less (longer
+# windows ask every 30 s, or every minute past six hours, or this if it is longer).
+DASHBOARD_POLL_INTERVAL_SECS = env_float("DASHBOARD_POLL_INTERVAL_SECS", 5.0, positive=True)
 # How long a frontend keeps a key it verified while nothing says a key or tenant changed (any
 # change anywhere is seen at the next request through Redis; tenants.keys). 0: ask the database
 # on every request.

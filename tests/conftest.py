@@ -565,7 +565,8 @@ def observed_platform(platform_harness, tmp_path_factory: pytest.TempPathFactory
             demo_model_dir,
             TEST_REDIS_URL,
             namespace,
-            {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+            # the dashboard asks every 0.5 s: a browser test waits a poll for each change it checks
+            {"MEDIA_ALLOWED_HOSTS": "127.0.0.1", "DASHBOARD_POLL_INTERVAL_SECS": "0.5"},
         )
         try:
             yield start_observed_platform(processes, origin)
