@@ -17,7 +17,7 @@ from routing.kv.decision import WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.replica import IndexReplica
-from routing.kv.router import FLEET_FACTS_FAMILY, HOLDERS_PER_PREFIX, LOAD_SAMPLE
+from routing.kv.router import FLEET_FACTS_FAMILY, FLEET_PLACES_FAMILY, HOLDERS_PER_PREFIX, LOAD_SAMPLE
 from routing.kv.selection import RoutingPolicy
 from routing.prompt.hashing import block_hashes
 from tests.test_router import BS, _router, _tokens
@@ -147,24 +147,65 @@ def test_the_holders_drawn_for_a_widely_held_prefix_change_from_one_decision_to_
     assert len({name for found in draws for name in found}) > 2 * HOLDERS_PER_PREFIX
 
 
+@pytest.mark.parametrize(
+    "gone", [(FLEET_FACTS_FAMILY,), (FLEET_PLACES_FAMILY,), (FLEET_FACTS_FAMILY, FLEET_PLACES_FAMILY)]
+)
 def test_a_large_fleet_decides_the_same_after_its_facts_are_gone(
-    router, publisher, redis_client: redis.Redis, key_namespace: str
+    router, publisher, redis_client: redis.Redis, key_namespace: str, gone: tuple[str, ...]
 ):
-    # given: one worker holding a long prefix, and a first decision (which writes the read's facts)
+    # given: one worker holding a long prefix, and a first decision (which writes the read's
+    # facts and their places)
     hashes = block_hashes(_tokens(13, 1_000), BS)
     publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
     publisher.publish([KvEvent("stored", "w201", tuple(hashes[:50]))])
     first = router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
-    facts = list(redis_client.scan_iter(match=f"{key_namespace}{FLEET_FACTS_FAMILY}*"))
-    assert len(facts) == 1 and redis_client.pttl(facts[0]) > 0
+    written = [
+        key
+        for family in (FLEET_FACTS_FAMILY, FLEET_PLACES_FAMILY)
+        for key in redis_client.scan_iter(match=f"{key_namespace}{family}*")
+    ]
+    assert len(written) == 2 and all(redis_client.pttl(key) > 0 for key in written)
 
-    # when: the facts are gone (expired, or Redis restarted), and the next decision comes
-    redis_client.delete(*facts)
+    # when: the facts, their places or both are gone (expired, or Redis restarted), and the next
+    # decision comes
+    redis_client.delete(
+        *(key for key in written if key.decode().startswith(tuple(key_namespace + g for g in gone)))
+    )
     again = router.route(hashes, 1_000, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
 
-    # then: the same decision, and the facts are back
+    # then: the same decision, and both are back
     assert first.worker == again.worker == "w201" and again.overlap == 50
-    assert redis_client.exists(*facts) == 1
+    assert redis_client.exists(*written) == 2
+
+
+def test_a_loaded_fleets_new_read_writes_its_facts_and_leaves_their_places_as_they_are(
+    router, publisher, redis_client: redis.Redis, key_namespace: str
+):
+    def keys(family: str) -> set[bytes]:
+        return set(redis_client.scan_iter(match=f"{key_namespace}{family}*"))
+
+    # given: a read of the fleet decided on, and a worker holding the prompt
+    hashes = block_hashes(_tokens(21, 400), BS)
+    publisher.publish([KvEvent("stored", "w123", tuple(hashes))])
+    policy = RoutingPolicy(busy_max_requests=32)
+    reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
+    router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
+    (places,) = keys(FLEET_PLACES_FAMILY)
+    redis_client.hset(places, "written-before", 0)  # gone if the hash is written again
+
+    # when: the next read finds the same workers with other loads (as heartbeats under load do)
+    reports["w007"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=31)
+    reports["w123"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=32)
+    decided = router.route(hashes, 400, BS, FLEET, policy, reports=reports, rng=random.Random(1))
+
+    # then: its facts are new and weighed (the holder is busy now), and the places are the same
+    # hash, not written again: a thousand fields cost Redis milliseconds on its one thread
+    assert len(keys(FLEET_FACTS_FAMILY)) == 2 and keys(FLEET_PLACES_FAMILY) == {places}
+    assert redis_client.hexists(places, "written-before")
+    assert decided.worker != "w123" and "w123" in decided.busy
+    # and the same workers in another order are other places
+    router.route(hashes, 400, BS, FLEET[::-1], policy, reports=reports, rng=random.Random(1))
+    assert len(keys(FLEET_PLACES_FAMILY)) == 2
 
 
 def test_a_worker_outside_the_fleet_read_is_never_weighed_however_much_it_holds(router, publisher):

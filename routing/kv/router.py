@@ -68,12 +68,20 @@ HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 STALE = (b"stale", "stale")  # the decision script's reason when its `only_if` key moved
-NO_FLEET_FACTS = (b"nofleet", "nofleet")  # its reason when the fleet read's facts are gone
+# its reasons when the fleet read's facts are gone, or their places (and maybe the facts too)
+NO_FLEET_FACTS = (b"nofleet", "nofleet", b"noplaces", "noplaces")
+NO_FLEET_PLACES = (b"noplaces", "noplaces")
 # `fleet:facts:<digest>`: a fleet read's facts, for decisions among a large fleet's candidates:
-# each eligible worker's record (FACTS_FORMAT), by name. Named by a digest of what it holds, so
-# frontends that read the same share it; the router that wrote it deletes it when it writes the
-# next, and it expires in any case.
+# each eligible worker's record (FACTS_FORMAT), one string of them in the read's order; and
+# `fleet:places:<digest of the names>`, each eligible worker's place in that order, by name. Named
+# by digests of what they hold, so frontends that read the same share them; the router that wrote
+# them unlinks them when it writes the next, and they expire in any case. Two keys, because the
+# records move with every load a heartbeat reports and the places only when the fleet does: a
+# thousand records are one SET of a 22 kB string (~4 us of Redis's one thread here), where a hash
+# of them by name was an HSET of a thousand fields (~1.6 ms), written by each frontend at each read
+# of a loaded fleet while every frontend's decisions waited behind it.
 FLEET_FACTS_FAMILY = "fleet:facts:"
+FLEET_PLACES_FAMILY = "fleet:places:"
 FLEET_FACTS_TTL_MS = 60_000
 # kv capacity, running + waiting (-1: none), kv in use (-1: none), prefill rate (tokens/s, as
 # reported: 0 for none), b"1" if its engine computes the shortest prompt first else b"0", 1 if
@@ -131,9 +139,11 @@ class KvRouter:
         # uses either must find it packed (packing a thousand workers takes milliseconds).
         # (A tuple, replaced whole: a background thread adds to it while requests look in it.)
         self._recent_packed: tuple[_PackedWorkers, ...] = ()
-        # The keys of the facts this router wrote last, newest last: the newest read's and the
-        # one before, which requests still decide on while the newest is being prepared.
+        # The keys of the facts (and of the places) this router wrote last, newest last: the
+        # newest read's and the one before, which requests still decide on while the newest is
+        # being prepared.
         self._facts_written: list[str] = []
+        self._places_written: list[str] = []
         self.candidates_above = CANDIDATES_ABOVE
         self._replica = replica
         self._policy_kept: tuple[RoutingPolicy, tuple[object, ...]] | None = None
@@ -457,6 +467,7 @@ class KvRouter:
             "",
             "",
             "",
+            "",
         )
 
     def _decide_among(
@@ -472,10 +483,10 @@ class KvRouter:
         length, and those a sibling prompt was just sent to), the session's last worker, and
         `sample`, drawn at random for load. Whatever the fleet's size, that is a few dozen
         workers, each with its exact overlap; those the fleet read's facts name (the eligible
-        ones: `fleet:facts:<digest>`, `_write_facts`) are weighed by their records there. One
-        round trip, and no argument or pass per worker of the fleet in Lua. If the facts are
-        gone (expired, or Redis restarted), the script does nothing and says so: they are
-        written and the decision made again.
+        ones: `fleet:facts:<digest>` and its places, `_write_facts`) are weighed by their records
+        there. One round trip, and no argument or pass per worker of the fleet in Lua. If the
+        facts or their places are gone (expired, or Redis restarted), the script does nothing and
+        says so: they are written and the decision made again.
 
         Why that is enough: a worker's cost grows with its load and falls with its overlap, so
         among workers of one overlap only the least loaded can win; the holders stand for each
@@ -495,7 +506,7 @@ class KvRouter:
         among: tuple[object, ...],
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """A decision among candidates (`among`: ARGV 31 to 34), weighed by the fleet read's
-        facts, which are written first if the script finds them gone."""
+        facts (and places: ARGV 30, 35), which are written first if the script finds them gone."""
         args = (
             *common,
             "",
@@ -508,9 +519,12 @@ class KvRouter:
             *condition,
             self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
             *among,
+            self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest,
         )
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
+            if reply[1] in NO_FLEET_PLACES:
+                self._places_written = []  # so that they are written again with the facts
             yield fleet  # its facts written
             reply = yield args
         return reply
@@ -549,25 +563,25 @@ class KvRouter:
         return made
 
     def _write_facts(self, fleet: _PackedWorkers) -> None:
-        """Writes the fleet read's facts (one transaction: a decision finds them whole or not at
-        all) and deletes those this router wrote before the last ones: the read before this one
-        may still be decided on until this one replaces it, and deleting its facts would have its
-        decisions write them again, on the request path.
+        """Writes the fleet read's facts, and their places unless this router wrote the same
+        last, in one transaction: a decision finds them whole or not at all. Unlinks those this
+        router wrote before the last ones: the read before this one may still be decided on
+        until this one replaces it, and deleting its facts would have its decisions write them
+        again, on the request path.
 
-        UNLINK, not DEL: a thousand workers' facts are a hash Redis would free on its one thread
+        UNLINK, not DEL: a thousand workers' places are a hash Redis would free on its one thread
         (76 us here, against 9 us to unlink it and free it in the background), while every
         frontend's decisions wait behind it."""
         key = self._namespace + FLEET_FACTS_FAMILY + fleet.digest
-        others = [written for written in self._facts_written if written != key]
-        kept = others[-1:]
+        places = self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest
         pipe = self._client.pipeline(transaction=True)
-        for older in others[:-1]:
-            pipe.unlink(older)
-        pipe.unlink(key)
-        pipe.hset(key, mapping=fleet.records)
-        pipe.pexpire(key, FLEET_FACTS_TTL_MS)
+        self._facts_written = _replace_written(pipe, self._facts_written, key)
+        pipe.set(key, fleet.facts, px=FLEET_FACTS_TTL_MS)
+        if places not in self._places_written[-1:]:
+            self._places_written = _replace_written(pipe, self._places_written, places)
+            pipe.hset(places, mapping=fleet.places)
+        pipe.pexpire(places, FLEET_FACTS_TTL_MS)  # as long as the facts that need it
         pipe.execute()
-        self._facts_written = [*kept, key]
 
     def pack_workers(
         self,
@@ -644,6 +658,16 @@ class KvRouter:
         )
 
 
+def _replace_written(pipe: redis.client.Pipeline, written: list[str], key: str) -> list[str]:
+    """Queues the unlinking of `key` (written again whole) and of those written before the last
+    other one; the keys kept afterwards, `key` newest."""
+    others = [older for older in written if older != key]
+    for older in others[:-1]:
+        pipe.unlink(older)
+    pipe.unlink(key)
+    return [*others[-1:], key]
+
+
 _I32_MAX = 2**31 - 1
 # A decision's steps (KvRouter._steps): it yields a script call's arguments, or a fleet read
 # whose facts are to be written, is sent the reply, and returns the decision.
@@ -709,7 +733,7 @@ class _PackedWorkers:
     @functools.cached_property
     def records(self) -> dict[str, bytes]:
         """Each worker's facts (FACTS_FORMAT), for a decision among candidates that reads them
-        by name: what the columns above hold of it."""
+        at their places (`facts`, `places`): what the columns above hold of it."""
         facts = self.busy_facts
         busy = {
             struct.unpack_from(">i", facts, at)[0]: struct.unpack_from(">iii", facts, at + 4)
@@ -733,11 +757,25 @@ class _PackedWorkers:
         return list(self.records.values())
 
     @functools.cached_property
+    def facts(self) -> bytes:
+        """The records, one after the other in `eligible`'s order (`fleet:facts:`)."""
+        return b"".join(self.records_at)
+
+    @functools.cached_property
+    def places(self) -> dict[str, int]:
+        """Each eligible worker's place in `facts`, from 1 (`fleet:places:`)."""
+        return {name: j for j, name in enumerate(self.eligible, start=1)}
+
+    @functools.cached_property
+    def places_digest(self) -> str:
+        """Names the places: the same workers in the same order, the same digest."""
+        return hashlib.blake2b(self.names.encode(), digest_size=16).hexdigest()
+
+    @functools.cached_property
     def digest(self) -> str:
         """Names the fleet read's facts: the same facts of the same workers, the same digest."""
         digest = hashlib.blake2b(self.names.encode(), digest_size=16)
-        for record in self.records.values():
-            digest.update(record)
+        digest.update(self.facts)
         return digest.hexdigest()
 
 

@@ -23,14 +23,16 @@
 -- 30, 31, 32: a large fleet's decision among candidates ('' in 30 for a decision over the
 -- workers of 22): 30 the key of the fleet read's facts (KvRouter._write_facts: each
 -- eligible worker's record, FACTS_FORMAT: kv capacity, running + waiting (-1: none), kv in use
--- (-1: none), prefill rate, schedule byte, 1 if approximate), 31 the holders drawn per prefix
+-- (-1: none), prefill rate, schedule byte, 1 if approximate; one string of them, at the places
+-- the hash at 35 gives by name), 31 the holders drawn per prefix
 -- length, 32 the workers drawn for load, joined by newlines. The candidates are read here
 -- (kv_candidate_overlaps) and only those the facts name (the eligible ones) are weighed; 21,
 -- 22 and 25 to 27 are ''. A reply of false, 'nofleet' when the facts are gone (nothing read,
--- nothing reserved).
+-- nothing reserved); 'noplaces' when their places are gone (the facts may be too).
 -- 33, 34: candidates the frontend found in its replica of the index (routing.kv.replica; '' in
 -- 33 otherwise): 32 their names, joined by newlines, 33 their overlaps, one big-endian i32 each,
--- 34 their facts, FACTS_FORMAT each, in order. The script adds the workers the predicted marks
+-- 34 their facts, FACTS_FORMAT each, in order. 35: the key of the facts' places (1 onwards) by
+-- name, for a decision among candidates. The script adds the workers the predicted marks
 -- name and the session's worker (their facts from 30, their overlaps from the marks and the
 -- index) and raises the approximate workers' overlaps; nothing of the index is walked.
 -- The reply: the chosen worker's place among those weighed (false: none), the reason, the best
@@ -68,9 +70,30 @@ local function whole_rate(r)
 end
 local sticky_read = nil  -- the affinity key's worker, once read
 local among = ARGV[30] ~= ''
+-- The records of `names` in the fleet read's facts, by their places: false for a name the facts
+-- leave out (not eligible).
+local function fleet_records(names)
+  local places, out = kv_hmget(ARGV[35], names), {}
+  local facts, size = nil, struct.size(FACTS_FORMAT)
+  for k = 1, #names do
+    local place = places[k]
+    if place then
+      facts = facts or redis.call('GET', ARGV[30])
+      local at = (tonumber(place) - 1) * size + 1
+      out[k] = string.sub(facts, at, at + size - 1)
+    else
+      out[k] = false
+    end
+  end
+  return out
+end
 if among then
-  -- The facts are written whole in one transaction and go whole when they expire.
-  if redis.call('EXISTS', ARGV[30]) == 0 then return {false, 'nofleet', 0, '', '', '', {}, {}} end
+  -- The facts and their places are written in one transaction; the places outlive the facts
+  -- they serve (a router renews them with every facts it writes), and either may be gone.
+  local places_gone = redis.call('EXISTS', ARGV[35]) == 0
+  if places_gone or redis.call('EXISTS', ARGV[30]) == 0 then
+    return {false, places_gone and 'noplaces' or 'nofleet', 0, '', '', '', {}, {}}
+  end
   if ARGV[3] ~= '' then sticky_read = redis.call('GET', ARGV[3]) or false end
   local names_given = {}  -- the sampled names, or the given candidates
   for name in string.gmatch(ARGV[32], '[^\n]+') do names_given[#names_given + 1] = name end
@@ -103,7 +126,7 @@ if among then
       join(sticky_read, kv_worker_overlap(ns, packed, sticky_read))
     end
     if #extra > 0 then  -- their facts, where they are eligible
-      local got = kv_hmget(ARGV[30], extra)
+      local got = fleet_records(extra)
       for i = 1, #extra do records[at[extra[i]]] = got[i] end
     end
     kv_approximate_overlaps(ns, packed, found, found_overlaps)
@@ -111,7 +134,7 @@ if among then
     local sample = names_given
     if sticky_read then sample[#sample + 1] = sticky_read end
     found, found_overlaps = kv_candidate_overlaps(ns, packed, tonumber(ARGV[31]), sample)
-    records = kv_hmget(ARGV[30], found)
+    records = fleet_records(found)
   end
   local unpack_record, flags, given_facts = struct.unpack, {}, ARGV[34]
   overlaps = {}
