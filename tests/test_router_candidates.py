@@ -272,6 +272,31 @@ def test_a_routers_new_facts_replace_those_before_the_last_it_wrote(
     assert len(third) == 2 and not first & third and second - first < third
 
 
+def test_a_frontend_whose_places_another_unlinked_writes_them_again_and_decides_the_same(
+    publisher, redis_client: redis.Redis, key_namespace: str
+):
+    # given: two frontends' routers deciding on the same read of the fleet (so on the same places),
+    # and a worker holding the prompt
+    hashes = block_hashes(_tokens(22, 600), BS)
+    publisher.publish([KvEvent("stored", "w042", tuple(hashes))])
+    one, other = _router(redis_client, key_namespace), _router(redis_client, key_namespace)
+    assert one.route(hashes, 600, BS, FLEET, RoutingPolicy(), rng=random.Random(1)).worker == "w042"
+    assert other.route(hashes, 600, BS, FLEET, RoutingPolicy(), rng=random.Random(1)).worker == "w042"
+    (shared,) = redis_client.scan_iter(match=f"{key_namespace}{FLEET_PLACES_FAMILY}*")
+
+    # when: the first frontend's fleet changes twice (heartbeats lapse), so that it unlinks the
+    # places it wrote before the last
+    for fewer in (FLEET[:-1], FLEET[:-2]):
+        one.route(hashes, 600, BS, fewer, RoutingPolicy(), rng=random.Random(1))
+    assert not redis_client.exists(shared)
+
+    # then: the other, still on the first read, finds its places gone, writes them again and
+    # decides as before
+    again = other.route(hashes, 600, BS, FLEET, RoutingPolicy(), rng=random.Random(1))
+    assert again.worker == "w042" and again.overlap == len(hashes)
+    assert redis_client.exists(shared)
+
+
 @pytest.mark.parametrize("fleet_size", [8, len(FLEET)])
 async def test_a_decision_awaited_on_the_event_loop_reserves_as_the_threaded_one_does(
     router, publisher, redis_url: str, key_namespace: str, fleet_size: int

@@ -524,7 +524,10 @@ class KvRouter:
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
             if reply[1] in NO_FLEET_PLACES:
-                self._places_written = []  # so that they are written again with the facts
+                # Gone (another router may have unlinked them): no longer counted as written, so
+                # they are written again with the facts, and those written before still unlinked.
+                gone = self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest
+                self._places_written = [key for key in self._places_written if key != gone]
             yield fleet  # its facts written
             reply = yield args
         return reply
