@@ -507,6 +507,7 @@ class KvRouter:
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """A decision among candidates (`among`: ARGV 31 to 34), weighed by the fleet read's
         facts (and places: ARGV 30, 35), which are written first if the script finds them gone."""
+        places = self._places_key(fleet)
         args = (
             *common,
             "",
@@ -517,17 +518,16 @@ class KvRouter:
             "",
             "",
             *condition,
-            self._namespace + FLEET_FACTS_FAMILY + fleet.digest,
+            self._facts_key(fleet),
             *among,
-            self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest,
+            places,
         )
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
             if reply[1] in NO_FLEET_PLACES:
                 # Gone (another router may have unlinked them): no longer counted as written, so
                 # they are written again with the facts, and those written before still unlinked.
-                gone = self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest
-                self._places_written = [key for key in self._places_written if key != gone]
+                self._places_written = [key for key in self._places_written if key != places]
             yield fleet  # its facts written
             reply = yield args
         return reply
@@ -565,6 +565,12 @@ class KvRouter:
         fleet.replica_fleet[:] = [made]  # one item, replaced whole (threads read it)
         return made
 
+    def _facts_key(self, fleet: _PackedWorkers) -> str:
+        return self._namespace + FLEET_FACTS_FAMILY + fleet.digest
+
+    def _places_key(self, fleet: _PackedWorkers) -> str:
+        return self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest
+
     def _write_facts(self, fleet: _PackedWorkers) -> None:
         """Writes the fleet read's facts, and their places unless this router wrote the same
         last, in one transaction: a decision finds them whole or not at all. Unlinks those this
@@ -575,8 +581,7 @@ class KvRouter:
         UNLINK, not DEL: a thousand workers' places are a hash Redis would free on its one thread
         (76 us here, against 9 us to unlink it and free it in the background), while every
         frontend's decisions wait behind it."""
-        key = self._namespace + FLEET_FACTS_FAMILY + fleet.digest
-        places = self._namespace + FLEET_PLACES_FAMILY + fleet.places_digest
+        key, places = self._facts_key(fleet), self._places_key(fleet)
         pipe = self._client.pipeline(transaction=True)
         self._facts_written = _replace_written(pipe, self._facts_written, key)
         pipe.set(key, fleet.facts, px=FLEET_FACTS_TTL_MS)
@@ -600,7 +605,7 @@ class KvRouter:
         packed = self._packed(workers, reports, approximate, policy)
         if len(packed.eligible) <= self.candidates_above:
             return
-        if self._namespace + FLEET_FACTS_FAMILY + packed.digest not in self._facts_written[-1:]:
+        if self._facts_key(packed) not in self._facts_written[-1:]:
             self._write_facts(packed)
         replica = self._replica
         if replica is not None and replica.ready:
