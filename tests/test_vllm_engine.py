@@ -7,7 +7,8 @@ These need vLLM's virtualenv (`make vllm`, 3.3 GB); without it they are skipped,
 module starts one pair of vLLM workers (`vllm_pair`) that every test which only sends requests
 shares, each with pictures of its own; last come the Redis restart, which empties everything,
 and a worker killed before its requests' first token, which leaves one.
-Only the Qwen3-VL checkpoint and the refusals start workers of their own.
+Only the Qwen3-VL checkpoint starts a worker of its own (what a vLLM worker refuses before
+anything loads is tested in process: tests/test_vllm_worker_env.py).
 """
 
 from __future__ import annotations
@@ -95,28 +96,6 @@ def origin():
 
 
 # --- workers of their own, before the pair starts -------------------------------------------------
-def test_a_vllm_worker_refuses_a_block_size_that_is_not_vllms(platform_processes) -> None:
-    # given a deployment hashing prompts in blocks of 16
-    platform = platform_processes(**{**VLLM_ENV, "KV_BLOCK_SIZE": "16"})
-
-    # when a vLLM worker starts on a CPU
-    started = time.monotonic()
-    platform.start_worker("v16", "--engine", "vllm", python=str(VLLM_PYTHON))
-    code = platform.workers["v16"].wait(timeout=120)
-
-    # then it refuses at once, naming the setting, before loading anything
-    assert code != 0
-    assert "KV_BLOCK_SIZE" in platform.log("worker-v16")
-    assert time.monotonic() - started < 60
-
-
-def test_a_vllm_worker_refuses_to_be_an_encode_worker(platform_processes) -> None:
-    platform = platform_processes(**VLLM_ENV)
-    platform.start_worker("venc", "--engine", "vllm", "--role", "encode", python=str(VLLM_PYTHON))
-    assert platform.workers["venc"].wait(timeout=120) != 0
-    assert "--role encode" in platform.log("worker-venc")
-
-
 def test_the_vllm_virtualenv_imports_torchvision_for_qwen2_vls_image_processor() -> None:
     done = subprocess.run(
         [str(VLLM_PYTHON), "-c", "import torchvision; from transformers import Qwen2VLImageProcessor"],
