@@ -130,6 +130,42 @@ def test_a_heartbeat_says_its_engines_schedule_and_the_router_reads_it_or_assume
     assert report.shortest_first is read
 
 
+def test_a_heartbeat_reads_back_as_sent_and_an_older_or_newer_workers_beat_is_still_read():
+    from routing.fleet.registry import Heartbeat
+
+    # given: a beat of this version, several of its fields away from their defaults
+    sent = Heartbeat(
+        "gpu0",
+        "demo",
+        block_size=16,
+        running=3,
+        waiting=2,
+        kv_blocks_used=7,
+        stopping=True,
+        prefill_tokens_per_s=1234.5,
+        schedule_policy="fcfs",
+        beat_at=17.25,
+        fingerprint="f1",
+    )
+
+    # then: it is sent as every field of this version, nothing more; read, it is the beat sent,
+    # a Heartbeat like any other (frozen, comparable)
+    assert json.loads(sent.to_json()).keys() == Heartbeat.__dataclass_fields__.keys()
+    read = Heartbeat.from_json(sent.to_json())
+    assert read == sent and type(read) is Heartbeat and hash(read) == hash(sent)
+    with pytest.raises(AttributeError):
+        read.running = 0  # type: ignore[misc]
+
+    # and: a beat with a field this frontend does not know (a newer worker's) or without the
+    # contract version (a worker from before it) is read for the fields it knows
+    fields = json.loads(sent.to_json())
+    newer = Heartbeat.from_json(json.dumps({**fields, "a_later_field": 1}))
+    assert newer == sent
+    del fields["contract_version"], fields["beat_at"]
+    older = Heartbeat.from_json(json.dumps(fields))
+    assert (older.contract_version, older.beat_at, older.running) == (1, 0.0, 3)
+
+
 def test_a_worker_tells_its_frontends_cancel_from_its_frontends_death(redis_client, key_namespace):
     from routing.contract.responses import ResponseWriter, cancel_key, live_key
 
