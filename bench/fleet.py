@@ -25,6 +25,13 @@ COLD_PASS decisions reads INFO commandstats around each one, as this bench did b
 the scripts' µs by both readings (they agree: one measure) beside the run's, and that pass's p50.
 The lease's release is not the decision's.
 
+While the frontend decides, the fleet beats as a busy one does (FLEET_BEATS, default on; 0: the
+heartbeats stay as registered, as this bench had them before): another process sends each
+worker's heartbeat every WORKER_HEARTBEAT_INTERVAL_SECS, the workers' phases spread over the
+interval, each beat with its time and a new load. So each of the frontend's re-reads finds about
+a quarter of the beats changed (it reads every quarter interval), parses them and writes facts
+with the new loads, as a frontend of a working fleet does; printed with the re-reads' wall ms.
+
 Then, per size, FLEET_FRONTENDS (default 1,4) beyond one: that many frontend processes (forked
 after the fill, each with connections of its own) decide the same requests between them in an
 open loop at FLEET_RATE decisions/s in all (default 200), all starting at once once each has
@@ -45,10 +52,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -97,6 +106,7 @@ RATE = float(os.environ.get("FLEET_RATE", "200"))  # decisions/s offered to seve
 # CANDIDATES_ABOVE runs without it first, as the baseline, then with it (FLEET_REPLICA=0: once,
 # without); at or below, where decisions weigh every worker, a frontend starts none, nor does this.
 REPLICA = os.environ.get("FLEET_REPLICA", "1") != "0"
+BEATS = os.environ.get("FLEET_BEATS", "1") != "0"
 BLOCK_SIZE = 16
 MODEL = "bench-model"
 SYSTEM_TOKENS, IMAGE_TOKENS, PROMPT_TOKENS = 320, 256, 1_000  # 62 full blocks a prompt
@@ -277,12 +287,15 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
 
     from inference_platform.serving import dispatch
 
-    rereads = [0]
+    rereads: list[float] = []  # each re-read's wall ms
     read_again = dispatch._read_again
 
     async def counted_read_again(model: str):
-        rereads[0] += 1
-        return await read_again(model)
+        started = time.perf_counter()
+        try:
+            return await read_again(model)
+        finally:
+            rereads.append((time.perf_counter() - started) * 1e3)
 
     async def decide_all(
         batch: list[list[int]], *, info_around_each: bool = False
@@ -327,10 +340,17 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
                 events.clear()
         return eligibility, decide, info_us, chosen, oracle
 
+    # Forked before this process starts its replica's thread; it beats only while decisions run.
+    fork = multiprocessing.get_context("fork")
+    start_beats, stop_beats = fork.Event(), fork.Event()
+    beater = fork.Process(target=_beating, args=(names, start_beats, stop_beats), daemon=True)
+    if BEATS:
+        beater.start()
     asyncio.run(_warm(eligible_workers))
     replica_build_s, replica_mb = _replica_ready(n)
     decision_sha = frontend().router()._decision.sha
     dispatch._read_again = counted_read_again
+    start_beats.set()
     try:
         with CommandLog(client) as log:
             eligibility, decide, _, chosen, oracle = asyncio.run(decide_all(requests))
@@ -341,13 +361,16 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
             cold_ran = log.read()
     finally:
         dispatch._read_again = read_again
+        stop_beats.set()
+        if BEATS:
+            beater.join(timeout=30)
     decisions, scripts_total = CommandLog.usec(ran, sha=decision_sha)
     # A decision whose fleet read went stale (the rows moved) runs the script again: both count.
     assert decisions >= len(requests), f"{decisions} decision scripts logged for {len(requests)} decisions"
     replica_us = CommandLog.usec(ran, names=("XREAD", "XINFO"))[1] / len(requests)
     cold_logged_us = CommandLog.usec(cold_ran, sha=decision_sha)[1]
     reread_us = fleet_reread_usec(client)
-    redis_us = (scripts_total + rereads[0] * reread_us) / len(requests) + replica_us
+    redis_us = (scripts_total + len(rereads) * reread_us) / len(requests) + replica_us
     total = [e + d for e, d in zip(eligibility, decide, strict=True)]
     cold_total = [e + d for e, d in zip(cold_eligibility, cold_decide, strict=True)]
     several = {f: several_frontends(f, n, requests, client) for f in FRONTENDS if f > 1} if several else {}
@@ -364,7 +387,8 @@ def run_size(n: int, *, several: bool = True) -> dict[str, float]:
         "cold_p50": percentile(cold_total, 0.5),
         "cold_script_us": cold_logged_us / len(cold),  # per decision, as INFO's reading beside it
         "cold_info_us": cold_info_us / len(cold),
-        "rereads": rereads[0],
+        "rereads": len(rereads),
+        "reread_ms": statistics.median(rereads) if rereads else 0.0,
         "replica_us": replica_us,
         "replica_build_s": replica_build_s,
         "replica_mb": replica_mb,
@@ -471,6 +495,40 @@ def _frontend_process(i: int, count: int, n: int, requests: list[list[int]], res
         raise
 
 
+BEAT_PHASES = 20  # the interval's slices: each slice's workers beat together
+
+
+def _beating(names: list[str], start, stop) -> None:
+    """The fleet's workers beating from `start` until `stop` (multiprocessing events), each every
+    heartbeat interval at its own phase, with the time of the beat and a new load: what `register`
+    wrote, made again as a working fleet's beats are. A process of its own, as the workers are:
+    the frontend's process does none of it."""
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL)  # not the parent's connections
+    registry = WorkerRegistry(client, settings.REDIS_KEY_PREFIX)
+    beats = [Heartbeat.from_json(raw) for raw in client.mget([registry._key(name) for name in names])]
+    rng = random.Random(20261207)
+    start.wait()
+    interval, k = settings.WORKER_HEARTBEAT_INTERVAL_SECS, 0
+    while not stop.wait(interval / BEAT_PHASES):
+        due = beats[k % BEAT_PHASES :: BEAT_PHASES]
+        registry.beat_many(
+            [
+                dataclasses.replace(
+                    beat,
+                    beat_at=time.time(),
+                    running=rng.randrange(0, 8),
+                    kv_blocks_used=rng.randrange(0, 5_000),
+                )
+                for beat in due
+            ],
+            ttl_s=3_600,
+        )
+        k += 1
+    client.close()
+
+
 async def _warm(eligible_workers) -> None:
     for _ in range(3):
         await eligible_workers(MODEL, BLOCK_SIZE)
@@ -501,7 +559,8 @@ def main() -> None:
             print(
                 f"{'':>8}fleet re-reads: {row['rereads']} of {row['reread_us']:.0f} us each, "
                 f"and the index replica's reads of the stream, {row['replica_us']:.0f} us a decision, "
-                "in the redis us above"
+                f"in the redis us above; a re-read took {row['reread_ms']:.1f} ms of wall time "
+                f"({'the workers beating' if BEATS else 'heartbeats unchanged'})"
             )
             print(
                 f"{'':>8}{COLD_PASS} decisions more with INFO commandstats around each (the earlier method): "
