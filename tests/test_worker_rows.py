@@ -4,6 +4,8 @@ change Django makes, and never trusted across a Redis that lost the generation."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings as django_settings
@@ -140,3 +142,43 @@ async def test_a_fleet_read_made_in_the_background_has_the_last_reads_answers_re
     eligible = read.derived(("eligible", django_settings.KV_BLOCK_SIZE, ""), asked_again)
     assert eligible is not first and live_worker in eligible
     assert "reports" in vars(eligible) and live_worker in eligible.reports
+
+
+async def test_a_fleet_read_made_in_the_background_works_out_again_only_the_workers_whose_beat_changed(
+    live_worker, redis_conn
+):
+    # given: a second worker, and a read whose states, eligible workers and reports were asked
+    registry = WorkerRegistry(redis_conn, django_settings.REDIS_KEY_PREFIX)
+    await sync_to_async(Worker.objects.create)(name="rows-x", model_name=MODEL)
+    beat = Heartbeat(name="rows-x", model=MODEL, block_size=django_settings.KV_BLOCK_SIZE)
+    registry.beat(beat, 30)
+    try:
+        block_size = django_settings.KV_BLOCK_SIZE
+        states = {s.name: s for s in await dispatch.worker_states(MODEL, block_size)}
+        first = await dispatch.eligible_workers(MODEL, block_size)
+        assert set(first) == {live_worker, "rows-x"}
+        reports = first.reports
+
+        # when: rows-x beats again saying it is stopping, the other's beat is as it was, and the
+        # next read is made, as the background makes it
+        registry.beat(dataclasses.replace(beat, stopping=True, beat_at=1.0), 30)
+        read = await dispatch._read_again(MODEL)
+
+        # then: what was worked out of the unchanged beat stands, the same objects; the changed
+        # beat's worker is worked out again, now not eligible
+        again = {s.name: s for s in await dispatch.worker_states(MODEL, block_size)}
+        assert again[live_worker] is states[live_worker]
+        assert again["rows-x"] is not states["rows-x"]
+        assert again["rows-x"].ineligible_because == "shutting down"
+        eligible = read.derived(("eligible", block_size, ""), lambda _read: pytest.fail("not prepared"))
+        assert set(eligible) == {live_worker} and eligible.reports[live_worker] is reports[live_worker]
+        assert eligible.earlier is None  # a read holds on to nothing of the one before it
+
+        # and: once the operator's rows move, the next read works everything out afresh
+        await sync_to_async(Worker.objects.filter(name="rows-x").update)(enabled=False)
+        await dispatch._read_again(MODEL)
+        afresh = {s.name: s for s in await dispatch.worker_states(MODEL, block_size)}
+        assert afresh[live_worker] is not states[live_worker] and afresh[live_worker] == states[live_worker]
+        assert afresh["rows-x"].ineligible_because == "disabled in the admin"
+    finally:
+        registry.remove("rows-x")

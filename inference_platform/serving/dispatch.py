@@ -149,6 +149,10 @@ class EligibleWorkers(dict[str, Heartbeat]):
     checked before it (`eligible_workers`' `checked`)."""
 
     rows_generation: tuple[str, bytes] | None = None
+    # The same question's answer from the read before (`_eligible`, while a read is prepared
+    # like it), whose reports this one's reuse for the workers whose beat is the same object;
+    # dropped once the reports are made, or the read is prepared.
+    earlier: EligibleWorkers | None = None
 
     def without(self, names: Collection[str]) -> EligibleWorkers:
         """These workers but `names` (those a request already tried), under the same generation."""
@@ -163,7 +167,16 @@ class EligibleWorkers(dict[str, Heartbeat]):
     @functools.cached_property
     def reports(self) -> Mapping[str, WorkerReport]:
         # Read-only: the router packs it once per read (routing.kv.router, `_packed`).
-        return MappingProxyType({name: worker_report(beat) for name, beat in self.items()})
+        earlier, self.earlier = self.earlier, None
+        before = earlier.__dict__.get("reports") if earlier is not None else None
+        if before is None:
+            return MappingProxyType({name: worker_report(beat) for name, beat in self.items()})
+        # Between two reads most beats are the same bytes, parsed once (the registry keeps their
+        # parse): the report made of the same beat is the same.
+        get = earlier.get
+        return MappingProxyType(
+            {name: before[name] if get(name) is beat else worker_report(beat) for name, beat in self.items()}
+        )
 
     @functools.cached_property
     def approximate(self) -> frozenset[str]:
@@ -203,6 +216,17 @@ class FleetRead:
     read_at: float
     _derived: dict[Hashable, Any] = field(default_factory=dict)
     _builders: dict[Hashable, Callable[[FleetRead], Any]] = field(default_factory=dict)
+    _like: FleetRead | None = None  # the read `prepare_like` works from, while it does
+
+    def earlier(self, key: Hashable) -> Any:
+        """What the read this one is being prepared like worked out for `key`, if it read the same
+        rows (the same kept objects: the same workers in the same order); else None. Per worker,
+        what is made of the same row and the same beat is the same, and between two reads most
+        beats are the same objects (the registry parses a beat's bytes once)."""
+        like = self._like
+        if like is None or like.every_row is not self.every_row:
+            return None
+        return like._derived.get(key)
 
     def derived(self, key: Hashable, build: Callable[[FleetRead], T]) -> T:
         found = self._derived.get(key)
@@ -213,11 +237,19 @@ class FleetRead:
 
     def prepare_like(self, previous: FleetRead) -> None:
         """Works out what the previous read was asked, from this one (in the background, so the
-        request that next asks finds it done): eligibility, reports and packed arguments."""
-        for key, build in list(previous._builders.items()):
-            found = self.derived(key, build)
-            if isinstance(key, tuple) and key[0] == "eligible":  # the router packs one fleet at a time
-                found.prepare()
+        request that next asks finds it done): eligibility, reports and packed arguments, each
+        worker's reused from `previous` where its row and beat are the same."""
+        self._like = previous
+        try:
+            for key, build in list(previous._builders.items()):
+                found = self.derived(key, build)
+                if isinstance(key, tuple) and key[0] == "eligible":  # the router packs one fleet at a time
+                    found.prepare()
+        finally:
+            self._like = None
+            for found in self._derived.values():  # no read holds on to the one before it
+                if isinstance(found, EligibleWorkers):
+                    found.earlier = None
 
 
 _last_reads: dict[str, FleetRead] = {}  # by model
@@ -240,15 +272,19 @@ def _states(
     read: FleetRead, model: str, block_size: int, encoders: bool, fingerprint: str
 ) -> list[WorkerState]:
     alive = read.alive
+
+    def state(row: WorkerRow) -> WorkerState:
+        beat = alive.get(row.name)
+        because = _eligibility(row.enabled, row.draining, beat, model, block_size, encoders, fingerprint)
+        return WorkerState(row.name, beat, because)
+
+    before = read.earlier(("states", block_size, encoders, fingerprint))
+    if before is None:
+        return [state(row) for row in read.rows]
+    # The same rows in the same order: a state whose beat is still the same object stands.
     return [
-        WorkerState(
-            row.name,
-            alive.get(row.name),
-            _eligibility(
-                row.enabled, row.draining, alive.get(row.name), model, block_size, encoders, fingerprint
-            ),
-        )
-        for row in read.rows
+        kept if kept.heartbeat is alive.get(row.name) else state(row)
+        for row, kept in zip(read.rows, before, strict=True)
     ]
 
 
@@ -365,7 +401,8 @@ async def eligible_workers(
     """
     read = await _fleet_read(model, checked=checked)
     found = read.derived(
-        ("eligible", block_size, fingerprint), lambda r: _eligible(r, model, block_size, False, fingerprint)
+        _eligible_key(block_size, False, fingerprint),
+        lambda r: _eligible(r, model, block_size, False, fingerprint),
     )
     if not found and not checked:
         return await eligible_workers(model, block_size, fingerprint)
@@ -375,7 +412,13 @@ async def eligible_workers(
 async def eligible_encoders(model: str, block_size: int) -> EligibleWorkers:
     """Encode workers an operator allows that are live and serve this model (E/PD)."""
     read = await _fleet_read(model)
-    return read.derived(("encoders", block_size), lambda r: _eligible(r, model, block_size, True, ""))
+    key = _eligible_key(block_size, True, "")
+    return read.derived(key, lambda r: _eligible(r, model, block_size, True, ""))
+
+
+def _eligible_key(block_size: int, encoders: bool, fingerprint: str) -> tuple:
+    """What a fleet read keeps `_eligible`'s answer under (FleetRead.derived)."""
+    return ("encoders", block_size) if encoders else ("eligible", block_size, fingerprint)
 
 
 def _eligible(
@@ -391,6 +434,7 @@ def _eligible(
         if state.ineligible_because is None and state.heartbeat is not None
     )
     eligible.rows_generation = (f"{settings.REDIS_KEY_PREFIX}{GENERATION_KEY}", read.generation)
+    eligible.earlier = read.earlier(_eligible_key(block_size, encoders, fingerprint))
     return eligible
 
 
