@@ -507,7 +507,7 @@ def _beating(names: list[str], start, stop) -> None:
 
     client = redis.Redis.from_url(settings.REDIS_URL)  # not the parent's connections
     registry = WorkerRegistry(client, settings.REDIS_KEY_PREFIX)
-    beats = [Heartbeat.from_json(raw) for raw in client.mget([registry._key(name) for name in names])]
+    beats = list(registry.alive(names).values())
     rng = random.Random(20261207)
     start.wait()
     interval, k = settings.WORKER_HEARTBEAT_INTERVAL_SECS, 0
