@@ -100,3 +100,32 @@ async def test_with_redis_frozen_a_call_meets_one_timeout_and_its_connection_goe
         await lines.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_response_stream_reads_back_on_the_loops_own_line_as_the_worker_wrote_it(
+    redis_url, redis_client, key_namespace, protocol
+) -> None:
+    from routing.contract.responses import ResponseWriter, read_response_events
+
+    # given a worker's answer on its response stream: two tokens, then the end
+    writer = ResponseWriter(redis_client, key_namespace, "r-1")
+    writer.send("token", text="Hel", token_ids=[1])
+    writer.send("token", text="lo", token_ids=[2])
+    writer.send("done", finish_reason="stop")
+    lines = _lines(redis_url, protocol=protocol)
+
+    # when the frontend reads it, all at once and then after the first event
+    events = await read_response_events(lines, key_namespace, "r-1", "0-0", 100)
+    later = await read_response_events(lines, key_namespace, "r-1", events[0].id, 100)
+
+    # then each event comes back as written, in order, and nothing more; an empty wait is no event
+    assert [(e.type, e.data) for e in events] == [
+        ("token", {"text": "Hel", "token_ids": [1]}),
+        ("token", {"text": "lo", "token_ids": [2]}),
+        ("done", {"finish_reason": "stop"}),
+    ]
+    assert later == events[1:]
+    assert await read_response_events(lines, key_namespace, "r-1", events[-1].id, 50) == []
+    assert await read_response_events(lines, key_namespace, "r-none", "0-0", 50) == []
+    await lines.close()

@@ -46,7 +46,7 @@ from routing.kv.decision import RoutingDecision, WorkerReport
 from routing.kv.lease import RequestLease
 from routing.models import Worker, worker_queue
 from routing.observe import telemetry
-from routing.state.redis_keys import async_client, redact_text, sync_client
+from routing.state.redis_keys import redact_text, sync_client
 
 logger = logging.getLogger("inference_platform.dispatch")
 
@@ -559,7 +559,6 @@ async def follow_task(
     silent past the timeouts raises a 504 ApiError. Nothing is released or cancelled here: the
     request's owner (`ServedRequest`) decides whether the request moves on or ends.
     """
-    client = async_client(settings.REDIS_URL)
     namespace = settings.REDIS_KEY_PREFIX
     rid, worker = task_id, lease.worker
     last_id = "0-0"
@@ -574,7 +573,7 @@ async def follow_task(
             await _mark_followed(lease.request_id)
             await lease.arenew(lines, lease_ttl_s())
             marked_at = time.monotonic()
-        events = await read_response_events(client, namespace, rid, last_id, _POLL_MS)
+        events = await read_response_events(lines, namespace, rid, last_id, _POLL_MS)
         for event in events:
             last_id = event.id
             if event.type == STARTED:

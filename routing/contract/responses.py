@@ -129,11 +129,22 @@ def parse_stream_entries(entries: list[Any]) -> list[ResponseEvent]:
 
 
 async def read_response_events(
-    client: Any, namespace: str, request_id: str, last_id: str, block_ms: int
+    lines: Any, namespace: str, request_id: str, last_id: str, block_ms: int
 ) -> list[ResponseEvent]:
-    """Events after `last_id`, waiting up to `block_ms` for the first one (redis.asyncio client)."""
-    result = await client.xread({response_key(namespace, request_id): last_id}, block=block_ms, count=256)
-    if not result:
+    """Events after `last_id`, waiting up to `block_ms` for the first one, on an event loop's own
+    connections (`lines`: routing.state.redis_direct.AsyncDirectCommands). Its reply is Redis's
+    own: redis-py's XREAD parses the same entries for about four times the CPU."""
+    reply = await lines.execute(
+        "XREAD", "COUNT", 256, "BLOCK", block_ms, "STREAMS", response_key(namespace, request_id), last_id
+    )
+    if not reply:
         return []
-    _key, entries = result[0]
-    return parse_stream_entries(entries)
+    ((_key, entries),) = reply.items() if isinstance(reply, dict) else reply  # RESP3 answers a map
+    return parse_stream_entries([(entry_id, _pairs(fields)) for entry_id, fields in entries])
+
+
+def _pairs(fields: list[Any] | dict[Any, Any]) -> dict[Any, Any]:
+    """A stream entry's fields as Redis sends them (name, value, name, value...) as a dict."""
+    if isinstance(fields, dict):
+        return fields
+    return dict(zip(fields[::2], fields[1::2], strict=True))
