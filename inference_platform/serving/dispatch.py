@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import redis
 from django.conf import settings
 
-from inference_platform.celery import app as celery_app
+from inference_platform.serving.broker import publish_task
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
 from routing.contract.responses import (
@@ -458,16 +458,14 @@ async def send_to_worker(worker: str, task: GenerateTask) -> float:
             raise state_unavailable(task.follow_id, exc) from exc
         marked_at = time.monotonic()
     try:
-        await asyncio.to_thread(
-            celery_app.send_task,
+        await publish_task(
             task.name,
-            args=[task.to_payload()],
+            [task.to_payload()],
+            queue=worker_queue(worker),
+            expires_s=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
             # What Celery's logs and events show of the task: the request, not the payload (its
             # prompt and token ids), which Celery would otherwise render at every send.
             argsrepr=repr([task.request_id]),
-            kwargsrepr="{}",
-            queue=worker_queue(worker),
-            expires=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
         )
     except Exception as exc:  # the broker refused or is unreachable
         logger.exception("could not queue request %s for worker %s", task.request_id, worker)

@@ -21,7 +21,7 @@ from typing import Any
 
 from django.conf import settings
 
-from inference_platform.celery import app as celery_app
+from inference_platform.serving.broker import publish_task
 from inference_platform.serving.dispatch import eligible_encoders, worker_states
 from inference_platform.serving.frontend import frontend
 from routing.contract.tasks import EncodeTask, GenerateTask
@@ -131,12 +131,12 @@ async def plan_encoding(
     members = [f"{task.request_id}:{i}" for i in indices]
     await asyncio.to_thread(pool.reserve, choice.worker, members)
     try:
-        await asyncio.to_thread(
-            celery_app.send_task,
+        await publish_task(
             encode.name,
-            args=[encode.to_payload()],
+            [encode.to_payload()],
             queue=worker_queue(choice.worker),
-            expires=settings.EPD_ENCODE_WAIT_SECS,
+            expires_s=settings.EPD_ENCODE_WAIT_SECS,
+            argsrepr=repr([task.request_id]),  # not the images' references and sizes
         )
     except Exception:  # the broker refused: the LLM worker encodes them itself, as without E/PD
         logger.exception("could not queue the encoding of request %s on %s", task.request_id, choice.worker)

@@ -55,8 +55,8 @@ class Frontend:
         # This process among the frontends, as the admission queue knows it (host, pid, and a
         # nonce: a pid reused after a restart is another frontend).
         self.frontend_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        # Each event loop's direct connections to Redis (redis_lines), with the URL they go to.
-        self._lines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[str, AsyncDirectCommands]] = (
+        # Each event loop's direct connections to Redis (redis_lines), by the URL they go to.
+        self._lines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, AsyncDirectCommands]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -79,18 +79,22 @@ class Frontend:
         forget_cached_policy()
         kept_rows().clear()  # and with them the fleet read made under them (serving.dispatch)
 
-    def redis_lines(self) -> AsyncDirectCommands:
-        """The running event loop's own connections to Redis, for what a request awaits on it in
-        one round trip (the router's decision, the lease's moves, the liveness mark, the queue's
-        look): no thread to hand it to and back, ~135 us of CPU less a call than a sync client's
-        command in a thread here. Connections belong to the loop they were made on."""
+    def redis_lines(self, url: str | None = None) -> AsyncDirectCommands:
+        """The running event loop's own connections to Redis (`url`, default the platform's
+        REDIS_URL), for what a request awaits on it in one round trip (the router's decision,
+        the lease's moves, the liveness mark, the queue's look, the task's send): no thread to
+        hand it to and back, ~135 us of CPU less a call than a sync client's command in a thread
+        here. Connections belong to the loop they were made on."""
         loop = asyncio.get_running_loop()
-        url = settings.REDIS_URL
+        url = url or settings.REDIS_URL
         with self._lock:
-            found = self._lines.get(loop)
-            if found is None or found[0] != url:
-                found = self._lines[loop] = (url, AsyncDirectCommands(async_client(url).connection_pool))
-            return found[1]
+            by_url = self._lines.get(loop)
+            if by_url is None:
+                by_url = self._lines[loop] = {}
+            found = by_url.get(url)
+            if found is None:
+                found = by_url[url] = AsyncDirectCommands(async_client(url).connection_pool)
+            return found
 
     def router(self) -> KvRouter:
         """The KV router over the shared index, load and affinity in Redis."""
