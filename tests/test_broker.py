@@ -35,6 +35,15 @@ def queue() -> Iterator[str]:
     )
 
 
+@pytest.fixture
+def broker_settings(monkeypatch) -> Iterator[dict]:
+    """Celery's configuration, for a test to change: the push's choice is worked out afresh."""
+    direct_broker_url.cache_clear()
+    yield celery_app.conf
+    monkeypatch.undo()
+    direct_broker_url.cache_clear()
+
+
 def _queued(queue: str) -> list[dict]:
     """The queue's messages, oldest first, taken off it."""
     client = redis.Redis.from_url(settings.REDIS_URL)
@@ -129,8 +138,10 @@ async def test_a_receiver_of_celerys_publish_signals_gets_every_send(queue) -> N
         ("redis://127.0.0.1:6379/0", {}, {"ssl_cert_reqs": "required"}),
     ],
 )
-def test_only_a_plain_redis_broker_takes_the_push(monkeypatch, url, options, use_ssl) -> None:
-    conf = celery_app.conf
+def test_only_a_plain_redis_broker_takes_the_push(
+    broker_settings, monkeypatch, url, options, use_ssl
+) -> None:
+    conf = broker_settings
     monkeypatch.setitem(conf, "broker_url", url)
     monkeypatch.setitem(conf, "broker_transport_options", {"global_keyprefix": "p:", **options})
     monkeypatch.setitem(conf, "broker_use_ssl", use_ssl)
@@ -140,14 +151,19 @@ def test_only_a_plain_redis_broker_takes_the_push(monkeypatch, url, options, use
 @pytest.mark.parametrize(
     ("setting", "value"), [("task_serializer", "pickle"), ("task_compression", "gzip"), ("task_protocol", 1)]
 )
-def test_a_message_the_push_would_not_write_as_celery_does_goes_through_celery(monkeypatch, setting, value):
+def test_a_message_the_push_would_not_write_as_celery_does_goes_through_celery(
+    broker_settings, monkeypatch, setting, value
+):
     assert direct_broker_url() is not None
-    monkeypatch.setitem(celery_app.conf, setting, value)
+    direct_broker_url.cache_clear()
+    monkeypatch.setitem(broker_settings, setting, value)
     assert direct_broker_url() is None
 
 
-def test_a_plain_redis_broker_with_its_prefix_and_timeouts_takes_the_push(monkeypatch) -> None:
-    conf = celery_app.conf
+def test_a_plain_redis_broker_with_its_prefix_and_timeouts_takes_the_push(
+    broker_settings, monkeypatch
+) -> None:
+    conf = broker_settings
     monkeypatch.setitem(conf, "broker_url", "redis://:secret@127.0.0.1:6379/3")
     monkeypatch.setitem(conf, "broker_transport_options", {"global_keyprefix": "p:", "socket_timeout": 5.0})
     monkeypatch.setitem(conf, "broker_use_ssl", None)
