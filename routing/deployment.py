@@ -47,6 +47,14 @@ def statistics_namespace(using: str = "default") -> str:
     return f"{settings.REDIS_KEY_PREFIX}{STATISTICS_FAMILY}{deployment_id(using)}:"
 
 
+def known_statistics_namespace(using: str = "default") -> str | None:
+    """`statistics_namespace` if this process has read the deployment id already, else None
+    (for a caller on an event loop, which must not read the database)."""
+    with _lock:
+        known = _known.get(using)
+    return None if known is None else f"{settings.REDIS_KEY_PREFIX}{STATISTICS_FAMILY}{known}:"
+
+
 def forget_deployment_id() -> None:
     """Read the id from the database again at next use (tests swap databases under a process)."""
     with _lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -121,6 +122,10 @@ class TenantLimiter:
     def release(self, tenant_id: int, request_id: str) -> None:
         """Free the request's concurrency slot (a no-op if it held none)."""
         self._client.zrem(self.key(tenant_id, "active"), request_id)
+
+    async def arelease(self, lines: Any, tenant_id: int, request_id: str) -> None:
+        """`release` on an event loop's own connections (`lines`: AsyncDirectCommands)."""
+        await lines.execute("ZREM", self.key(tenant_id, "active"), request_id)
 
     def active(self, tenant_id: int) -> int:
         return int(self._client.zcard(self.key(tenant_id, "active")))

@@ -9,6 +9,7 @@ prompt_tokens, cached_tokens, completion_tokens, refused (over a limit). Keyed b
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import redis
 
@@ -33,6 +34,19 @@ class TenantUsage:
         pipe.hincrby(key, "cached_tokens", cached)
         pipe.hincrby(key, "completion_tokens", completion)
         pipe.execute()
+
+    async def arecord(
+        self, lines: Any, usage_id: str, *, prompt: int = 0, cached: int = 0, completion: int = 0
+    ) -> None:
+        """`record` on an event loop's own connections (`lines`: AsyncDirectCommands), in one
+        round trip."""
+        key = self.key(usage_id)
+        await lines.execute_many(
+            ("HINCRBY", key, "requests", 1),
+            ("HINCRBY", key, "prompt_tokens", prompt),
+            ("HINCRBY", key, "cached_tokens", cached),
+            ("HINCRBY", key, "completion_tokens", completion),
+        )
 
     def refused(self, usage_id: str) -> None:
         self._client.hincrby(self.key(usage_id), "refused", 1)

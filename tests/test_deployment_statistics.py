@@ -27,6 +27,7 @@ _DEPLOYMENT = """
 import json, sys
 import django
 django.setup()
+import asyncio
 from django.core.management import call_command
 call_command("migrate", interactive=False, verbosity=0)
 from inference_platform.admin_dashboard import deployment_snapshot
@@ -49,7 +50,8 @@ for _ in range(failed_requests):
     RequestClock().finish(500, None)
 for _ in range(answered):
     RequestClock().finish(200, "gpu0")
-    _count_usage(caller.usage_id, DoneEvent(prompt_tokens=10, cached_tokens=0, completion_tokens=2))
+    done = DoneEvent(prompt_tokens=10, cached_tokens=0, completion_tokens=2)
+    asyncio.run(_count_usage(caller.usage_id, done))
 recorder.flush()
 window = deployment_snapshot(5)["window"]["totals"]
 print(json.dumps({

@@ -129,3 +129,28 @@ async def test_a_response_stream_reads_back_on_the_loops_own_line_as_the_worker_
     assert await read_response_events(lines, key_namespace, "r-1", events[-1].id, 50) == []
     assert await read_response_events(lines, key_namespace, "r-none", "0-0", 50) == []
     await lines.close()
+
+
+async def test_several_commands_go_in_one_round_trip_and_an_error_reply_leaves_the_line_in_step(
+    redis_url, redis_client, key_namespace
+) -> None:
+    lines = _lines(redis_url)
+    key = f"{key_namespace}h"
+    # replies in order
+    assert await lines.execute_many(
+        ("HINCRBY", key, "a", 2), ("HINCRBY", key, "b", 3), ("HGET", key, "a")
+    ) == [
+        2,
+        3,
+        b"2",
+    ]
+    # an error reply in the middle: raised once every reply is read, the others' effects made
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        await lines.execute_many(
+            ("HINCRBY", key, "a", 1), ("HINCRBY", key, "a", "x"), ("HINCRBY", key, "b", 1)
+        )
+    assert redis_client.hgetall(key) == {b"a": b"3", b"b": b"4"}
+    # and the connection reads its own replies after it
+    assert await lines.execute("HGET", key, "b") == b"4"
+    assert len(lines._idle) == 1
+    await lines.close()

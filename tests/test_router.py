@@ -21,6 +21,7 @@ from routing.kv.affinity import SessionAffinity
 from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, StaleWorkers, WorkerReport
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
+from routing.kv.lease import RequestLease
 from routing.kv.load import LoadTracker
 from routing.kv.router import KvRouter
 from routing.kv.selection import RoutingPolicy
@@ -613,6 +614,38 @@ async def test_an_event_loop_moves_and_renews_a_lease_on_its_own_connections(
     router.load.sweep()
     assert router.load.snapshot(["gpu0"])["gpu0"].active_requests == 1
     assert lease.release("done") and not await lease.arenew(lines, 0.5)
+    await lines.close()
+
+
+async def test_a_lease_released_on_the_loop_frees_its_load_and_awaits_each_callback_once(
+    router: KvRouter, redis_url: str
+) -> None:
+    # given a lease with a plain and a coroutine callback riding on it
+    hashes = block_hashes(_tokens(23, 320), BS)
+    lease = router.decide("r1", hashes, 320, BS, ["gpu0"], RoutingPolicy())
+    lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
+    ran: list[str] = []
+
+    async def later(released: RequestLease) -> None:
+        await asyncio.sleep(0)
+        ran.append(f"awaited {released.outcome}")
+
+    lease.on_release(lambda released: ran.append(f"plain {released.outcome}"))
+    lease.on_release(later)
+
+    # then the thread's release refuses it (it could not await the coroutine), changing nothing
+    with pytest.raises(TypeError, match="arelease"):
+        lease.release("done")
+    assert not lease.released and router.load.snapshot(["gpu0"])["gpu0"].active_requests == 1
+
+    # when it is released on the loop, twice
+    assert await lease.arelease(lines, "done") and not await lease.arelease(lines, "done")
+
+    # then the load is freed and each callback ran once, in order, the coroutine awaited
+    assert router.load.snapshot(["gpu0"])["gpu0"] == (0, 0, 0)
+    assert ran == ["plain done", "awaited done"]
+    with pytest.raises(TypeError):  # too late to ride on it: nobody would await it
+        lease.on_release(later)
     await lines.close()
 
 

@@ -214,7 +214,9 @@ def releases(monkeypatch) -> Releases:
         monkeypatch.setattr(owner, name, counting)
 
     spy(TenantLimiter, "release", lambda self, tenant, rid: counted.tenant_slot.update([rid]))
+    spy(TenantLimiter, "arelease", lambda self, lines, tenant, rid: counted.tenant_slot.update([rid]))
     spy(LoadTracker, "free", lambda self, worker, rid: counted.load.update([(worker, rid)]))
+    spy(LoadTracker, "afree", lambda self, lines, worker, rid: counted.load.update([(worker, rid)]))
     spy(MediaStore, "release", lambda self, owner, refs: counted.media.update([owner]))
     spy(ServedRequest, "_released", lambda self, lease: counted.lease_callbacks.update([self.request_id]))
     spy(served, "_cancel_task", lambda task_id: counted.cancels.update([task_id]))

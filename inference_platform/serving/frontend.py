@@ -23,7 +23,7 @@ from django.conf import settings
 
 from inference_platform.serving.model_pool import ModelPool
 from routing.admission.queue import AdmissionQueue
-from routing.deployment import statistics_namespace
+from routing.deployment import known_statistics_namespace, statistics_namespace
 from routing.fleet.encoders import EncoderPool
 from routing.fleet.registry import WorkerRegistry
 from routing.fleet.worker_rows import kept_rows
@@ -180,6 +180,15 @@ class Frontend:
         """The tenants' usage, kept under this deployment's statistics namespace. Synchronous
         (the deployment id may need a database read the first time): call it in a thread."""
         namespace = statistics_namespace()
+        key = (settings.REDIS_URL, namespace)
+        return self._get("usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), namespace))
+
+    async def ausage(self) -> TenantUsage:
+        """`usage()` from an event loop: at once once the deployment id is known, else in a
+        thread (the first read of it is the database's)."""
+        namespace = known_statistics_namespace()
+        if namespace is None:
+            return await asyncio.to_thread(self.usage)
         key = (settings.REDIS_URL, namespace)
         return self._get("usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), namespace))
 

@@ -17,7 +17,7 @@ last byte (as vLLM's `AsyncLLM.generate` owns a request and aborts it on cancel)
 
 What the request holds is freed in exactly one place each:
 - what exists only once a worker was chosen rides the lease (`RequestLease.on_release`, run once
-  by `RequestLease.release`, which `close` calls): the load reservation itself, the media blobs,
+  by `RequestLease.arelease`, which `close` awaits): the load reservation itself, the media blobs,
   the liveness mark, and the worker-side cancel of a task the worker did not end;
 - what precedes the lease is freed by `close` itself: the tenant's concurrency slot (with its
   usage) and the metrics clock;
@@ -83,7 +83,6 @@ from routing.kv.lease import RESERVED, RequestLease
 from routing.media.store import MediaRef, MediaStoreError
 from routing.observe import telemetry
 from routing.prompt.processor_view import tensors_by_reference
-from routing.state.redis_keys import sync_client
 from tenants.keys import ANONYMOUS, Caller
 from tenants.limits import LimitExceeded, exceeded_headers
 
@@ -665,7 +664,7 @@ class ServedRequest:
         assert self.prepared is not None and self.task is not None and self.lease is not None
         old_worker, old_task = self.lease.worker, self.task_id
         # The vanished worker's copy is told to stop (should its name come back, it finds it).
-        await asyncio.shield(asyncio.to_thread(_cancel_task, old_task))
+        await asyncio.shield(_cancel_task(old_task))
         if self.migrations >= settings.REQUEST_MIGRATION_LIMIT:
             raise lost.error
         resend = self.task
@@ -774,7 +773,7 @@ class ServedRequest:
             if isinstance(result, ApiError):
                 outcome = result.code or outcome
             try:
-                await asyncio.shield(asyncio.to_thread(self.lease.release, outcome))
+                await asyncio.shield(self.lease.arelease(frontend().redis_lines(), outcome))
             except redis.RedisError:  # the reservation expires on its own
                 logger.warning(
                     "could not free the load of request %s on worker %s", self.request_id, self.worker
@@ -796,17 +795,18 @@ class ServedRequest:
         if self._admitted:
             await asyncio.shield(self._end_for_tenant(done))
 
-    def _released(self, lease: RequestLease) -> None:
-        """What rides on the lease, freed once when it is released (in the releasing thread)."""
+    async def _released(self, lease: RequestLease) -> None:
+        """What rides on the lease, freed once when it is released (`RequestLease.arelease`)."""
         if not self._worker_ended:
             # The worker may still be at it (the client went away, a timeout, a failure here).
             # Asked before the liveness mark goes: a worker that finds the mark gone and no
             # cancel takes its frontend for dead (workers.runtime says which it was).
-            _cancel_task(self.task_id)
-        release_media(self.request_id, self.media)
+            await _cancel_task(self.task_id)
+        if self.media:
+            await asyncio.to_thread(release_media, self.request_id, self.media)
         try:
-            client = sync_client(settings.REDIS_URL)
-            client.delete(live_key(settings.REDIS_KEY_PREFIX, self.request_id))
+            mark = live_key(settings.REDIS_KEY_PREFIX, self.request_id)
+            await frontend().redis_lines().execute("DEL", mark)
         except redis.RedisError:
             logger.warning("could not drop the liveness mark of request %s (it expires)", self.request_id)
 
@@ -848,11 +848,12 @@ def as_api_error(exc: BaseException, request_id: str) -> ApiError:
 
 async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
     """Free the tenant's concurrency slot and count what the request used."""
+    lines = frontend().redis_lines()
     try:
         if caller.max_concurrent_requests:  # only then did the request take a slot (`_admit`)
-            await asyncio.to_thread(frontend().limiter().release, caller.tenant_id, request_id)
+            await frontend().limiter().arelease(lines, caller.tenant_id, request_id)  # type: ignore[arg-type]
         if done is not None:
-            await asyncio.to_thread(_count_usage, caller.usage_id, done)  # type: ignore[arg-type]
+            await _count_usage(caller.usage_id, done)  # type: ignore[arg-type]
     except redis.RedisError:
         note_redis_failure()
         # The slot expires on its own; a lost usage increment must not fail an answered request.
@@ -871,9 +872,11 @@ def _count_refusal(usage_id: str) -> None:
     frontend().usage().refused(usage_id)
 
 
-def _count_usage(usage_id: str, done: DoneEvent) -> None:
-    """What an answered request used, under its tenant's usage id (in a thread, as above)."""
-    frontend().usage().record(
+async def _count_usage(usage_id: str, done: DoneEvent) -> None:
+    """What an answered request used, under its tenant's usage id."""
+    usage = await frontend().ausage()
+    await usage.arecord(
+        frontend().redis_lines(),
         usage_id,
         prompt=int(done.prompt_tokens),
         cached=int(done.cached_tokens),
@@ -881,12 +884,14 @@ def _count_usage(usage_id: str, done: DoneEvent) -> None:
     )
 
 
-def _cancel_task(task_id: str) -> None:
+async def _cancel_task(task_id: str) -> None:
     """Ask the worker to stop a task; with Redis gone too, the worker finishes it and its stream
     expires."""
     try:
-        sync_client(settings.REDIS_URL).set(
-            cancel_key(settings.REDIS_KEY_PREFIX, task_id), b"1", ex=_CANCEL_TTL_S
+        await (
+            frontend()
+            .redis_lines()
+            .execute("SET", cancel_key(settings.REDIS_KEY_PREFIX, task_id), b"1", "EX", _CANCEL_TTL_S)
         )
     except redis.RedisError:
         logger.warning("could not cancel request %s: Redis failed", task_id)

@@ -9,16 +9,19 @@ own (`LoadTracker`'s entry TTL), which is the lease's expiry.
 What other parts tie to a request's life rides on the lease, so it is freed with it and only
 once: `attributes` carries their data (the migration attempt, the frontend's liveness mark,
 the tenant whose concurrency slot the request holds) and `on_release` callbacks run once, in
-the order registered, after the load is freed. `reassign` moves the lease to a new decision
+the order registered, after the load is freed. On an event loop, `arelease` frees the load on
+the loop's own connections and awaits a callback that is a coroutine function; `release` (in a
+thread) takes only plain ones. `reassign` moves the lease to a new decision
 (migration to another worker before the first token) without ending it.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +34,9 @@ logger = logging.getLogger("routing.kv.lease")
 
 RESERVED, DECODING, RELEASED = "reserved", "decoding", "released"
 
+# What rides on a lease: a plain function, or a coroutine function (`arelease` awaits it).
+ReleaseCallback = Callable[["RequestLease"], None] | Callable[["RequestLease"], Awaitable[None]]
+
 
 @dataclass(eq=False)
 class RequestLease:
@@ -42,7 +48,7 @@ class RequestLease:
     outcome: str | None = None  # why it was released: "done", "error", "cancelled", ...
     decided_at: float = field(default_factory=time.monotonic)
     attributes: dict[str, Any] = field(default_factory=dict)
-    _callbacks: list[Callable[[RequestLease], None]] = field(default_factory=list, repr=False)
+    _callbacks: list[ReleaseCallback] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -87,13 +93,26 @@ class RequestLease:
             return False
         return await self.load.arenew(lines, self.worker, self.request_id, ttl_s)
 
-    def on_release(self, callback: Callable[[RequestLease], None]) -> None:
-        """Run `callback(lease)` once when the lease is released (at once if it already was)."""
+    def on_release(self, callback: ReleaseCallback) -> None:
+        """Run `callback(lease)` once when the lease is released (at once if it already was, and
+        then only a plain callback). A coroutine function is awaited by `arelease`, and refused by
+        `release`, which has no loop to await it on."""
         with self._lock:
             if self.state != RELEASED:
                 self._callbacks.append(callback)
                 return
+        if inspect.iscoroutinefunction(callback):
+            raise TypeError(f"request {self.request_id}: the lease was released; await the callback yourself")
         callback(self)
+
+    def _end(self, outcome: str) -> list[ReleaseCallback] | None:
+        """Mark the lease released; its callbacks, or None if it was already."""
+        with self._lock:
+            if self.state == RELEASED:
+                return None
+            self.state, self.outcome = RELEASED, outcome
+            callbacks, self._callbacks = self._callbacks, []
+            return callbacks
 
     def release(self, outcome: str) -> bool:
         """Free the request's load and run the release callbacks; True only the first time.
@@ -101,11 +120,11 @@ class RequestLease:
         A Redis error while freeing still ends the lease here (the entry then expires in Redis)
         and runs the callbacks; the error is raised afterwards.
         """
-        with self._lock:
-            if self.state == RELEASED:
-                return False
-            self.state, self.outcome = RELEASED, outcome
-            callbacks, self._callbacks = self._callbacks, []
+        if any(inspect.iscoroutinefunction(callback) for callback in self._callbacks):
+            raise TypeError(f"request {self.request_id}: a callback is a coroutine; use arelease")
+        callbacks = self._end(outcome)
+        if callbacks is None:
+            return False
         failure: Exception | None = None
         try:
             self.load.free(self.worker, self.request_id)
@@ -114,6 +133,28 @@ class RequestLease:
         for callback in callbacks:
             try:
                 callback(self)
+            except Exception:
+                logger.exception("a release callback of request %s failed", self.request_id)
+        if failure is not None:
+            raise failure
+        return True
+
+    async def arelease(self, lines: AsyncDirectCommands, outcome: str) -> bool:
+        """`release` on an event loop's own connections (`lines`), awaiting each callback that
+        is a coroutine function; the same promises."""
+        callbacks = self._end(outcome)
+        if callbacks is None:
+            return False
+        failure: Exception | None = None
+        try:
+            await self.load.afree(lines, self.worker, self.request_id)
+        except Exception as exc:  # Redis away: the reservation expires on its own
+            failure = exc
+        for callback in callbacks:
+            try:
+                result = callback(self)
+                if inspect.isawaitable(result):
+                    await result
             except Exception:
                 logger.exception("a release callback of request %s failed", self.request_id)
         if failure is not None:

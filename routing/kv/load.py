@@ -129,6 +129,10 @@ class LoadTracker:
         """Completion, failure or cancellation. False if it was not tracked (already freed)."""
         return bool(self._free(self._namespace, check_worker_name(worker), request_id))
 
+    async def afree(self, lines: AsyncDirectCommands, worker: str, request_id: str) -> bool:
+        """`free` on an event loop's own connections (`lines`)."""
+        return bool(await self._free.acall(lines, self._namespace, check_worker_name(worker), request_id))
+
     def renew(self, worker: str, request_id: str, ttl_s: float) -> bool:
         """Push the entry's expiry to now + ttl_s (its frontend still follows it)."""
         ttl_ms = max(int(ttl_s * 1000), 1)

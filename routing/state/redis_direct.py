@@ -140,6 +140,47 @@ class AsyncDirectCommands:
             connection = self._connect()
             return await self._round_trip(connection, args)
 
+    async def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Several commands in one round trip (a pipeline, not a transaction): their replies in
+        order. An error reply raises, once every reply is read (the connection stays in step)."""
+        try:
+            connection, reused = self._idle.pop(), True
+        except IndexError:
+            connection, reused = self._connect(), False
+        try:
+            return await self._round_trip_many(connection, commands)
+        except redis.ConnectionError:
+            if not reused:
+                raise
+            connection = self._connect()
+            return await self._round_trip_many(connection, commands)
+
+    async def _round_trip_many(self, connection: Any, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+        replies: list[Any] = []
+        error: redis.ResponseError | None = None
+        try:
+            async with asyncio.timeout(self._timeout):
+                if _pack_command is not None:
+                    await connection.send_packed_command(b"".join(_pack_command(c) for c in commands))
+                else:
+                    await connection.send_packed_command(connection.pack_commands(commands))
+                for _ in commands:
+                    try:
+                        replies.append(await connection.read_response())
+                    except redis.ResponseError as exc:  # read whole: the next reply follows
+                        error = error or exc
+                        replies.append(exc)
+        except TimeoutError as exc:
+            await connection.disconnect(nowait=True)
+            raise redis.TimeoutError(f"Timeout after {self._timeout} s on a command to Redis") from exc
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        self._idle.append(connection)
+        if error is not None:
+            raise error
+        return replies
+
     async def _round_trip(self, connection: Any, args: tuple[Any, ...]) -> Any:
         try:
             async with asyncio.timeout(self._timeout):
