@@ -25,6 +25,7 @@ import functools
 import os
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
@@ -128,32 +129,46 @@ class AsyncDirectCommands:
         self._idle: collections.deque = collections.deque()
 
     async def execute(self, *args: Any) -> Any:
-        try:
-            connection, reused = self._idle.pop(), True
-        except IndexError:
-            connection, reused = self._connect(), False
-        try:
-            return await self._round_trip(connection, args)
-        except redis.ConnectionError:
-            if not reused:
-                raise
-            connection = self._connect()
-            return await self._round_trip(connection, args)
+        return await self._on_a_connection(self._round_trip, args)
 
     async def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
         """Several commands in one round trip (a pipeline, not a transaction): their replies in
         order. An error reply raises, once every reply is read (the connection stays in step)."""
+        return await self._on_a_connection(self._round_trip_many, commands)
+
+    async def _on_a_connection(self, exchange: Callable[[Any, Any], Awaitable[Any]], payload: Any) -> Any:
+        """`exchange(connection, payload)` on an idle connection or a new one; once more on a
+        fresh one if a reused connection turns out dropped."""
         try:
             connection, reused = self._idle.pop(), True
         except IndexError:
             connection, reused = self._connect(), False
         try:
-            return await self._round_trip_many(connection, commands)
+            return await exchange(connection, payload)
         except redis.ConnectionError:
             if not reused:
                 raise
-            connection = self._connect()
-            return await self._round_trip_many(connection, commands)
+            return await exchange(self._connect(), payload)
+
+    async def _round_trip(self, connection: Any, args: tuple[Any, ...]) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout):
+                if _pack_command is not None:  # hiredis packs in C what redis-py packs in Python
+                    await connection.send_packed_command(_pack_command(args))
+                else:
+                    await connection.send_command(*args)
+                reply = await connection.read_response()
+        except redis.ResponseError:
+            self._idle.append(connection)
+            raise
+        except TimeoutError as exc:  # asyncio's: the round trip outlived the socket timeout
+            await connection.disconnect(nowait=True)
+            raise self._timed_out() from exc
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        self._idle.append(connection)
+        return reply
 
     async def _round_trip_many(self, connection: Any, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
         replies: list[Any] = []
@@ -172,8 +187,8 @@ class AsyncDirectCommands:
                         replies.append(exc)
         except TimeoutError as exc:
             await connection.disconnect(nowait=True)
-            raise redis.TimeoutError(f"Timeout after {self._timeout} s on a command to Redis") from exc
-        except BaseException:
+            raise self._timed_out() from exc
+        except BaseException:  # a half-read reply is never read by the next caller
             await connection.disconnect(nowait=True)
             raise
         self._idle.append(connection)
@@ -181,25 +196,8 @@ class AsyncDirectCommands:
             raise error
         return replies
 
-    async def _round_trip(self, connection: Any, args: tuple[Any, ...]) -> Any:
-        try:
-            async with asyncio.timeout(self._timeout):
-                if _pack_command is not None:  # hiredis packs in C what redis-py packs in Python
-                    await connection.send_packed_command(_pack_command(args))
-                else:
-                    await connection.send_command(*args)
-                reply = await connection.read_response()
-        except redis.ResponseError:
-            self._idle.append(connection)
-            raise
-        except TimeoutError as exc:  # asyncio's: the round trip outlived the socket timeout
-            await connection.disconnect(nowait=True)
-            raise redis.TimeoutError(f"Timeout after {self._timeout} s on a command to Redis") from exc
-        except BaseException:
-            await connection.disconnect(nowait=True)
-            raise
-        self._idle.append(connection)
-        return reply
+    def _timed_out(self) -> redis.TimeoutError:
+        return redis.TimeoutError(f"Timeout after {self._timeout} s on a command to Redis")
 
     async def close(self) -> None:
         while self._idle:
