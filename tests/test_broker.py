@@ -149,7 +149,16 @@ def test_only_a_plain_redis_broker_takes_the_push(
 
 
 @pytest.mark.parametrize(
-    ("setting", "value"), [("task_serializer", "pickle"), ("task_compression", "gzip"), ("task_protocol", 1)]
+    ("setting", "value"),
+    [
+        ("task_serializer", "pickle"),
+        ("task_compression", "gzip"),
+        ("task_protocol", 1),
+        ("task_send_sent_event", True),
+        ("task_routes", {"workers.generate": {"priority": 5}}),
+        ("task_default_priority", 3),
+        ("task_default_delivery_mode", "transient"),
+    ],
 )
 def test_a_message_the_push_would_not_write_as_celery_does_goes_through_celery(
     broker_settings, monkeypatch, setting, value

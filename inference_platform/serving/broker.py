@@ -21,7 +21,9 @@ It is taken only where it is exactly what kombu would do:
 - a plain `redis://` broker URL: a sentinel, a TLS broker, a Unix socket or a failover list go
   through `send_task` in a thread, as does a broker whose transport options ask for more than
   the key prefix and timeouts;
-- JSON tasks of protocol 2, uncompressed;
+- JSON tasks of protocol 2, uncompressed, persistent, with no task routes or default priority
+  (Celery's router could add options to a send) and no task-sent event asked for
+  (monitoring's `task_send_sent_event`);
 - no receiver of Celery's publish signals: an operator's tracing that adds headers to each task
   would otherwise be skipped.
 tests/test_broker.py holds the envelope to `send_task`'s own and reads it back with kombu's
@@ -63,6 +65,12 @@ def direct_broker_url() -> str | None:
         return None
     if conf.task_serializer != "json" or conf.task_compression or conf.task_protocol != 2:
         return None  # the envelope here is protocol 2's, its body plain JSON
+    if conf.task_send_sent_event:
+        return None  # monitoring (Flower) asked for a task-sent event at each send: Celery sends it
+    if conf.task_routes or conf.task_default_priority is not None:
+        return None  # Celery's router may add options (a priority: another list) to each send
+    if conf.task_default_delivery_mode not in (2, "persistent"):
+        return None  # the envelope says delivery mode 2
     return url
 
 
