@@ -5,6 +5,7 @@ frontend sees it), the end-to-end proof with worker processes is tests/test_mode
 from __future__ import annotations
 
 import shutil
+import time
 from collections import Counter
 
 import pytest
@@ -307,3 +308,32 @@ def test_a_frontend_without_the_deployments_model_is_ready_while_another_model_h
     registry.remove("remote0")
     dispatch.forget_fleet_read()
     assert Client().get("/ready").status_code == 503
+
+
+def test_the_deployments_model_name_follows_a_re_pointed_directory_link_within_a_second(
+    tmp_path, settings, monkeypatch
+):
+    from inference_platform.serving import model_pool
+
+    # given MODEL_PATH a link to one model's directory, and no MODEL_NAME
+    (tmp_path / "qwen-a").mkdir()
+    (tmp_path / "qwen-b").mkdir()
+    link = tmp_path / "current"
+    link.symlink_to(tmp_path / "qwen-a")
+    settings.MODEL_PATH, settings.MODEL_NAME = str(link), ""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the kept name's clock
+    assert model_pool.deployment_model_name() == "qwen-a"
+
+    # when an operator re-points the link
+    link.unlink()
+    link.symlink_to(tmp_path / "qwen-b")
+
+    # then the name kept for a second stands, and after it the new directory names the model
+    now[0] += 0.5
+    assert model_pool.deployment_model_name() == "qwen-a"
+    now[0] += 0.6
+    assert model_pool.deployment_model_name() == "qwen-b"
+    # and a MODEL_NAME names it whatever the directory
+    settings.MODEL_NAME = "served-as"
+    assert model_pool.deployment_model_name() == "served-as"

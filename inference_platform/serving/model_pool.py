@@ -72,9 +72,22 @@ class ServedModel:
         return self.view.name
 
 
+# The name MODEL_PATH's directory gives the deployment's model, kept a second: resolving the path
+# is a system call per request, and an operator who re-points a symlink there is seen within it.
+_NAME_KEPT_S = 1.0
+_names: ExpiringLru[str] = ExpiringLru(max_entries=4)
+
+
 def deployment_model_name() -> str:
     """The name of the deployment's own model: MODEL_NAME, else its directory's name."""
-    return settings.MODEL_NAME or Path(settings.MODEL_PATH).resolve().name
+    if settings.MODEL_NAME:
+        return settings.MODEL_NAME
+    path = settings.MODEL_PATH
+    name = _names.get(path)
+    if name is None:
+        name = Path(path).resolve().name
+        _names.put(path, name, _NAME_KEPT_S)
+    return name
 
 
 def model_not_found(name: str, why: str = "does not exist") -> ApiError:
