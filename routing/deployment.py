@@ -44,7 +44,7 @@ def deployment_id(using: str = "default") -> str:
 
 def statistics_namespace(using: str = "default") -> str:
     """The Redis prefix of this deployment's counters: `<REDIS_KEY_PREFIX>dep:<id>:`."""
-    return f"{settings.REDIS_KEY_PREFIX}{STATISTICS_FAMILY}{deployment_id(using)}:"
+    return _namespace_of(deployment_id(using))
 
 
 def known_statistics_namespace(using: str = "default") -> str | None:
@@ -52,7 +52,11 @@ def known_statistics_namespace(using: str = "default") -> str | None:
     (for a caller on an event loop, which must not read the database)."""
     with _lock:
         known = _known.get(using)
-    return None if known is None else f"{settings.REDIS_KEY_PREFIX}{STATISTICS_FAMILY}{known}:"
+    return None if known is None else _namespace_of(known)
+
+
+def _namespace_of(deployment: str) -> str:
+    return f"{settings.REDIS_KEY_PREFIX}{STATISTICS_FAMILY}{deployment}:"
 
 
 def forget_deployment_id() -> None:

@@ -176,3 +176,25 @@ def test_reset_stats_clears_this_deployments_statistics_and_keeps_usage_and_othe
     run_reset("--yes", "--usage")
     assert usage.totals([tenant])[tenant]["requests"] == 0
     assert redis_client.exists(f"{other}m:total")
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_request_counts_its_usage_from_the_loop_once_the_deployment_id_is_known():
+    import asyncio
+
+    from inference_platform.serving.frontend import frontend
+    from routing.deployment import known_statistics_namespace
+
+    # given a process that has not read its deployment id yet
+    forget_deployment_id()
+    assert known_statistics_namespace() is None
+
+    # when a request's end asks for the usage from the event loop
+    first = await frontend().ausage()
+
+    # then the id was read (in a thread: the database may not be read on the loop), and the
+    # next ask finds the same usage, under the deployment's statistics namespace, on the loop
+    namespace = await asyncio.to_thread(statistics_namespace)
+    assert known_statistics_namespace() == namespace
+    assert first.key("u") == f"{namespace}usage:u"
+    assert await frontend().ausage() is first

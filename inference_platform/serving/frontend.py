@@ -179,9 +179,7 @@ class Frontend:
     def usage(self) -> TenantUsage:
         """The tenants' usage, kept under this deployment's statistics namespace. Synchronous
         (the deployment id may need a database read the first time): call it in a thread."""
-        namespace = statistics_namespace()
-        key = (settings.REDIS_URL, namespace)
-        return self._get("usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), namespace))
+        return self._usage_under(statistics_namespace())
 
     async def ausage(self) -> TenantUsage:
         """`usage()` from an event loop: at once once the deployment id is known, else in a
@@ -189,6 +187,9 @@ class Frontend:
         namespace = known_statistics_namespace()
         if namespace is None:
             return await asyncio.to_thread(self.usage)
+        return self._usage_under(namespace)
+
+    def _usage_under(self, namespace: str) -> TenantUsage:
         key = (settings.REDIS_URL, namespace)
         return self._get("usage", key, lambda: TenantUsage(sync_client(settings.REDIS_URL), namespace))
 
