@@ -48,7 +48,6 @@ from inference_platform.serving.frontend import frontend
 # The transport options the fast path reproduces (the key prefix) or that only bound its waits,
 # which the loop's own connections take from the platform's settings (REDIS_TIMEOUT_SECS).
 _OPTIONS_KEPT = {"global_keyprefix", "socket_timeout", "socket_connect_timeout"}
-_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
 @functools.cache

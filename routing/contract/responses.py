@@ -118,10 +118,13 @@ class ResponseWriter:
 
 
 def parse_stream_entries(entries: list[Any]) -> list[ResponseEvent]:
+    """Stream entries as a client returns them (redis-py: each entry's fields a dict) or as Redis
+    sends them (a direct line: a flat name, value, name, value list under RESP2)."""
     events = []
     for entry_id, fields in entries:
         entry_id = reply_text(entry_id)
-        decoded = {reply_text(k): v for k, v in fields.items()}
+        pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2], strict=True)
+        decoded = {reply_text(k): v for k, v in pairs}
         raw_type = decoded.get("type", b"")
         event_type = reply_text(raw_type)
         events.append(ResponseEvent(entry_id, event_type, json.loads(decoded.get("data", b"{}"))))
@@ -140,11 +143,4 @@ async def read_response_events(
     if not reply:
         return []
     ((_key, entries),) = reply.items() if isinstance(reply, dict) else reply  # RESP3 answers a map
-    return parse_stream_entries([(entry_id, _pairs(fields)) for entry_id, fields in entries])
-
-
-def _pairs(fields: list[Any] | dict[Any, Any]) -> dict[Any, Any]:
-    """A stream entry's fields as Redis sends them (name, value, name, value...) as a dict."""
-    if isinstance(fields, dict):
-        return fields
-    return dict(zip(fields[::2], fields[1::2], strict=True))
+    return parse_stream_entries(entries)
