@@ -7,15 +7,19 @@ model; the frontend runs in this process, and the requests are driven straight i
 handler (`ApiHandler`, as bench/api_handler.py does: no socket, no server), one at a time, each
 `max_tokens` 1 and not streamed. CPU is `time.process_time()` of this process (every thread: the
 hand-overs' threads count), over REQUESTS requests per round; the figure is the median of the
-rounds. Two requests:
-  text   a short question;
-  image  a 300-word system prompt and a 448x448 PNG sent as a data URL (issue 36's item 4), a new
-         question each time so that no answer is cached anywhere.
+rounds. Three requests:
+  text       a short question;
+  image      a 300-word system prompt and a 448x448 PNG sent as a data URL (issue 36's item 4), a
+             new question each time so that no answer is cached anywhere; the picture is the same
+             each time, as a chat client sends a conversation's pictures with every turn (the
+             frontend keeps it decoded: MEDIA_DATA_URL_CACHE_MB);
+  image_new  the same, with a picture never sent before each time (the same pixels and a text
+             chunk of its own: as many bytes to decode as `image`'s first sight).
 
 Usage: `.venv/bin/python bench/frontend_cpu.py [--requests N] [--rounds N]` (Redis at REDIS_URL,
 default redis://127.0.0.1:6379/14, under a namespace of its own that is deleted afterwards). A
 shared machine moves the figures; the spread of the rounds is printed. Last line:
-    frontend_cpu_ms_text=<x.xx> frontend_cpu_ms_image=<x.xx>
+    frontend_cpu_ms_text=<x.xx> frontend_cpu_ms_image=<x.xx> frontend_cpu_ms_image_new=<x.xx>
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import base64
 import json
 import os
 import statistics
+import struct
 import sys
 import tempfile
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,13 +50,23 @@ SYSTEM_PROMPT = " ".join(f"rule{k % 97} applies to every answer about the catalo
 ]  # ~300 words
 
 
-def _bodies(kind: str, image_url: str, count: int, start: int) -> list[bytes]:
+def _picture_of_its_own(png: bytes, k: int) -> bytes:
+    """`png` with a tEXt chunk naming `k` after its header: a picture no earlier request sent."""
+    chunk = b"tEXt" + b"bench\0" + str(k).encode()
+    own = struct.pack(">I", len(chunk) - 4) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    return png[:33] + own + png[33:]  # the signature (8 bytes), then IHDR (25)
+
+
+def _bodies(kind: str, png: bytes, count: int, start: int) -> list[bytes]:
+    image_url = "data:image/png;base64," + base64.b64encode(png).decode()
     out = []
     for k in range(start, start + count):
         question = f"Question {k}: what does item {k * 7919 % 100_003} look like?"
         if kind == "text":
             messages = [{"role": "user", "content": question}]
         else:
+            if kind == "image_new":
+                image_url = "data:image/png;base64," + base64.b64encode(_picture_of_its_own(png, k)).decode()
             messages = [
                 {"role": "system", "content": SYSTEM_PROMPT},
                 {
@@ -83,7 +99,7 @@ def main() -> int:
     redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
     namespace = f"bench:fcpu:{uuid.uuid4().hex[:10]}:"
     model = demo_model_dir()
-    image_url = "data:image/png;base64," + base64.b64encode(noise_png("frontend-cpu", 448)).decode()
+    png = noise_png("frontend-cpu", 448)
     with tempfile.TemporaryDirectory(prefix="bench-frontend-cpu-") as tmp:
         platform = PlatformProcesses(Path(tmp), model, redis_url, namespace, {"LOG_LEVEL": "WARNING"})
         try:
@@ -100,14 +116,14 @@ def main() -> int:
             app = ApiHandler()
 
             async def run() -> dict[str, list[float]]:
-                figures: dict[str, list[float]] = {"text": [], "image": []}
+                figures: dict[str, list[float]] = {"text": [], "image": [], "image_new": []}
                 sent = 0
                 for kind in figures:  # warm: imports, the model card, the first connections
-                    await _cpu_ms_per_request(app, platform.api_key, _bodies(kind, image_url, 10, sent))
+                    await _cpu_ms_per_request(app, platform.api_key, _bodies(kind, png, 10, sent))
                     sent += 10
                 for _ in range(args.rounds):
                     for kind, values in figures.items():
-                        bodies = _bodies(kind, image_url, args.requests, sent)
+                        bodies = _bodies(kind, png, args.requests, sent)
                         sent += args.requests
                         values.append(await _cpu_ms_per_request(app, platform.api_key, bodies))
                 return figures
@@ -116,12 +132,10 @@ def main() -> int:
         finally:
             platform.close()
     for kind, values in figures.items():
-        print(f"{kind:5} frontend CPU per request: median {statistics.median(values):.2f} ms over "
+        print(f"{kind:9} frontend CPU per request: median {statistics.median(values):.2f} ms over "
               f"{args.rounds} rounds of {args.requests} [{min(values):.2f}-{max(values):.2f}]")  # fmt: skip
-    print(
-        f"frontend_cpu_ms_text={statistics.median(figures['text']):.2f} "
-        f"frontend_cpu_ms_image={statistics.median(figures['image']):.2f}"
-    )
+    medians = {kind: statistics.median(values) for kind, values in figures.items()}
+    print(" ".join(f"frontend_cpu_ms_{kind}={median:.2f}" for kind, median in medians.items()))
     return 0
 
 

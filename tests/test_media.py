@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from routing.media.images import (
+    DecodedDataUrls,
     MediaError,
     MediaPolicy,
     decode_data_url,
@@ -429,6 +430,55 @@ def test_a_data_url_tolerates_line_breaks_and_its_size_cap_applies(small_png: by
     assert (error.status, error.code) == (413, "image_too_large")
     over_cap = MediaPolicy(max_bytes=100)
     assert _refusal(probe_image_size, _data_url(small_png), over_cap).status == 413
+
+
+def test_a_data_url_sent_again_in_its_scope_is_not_decoded_again(small_png: bytes, monkeypatch) -> None:
+    # given a frontend's kept data URLs, and a count of the base64 decodings done
+    import routing.media.images as images
+
+    decoded = DecodedDataUrls(max_bytes=1024 * 1024)
+    decodings = []
+    real_decode = images.decode_data_url
+    monkeypatch.setattr(
+        images, "decode_data_url", lambda url, **kw: decodings.append(url) or real_decode(url, **kw)
+    )
+    url = _data_url(small_png)
+
+    def resolve(scope: object, policy: MediaPolicy = LOCAL) -> images.ResolvedImage:
+        (image,) = resolve_images([url], policy, frontend_decoding=False, scope=scope, decoded=decoded)
+        return image
+
+    # when the same picture is sent twice in one scope
+    first, again = resolve("tenant-a"), resolve("tenant-a")
+
+    # then it was decoded once, and the repeat is the same image, bytes and size
+    assert len(decodings) == 1
+    assert again == first and again.data == small_png and (again.width, again.height) == (64, 48)
+    # another scope decodes it for itself: what one caller sent saves no other any time
+    assert resolve("tenant-b") == first and len(decodings) == 2
+    # and limits lowered since are applied to what was kept, as to a decoding
+    assert _refusal(resolve, "tenant-a", MediaPolicy(max_bytes=100)).status == 413
+    error = _refusal(resolve, "tenant-a", MediaPolicy(max_pixels=64 * 48 - 1))
+    assert (error.status, error.code, error.image_index) == (422, "decompression_bomb", 0)
+    assert len(decodings) == 2
+
+
+def test_kept_data_urls_hold_at_most_their_bytes_dropping_the_least_recently_used() -> None:
+    decoded = DecodedDataUrls(max_bytes=1000)
+    decoded.put("s", "a", b"a" * 250, 1, 1)
+    decoded.put("s", "b", b"b" * 250, 1, 1)
+    decoded.put("s", "c", b"c" * 250, 1, 1)
+    decoded.put("s", "d", b"d" * 251, 1, 1)  # over a quarter of the budget: not kept
+    assert decoded.get("s", "d") is None
+    assert decoded.get("s", "a") is not None  # now the most recently used
+    decoded.put("s", "e", b"e" * 250, 1, 1)
+    decoded.put("s", "f", b"f" * 250, 1, 1)  # 1,250 bytes: "b" goes, the least recently used
+    assert decoded.get("s", "b") is None
+    assert [decoded.get("s", k) is not None for k in "acef"] == [True] * 4
+    assert decoded.held_bytes == 1000 and len(decoded) == 4
+    decoded.put("s", "a", b"A" * 100, 2, 2)  # put again: counted once, with its new bytes
+    assert decoded.get("s", "a") == (b"A" * 100, 2, 2) and decoded.held_bytes == 850
+    assert decoded.get("other scope", "c") is None
 
 
 # --- size reads ----------------------------------------------------------------------------------

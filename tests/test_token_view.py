@@ -189,6 +189,35 @@ async def test_route_endpoint_shows_the_view_without_dispatching(api_headers):
 
 
 @pytest.mark.django_db(transaction=True)
+async def test_a_conversation_sending_its_pictures_again_is_routed_alike_without_decoding_them_again(
+    api_headers, settings, monkeypatch
+):
+    import routing.media.images as images
+
+    decodings: list[str] = []
+    real_decode = images.decode_data_url
+    monkeypatch.setattr(
+        images, "decode_data_url", lambda url, **kw: decodings.append(url) or real_decode(url, **kw)
+    )
+    body = two_image_request("demo", png_data_url(100, 80), png_data_url(80, 100, (9, 9, 9)))
+
+    async def routed() -> dict:
+        response = await KeyedAsyncClient(api_headers).post(
+            "/v1/route", data=json.dumps(body), content_type="application/json"
+        )
+        assert response.status_code == 200, response.content
+        return json.loads(response.content)
+
+    # a second turn sending the same two pictures: the same view, and no decoding
+    first = await routed()
+    assert len(decodings) == 2
+    assert await routed() == first and len(decodings) == 2
+    # with the frontend told to keep none (MEDIA_DATA_URL_CACHE_MB=0), each turn decodes them
+    settings.MEDIA_DATA_URL_CACHE_MB = 0
+    assert await routed() == first and len(decodings) == 4
+
+
+@pytest.mark.django_db(transaction=True)
 async def test_an_image_refused_by_the_guard_is_a_4xx_naming_it(api_headers):
     body = two_image_request("demo", png_data_url(10, 10), "http://169.254.169.254/latest/meta-data/x.png")
     response = await KeyedAsyncClient(api_headers).post(

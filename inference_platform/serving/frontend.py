@@ -32,7 +32,7 @@ from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from routing.kv.replica import IndexReplica
 from routing.kv.router import KvRouter
-from routing.media.images import SIZES_FLUSHED_KEY, ImageSizes
+from routing.media.images import SIZES_FLUSHED_KEY, DecodedDataUrls, ImageSizes
 from routing.media.store import MediaStore, media_store_from_settings
 from routing.policy import LivePolicy, acurrent_policy, current_policy, forget_cached_policy
 from routing.state.redis_direct import AsyncDirectCommands
@@ -224,6 +224,13 @@ class Frontend:
                 flush_token=_sizes_flush_token,
             ),
         )
+
+    def decoded_data_urls(self) -> DecodedDataUrls | None:
+        """The pictures decoded from data URLs lately (MEDIA_DATA_URL_CACHE_MB); None when 0."""
+        max_bytes = int(settings.MEDIA_DATA_URL_CACHE_MB * 1024 * 1024)
+        if max_bytes < 1:
+            return None
+        return self._get("decoded_data_urls", max_bytes, lambda: DecodedDataUrls(max_bytes))
 
     def models(self) -> ModelPool:
         """The models requests may name, and the routing views loaded of them."""

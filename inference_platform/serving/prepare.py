@@ -323,6 +323,7 @@ def _prepare(
             frontend_decoding=frontend_decoding or use_processor,
             sizes=sizes,
             scope=size_scope,
+            decoded=frontend().decoded_data_urls(),
         )
     except MediaError as exc:
         # An origin that fails or times out is still a problem with the request's image: a 4xx
