@@ -474,7 +474,7 @@ def decode_data_url(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     if "base64" not in params[1:]:
         raise MediaError(400, "invalid_data_url", "data URL is not base64-encoded")
     if len(payload) // 4 * 3 > max_bytes + 3:
-        raise MediaError(413, "image_too_large", f"data URL image is over the {max_bytes}-byte limit")
+        raise _data_url_too_large(max_bytes)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -487,8 +487,12 @@ def decode_data_url(url: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     if not data:
         raise MediaError(400, "invalid_data_url", "data URL is empty")
     if len(data) > max_bytes:
-        raise MediaError(413, "image_too_large", f"data URL image is over the {max_bytes}-byte limit")
+        raise _data_url_too_large(max_bytes)
     return data
+
+
+def _data_url_too_large(max_bytes: int) -> MediaError:
+    return MediaError(413, "image_too_large", f"data URL image is over the {max_bytes}-byte limit")
 
 
 # --- sizes and decoding --------------------------------------------------------------------------
@@ -744,9 +748,7 @@ def _identify_by_url(
             data, width, height = kept
             # The limits may have been lowered since it was decoded.
             if len(data) > policy.max_bytes:
-                raise MediaError(
-                    413, "image_too_large", f"data URL image is over the {policy.max_bytes}-byte limit"
-                )
+                raise _data_url_too_large(policy.max_bytes)
             _check_pixels(width, height, policy.max_pixels)
         return ResolvedImage(index, url, identity, routing_hash(identity), width, height, data)
     known = sizes.get(scope, identity) if sizes is not None else None
