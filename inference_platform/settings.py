@@ -301,9 +301,9 @@ MEDIA_FETCH_DEADLINE_SECS = env_float("MEDIA_FETCH_DEADLINE_SECS", 30.0, positiv
 MEDIA_SIZE_CACHE_SECS = env_float("MEDIA_SIZE_CACHE_SECS", 60.0, minimum=0.0)
 MEDIA_SIZE_CACHE_ENTRIES = env_int("MEDIA_SIZE_CACHE_ENTRIES", 4096, minimum=1)
 # The pictures a frontend decoded from data URLs lately, kept so that one sent again (a chat
-# client sends a conversation's pictures with every turn) is not base64-decoded again: at most
-# this many MB per frontend process (0 keeps none). Per caller partition, as the sizes above
-# (routing.media.images.DecodedDataUrls).
+# client sends a conversation's pictures with every turn) is not base64-decoded again, nor its
+# pixels read again with DYN_MM_FRONTEND_DECODING: at most this many MB per frontend process (0
+# keeps none). Per caller partition, as the sizes above (routing.media.images.DecodedDataUrls).
 MEDIA_DATA_URL_CACHE_MB = env_float("MEDIA_DATA_URL_CACHE_MB", 64.0, minimum=0.0)
 # The media side store (routing/media/store.py): image bytes travel to workers through Redis by
 # reference, never inside the Celery message. Caps per request and in total; entries expire.

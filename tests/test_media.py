@@ -20,6 +20,7 @@ from PIL import Image
 
 from routing.media.images import (
     DecodedDataUrls,
+    KeptPicture,
     MediaError,
     MediaPolicy,
     decode_data_url,
@@ -465,20 +466,58 @@ def test_a_data_url_sent_again_in_its_scope_is_not_decoded_again(small_png: byte
 
 def test_kept_data_urls_hold_at_most_their_bytes_dropping_the_least_recently_used() -> None:
     decoded = DecodedDataUrls(max_bytes=1000)
-    decoded.put("s", "a", b"a" * 250, 1, 1)
-    decoded.put("s", "b", b"b" * 250, 1, 1)
-    decoded.put("s", "c", b"c" * 250, 1, 1)
-    decoded.put("s", "d", b"d" * 251, 1, 1)  # over a quarter of the budget: not kept
+
+    def keep(key: str, size: int, fill: bytes = b"x") -> None:
+        decoded.put("s", key, KeptPicture(fill * size, 1, 1))
+
+    for key in "abc":
+        keep(key, 250)
+    keep("d", 251)  # over a quarter of the budget: not kept
     assert decoded.get("s", "d") is None
     assert decoded.get("s", "a") is not None  # now the most recently used
-    decoded.put("s", "e", b"e" * 250, 1, 1)
-    decoded.put("s", "f", b"f" * 250, 1, 1)  # 1,250 bytes: "b" goes, the least recently used
+    keep("e", 250)
+    keep("f", 250)  # 1,250 bytes: "b" goes, the least recently used
     assert decoded.get("s", "b") is None
     assert [decoded.get("s", k) is not None for k in "acef"] == [True] * 4
     assert decoded.held_bytes == 1000 and len(decoded) == 4
-    decoded.put("s", "a", b"A" * 100, 2, 2)  # put again: counted once, with its new bytes
-    assert decoded.get("s", "a") == (b"A" * 100, 2, 2) and decoded.held_bytes == 850
+    keep("a", 100, b"A")  # put again: counted once, with its new bytes
+    assert decoded.get("s", "a") == KeptPicture(b"A" * 100, 1, 1) and decoded.held_bytes == 850
     assert decoded.get("other scope", "c") is None
+
+
+def test_with_frontend_decoding_a_data_url_sent_again_is_not_read_again(
+    small_png: bytes, monkeypatch
+) -> None:
+    # given a frontend that identifies pictures by their pixels, and a count of the pixel reads
+    import routing.media.images as images
+
+    decoded = DecodedDataUrls(max_bytes=1024 * 1024)
+    reads: list[int] = []
+    real_decode_image = images.decode_image
+    monkeypatch.setattr(
+        images,
+        "decode_image",
+        lambda data, policy: reads.append(len(data)) or real_decode_image(data, policy),
+    )
+    url = _data_url(small_png)
+
+    def resolve(frontend_decoding: bool = True) -> images.ResolvedImage:
+        (image,) = resolve_images(
+            [url], LOCAL, frontend_decoding=frontend_decoding, scope="s", decoded=decoded
+        )
+        return image
+
+    # when a picture first seen by its URL's identity is sent twice with frontend decoding on
+    assert resolve(frontend_decoding=False).identity == url_identity(url)
+    first, again = resolve(), resolve()
+
+    # then its pixels were read once, and the repeat has the same pixel identity, size and bytes
+    assert reads == [len(small_png)]
+    with Image.open(io.BytesIO(small_png)) as picture:
+        assert first.identity == pixel_identity(picture)
+    assert again == first and (again.width, again.height, again.data) == (64, 48, small_png)
+    # and the URL's identity is still what a request without frontend decoding gets
+    assert resolve(frontend_decoding=False).identity == url_identity(url)
 
 
 # --- size reads ----------------------------------------------------------------------------------

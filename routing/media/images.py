@@ -20,7 +20,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from io import BytesIO
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote, unquote_to_bytes, urljoin, urlsplit
 
 import xxhash
@@ -669,14 +669,25 @@ class ImageSizes:
             self._entries.pop((scope, identity))
 
 
-class DecodedDataUrls:
-    """The bytes and size of the data URLs a frontend decoded lately, so that a picture sent again
-    is not decoded again. A chat client sends a conversation's pictures with every turn, and
-    base64-decoding them (~300 MB/s here: ~2 ms for a 448x448 PNG, ~15 ms for a phone photo) was
-    the largest single cost of such a request in the frontend.
+class KeptPicture(NamedTuple):
+    """A data URL's picture as a frontend decoded it: its bytes, its size and, once a request with
+    frontend decoding has read its pixels, their identity (`pixel_identity`)."""
 
-    An entry is the data URL's own bytes, keyed by its identity (the hash of its whole text), so it
-    cannot go stale and needs no expiry or flush. Entries are per scope, as `ImageSizes`' are: a
+    data: bytes
+    width: int
+    height: int
+    pixels: str | None = None
+
+
+class DecodedDataUrls:
+    """The pictures of the data URLs a frontend decoded lately, so that a picture sent again is not
+    decoded again. A chat client sends a conversation's pictures with every turn, and
+    base64-decoding them (~300 MB/s here: ~2 ms for a 448x448 PNG, ~15 ms for a phone photo) was
+    the largest single cost of such a request in the frontend; with frontend decoding, reading
+    their pixels costs more again.
+
+    An entry is the data URL's own picture, keyed by its identity (the hash of its whole text), so
+    it cannot go stale and needs no expiry or flush. Entries are per scope, as `ImageSizes`' are: a
     picture one caller sent never saves another the decoding, so the time an answer takes does not
     tell a caller what others sent. At most `max_bytes` of pictures are kept, the least recently
     used going first; a picture over a quarter of that is not kept. Thread-safe.
@@ -686,7 +697,7 @@ class DecodedDataUrls:
         if max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[Hashable, str], tuple[bytes, int, int]] = OrderedDict()
+        self._entries: OrderedDict[tuple[Hashable, str], KeptPicture] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
@@ -697,26 +708,34 @@ class DecodedDataUrls:
     def held_bytes(self) -> int:
         return self._held
 
-    def get(self, scope: Hashable, identity: str) -> tuple[bytes, int, int] | None:
-        """(bytes, width, height) of the data URL whose identity this is, if it is kept."""
+    def get(self, scope: Hashable, identity: str) -> KeptPicture | None:
+        """The picture of the data URL whose identity this is, if it is kept."""
         with self._lock:
-            entry = self._entries.get((scope, identity))
-            if entry is not None:
+            kept = self._entries.get((scope, identity))
+            if kept is not None:
                 self._entries.move_to_end((scope, identity))
-            return entry
+            return kept
 
-    def put(self, scope: Hashable, identity: str, data: bytes, width: int, height: int) -> None:
-        if len(data) * 4 > self.max_bytes:
+    def put(self, scope: Hashable, identity: str, picture: KeptPicture) -> None:
+        if len(picture.data) * 4 > self.max_bytes:
             return
         with self._lock:
             earlier = self._entries.pop((scope, identity), None)
             if earlier is not None:
-                self._held -= len(earlier[0])
-            self._entries[(scope, identity)] = (data, width, height)
-            self._held += len(data)
+                self._held -= len(earlier.data)
+            self._entries[(scope, identity)] = picture
+            self._held += len(picture.data)
             while self._held > self.max_bytes:
-                _, (dropped, _, _) = self._entries.popitem(last=False)
-                self._held -= len(dropped)
+                _, dropped = self._entries.popitem(last=False)
+                self._held -= len(dropped.data)
+
+
+def _within_limits(kept: KeptPicture, policy: MediaPolicy) -> KeptPicture:
+    """A kept picture, refused as its decoding would be if the limits were lowered since."""
+    if len(kept.data) > policy.max_bytes:
+        raise _data_url_too_large(policy.max_bytes)
+    _check_pixels(kept.width, kept.height, policy.max_pixels)
+    return kept
 
 
 _DEFAULT_EXECUTOR = ThreadPoolExecutor(max_workers=16, thread_name_prefix="media")  # threads start on use
@@ -739,17 +758,13 @@ def _identify_by_url(
     identity = url_identity(url)
     if is_data_url(url):  # its bytes are at hand: they travel to the worker by reference, not as text
         kept = decoded.get(scope, identity) if decoded is not None else None
-        if kept is None:
+        if kept is not None:
+            data, width, height, _ = _within_limits(kept, policy)
+        else:
             data = decode_data_url(url, max_bytes=policy.max_bytes)
             width, height = read_image_size(data, max_pixels=policy.max_pixels)
             if decoded is not None:
-                decoded.put(scope, identity, data, width, height)
-        else:
-            data, width, height = kept
-            # The limits may have been lowered since it was decoded.
-            if len(data) > policy.max_bytes:
-                raise _data_url_too_large(policy.max_bytes)
-            _check_pixels(width, height, policy.max_pixels)
+                decoded.put(scope, identity, KeptPicture(data, width, height))
         return ResolvedImage(index, url, identity, routing_hash(identity), width, height, data)
     known = sizes.get(scope, identity) if sizes is not None else None
     if known is not None:
@@ -763,12 +778,29 @@ def _identify_by_url(
     return ResolvedImage(index, url, identity, routing_hash(identity), width, height, None)
 
 
-def _identify_by_pixels(index: int, url: str, policy: MediaPolicy) -> ResolvedImage:
+def _identify_by_pixels(
+    index: int, url: str, policy: MediaPolicy, scope: Hashable = None, decoded: DecodedDataUrls | None = None
+) -> ResolvedImage:
+    if not is_data_url(url):  # what an origin answers may change: read it each time
+        return _read_pixels(index, url, fetch_bytes(url, policy, expect_image=True), policy)
+    if decoded is None:
+        return _read_pixels(index, url, decode_data_url(url, max_bytes=policy.max_bytes), policy)
+    own = url_identity(url)
+    kept = decoded.get(scope, own)
+    if kept is not None and kept.pixels is not None:
+        data, width, height, identity = _within_limits(kept, policy)
+        return ResolvedImage(index, url, identity, routing_hash(identity), width, height, data)
     data = (
-        decode_data_url(url, max_bytes=policy.max_bytes)
-        if is_data_url(url)
-        else fetch_bytes(url, policy, expect_image=True)
+        _within_limits(kept, policy).data
+        if kept is not None  # read at first by URL, whose identity needs no pixels
+        else decode_data_url(url, max_bytes=policy.max_bytes)
     )
+    image = _read_pixels(index, url, data, policy)
+    decoded.put(scope, own, KeptPicture(data, image.width, image.height, image.identity))
+    return image
+
+
+def _read_pixels(index: int, url: str, data: bytes, policy: MediaPolicy) -> ResolvedImage:
     with decode_image(data, policy) as image:
         identity = pixel_identity(image)
         width, height = image.size
@@ -797,10 +829,11 @@ def resolve_images(
     """Identity and size of each image, fetched/decoded concurrently; the first failing image
     (in request order) raises its MediaError with `image_index` set. With `sizes`, an image read
     by URL within its freshness (in the same `scope`) is not asked of its origin again; with
-    `decoded`, a data URL decoded lately in the same scope is not decoded again."""
+    `decoded`, a data URL decoded lately in the same scope is not decoded again (nor its pixels
+    read again, with frontend decoding)."""
     # Frontend decoding reads every picture whole (its identity is its pixels): no size to keep.
     resolve = (
-        _identify_by_pixels
+        partial(_identify_by_pixels, scope=scope, decoded=decoded)
         if frontend_decoding
         else partial(_identify_by_url, sizes=sizes, scope=scope, decoded=decoded)
     )
