@@ -5,8 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
+import redis.asyncio
 
 from routing.media.store import MediaMissing, MediaRef, MediaStore, MediaStoreFull, MediaTooLarge
+from routing.state.redis_direct import AsyncDirectCommands
 
 
 def store(redis_client, key_namespace, **limits) -> MediaStore:
@@ -40,6 +43,49 @@ def test_a_released_reference_is_a_clear_error_at_once_and_frees_its_bytes(redis
     assert time.monotonic() - started < 1.0
     assert missing.value.status == 503 and "no longer stored" in missing.value.message
     assert media.release("req-1", [ref]) == 0  # freeing twice frees nothing twice
+
+
+async def test_an_event_loop_releases_as_a_thread_does_on_its_own_connections(
+    redis_client, key_namespace, redis_url
+):
+    # given two requests' blobs, and an event loop's own connections to the store's Redis
+    media = store(redis_client, key_namespace)
+    first = media.put_many("req-1", [b"a" * 100, b"b" * 50])
+    second = media.put("req-2", b"c" * 30)
+    lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
+
+    # when the loop releases the first request's, then they go as `release` would free them
+    assert await media.arelease(lines, "req-1", first) == 150
+    assert media.total_bytes() == 30 and media.get(second) == b"c" * 30
+    with pytest.raises(MediaMissing):
+        media.get(first[0])
+    assert not redis_client.exists(f"{key_namespace}media:owner:req-1")
+    assert await media.arelease(lines, "req-1", first) == 0  # freeing twice frees nothing twice
+
+
+class _ForgetfulRedisFaultInjected:
+    """A loop's connections to a Redis that forgot its scripts (restarted): NOSCRIPT once."""
+
+    def __init__(self, lines: AsyncDirectCommands) -> None:
+        self.lines, self.refused = lines, 0
+
+    async def execute(self, *command):
+        if command[0] == "EVALSHA" and not self.refused:
+            self.refused += 1
+            raise redis.exceptions.NoScriptError("NOSCRIPT No matching script.")
+        return await self.lines.execute(*command)
+
+
+async def test_a_release_after_redis_forgot_its_scripts_loads_the_script_again_fault_injected(
+    redis_client, key_namespace, redis_url
+):
+    media = store(redis_client, key_namespace)
+    refs = media.put_many("req-1", [b"a" * 40])
+    forgetful = _ForgetfulRedisFaultInjected(
+        AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
+    )
+    assert await media.arelease(forgetful, "req-1", refs) == 40  # type: ignore[arg-type]
+    assert forgetful.refused == 1 and media.total_bytes() == 0
 
 
 def test_blobs_expire_with_their_ttl_and_stop_counting_against_the_total(redis_client, key_namespace):

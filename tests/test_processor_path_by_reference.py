@@ -15,7 +15,7 @@ from asgiref.sync import async_to_sync
 from inference_platform.api.chat_request import parse_chat_request
 from inference_platform.serving.frontend import frontend
 from inference_platform.serving.prepare import prepare
-from inference_platform.serving.served import release_media, store_media
+from inference_platform.serving.served import arelease_media, store_media
 from routing.media.store import MediaRef
 from routing.prompt.processor_view import decode_processed
 from tests.test_token_view import png_data_url, two_image_request
@@ -59,7 +59,7 @@ def test_the_processed_tensors_go_to_the_side_store_and_come_back_exactly(settin
         for key, tensor in expected.items():
             assert torch.equal(again[key], tensor), key
     finally:
-        release_media(owner, stored)
+        async_to_sync(arelease_media)(owner, stored)
 
     # and once the request is done its tensors are gone: a reference never outlives it
     with pytest.raises(Exception, match="no longer stored"):

@@ -218,6 +218,7 @@ def releases(monkeypatch) -> Releases:
     spy(LoadTracker, "free", lambda self, worker, rid: counted.load.update([(worker, rid)]))
     spy(LoadTracker, "afree", lambda self, lines, worker, rid: counted.load.update([(worker, rid)]))
     spy(MediaStore, "release", lambda self, owner, refs: counted.media.update([owner]))
+    spy(MediaStore, "arelease", lambda self, lines, owner, refs: counted.media.update([owner]))
     spy(ServedRequest, "_released", lambda self, lease: counted.lease_callbacks.update([self.request_id]))
     spy(served, "_cancel_task", lambda task_id: counted.cancels.update([task_id]))
     spy(RequestClock, "finish", lambda self, status, *a, **k: counted.clock.update([status]))

@@ -803,7 +803,7 @@ class ServedRequest:
             # cancel takes its frontend for dead (workers.runtime says which it was).
             await _cancel_task(self.task_id)
         if self.media:
-            await asyncio.to_thread(release_media, self.request_id, self.media)
+            await arelease_media(self.request_id, self.media)
         try:
             mark = live_key(settings.REDIS_KEY_PREFIX, self.request_id)
             await frontend().redis_lines().execute("DEL", mark)
@@ -930,11 +930,12 @@ async def store_media(
     return image_refs, video_refs, processed
 
 
-def release_media(owner: str, refs: list[MediaRef]) -> None:
-    """Free a request's blobs in the side store now rather than at their TTL."""
+async def arelease_media(owner: str, refs: list[MediaRef]) -> None:
+    """Free a request's blobs in the side store now rather than at their TTL, from the event loop
+    on its own connections to Redis."""
     if not refs:
         return
     try:
-        frontend().media_store().release(owner, refs)
+        await frontend().media_store().arelease(frontend().redis_lines(), owner, refs)
     except redis.RedisError:
         logger.warning("could not release the media of request %s (they expire)", owner)

@@ -26,11 +26,14 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from routing.state.lua import lua_text
+
+if TYPE_CHECKING:
+    from routing.state.redis_direct import AsyncDirectCommands
 
 BLOB_FAMILY = "media:blob:"
 OWNER_FAMILY = "media:owner:"
@@ -184,17 +187,27 @@ class MediaStore:
 
     def release(self, owner: str, refs: Sequence[MediaRef]) -> int:
         """Free an owner's blobs at once (they would expire anyway); returns the bytes freed."""
-        return int(
-            self._release(
-                keys=[
-                    self._key("", SIZES_KEY),
-                    self._key("", TOTAL_KEY),
-                    self._key(OWNER_FAMILY, owner),
-                    *(ref.key for ref in refs),
-                ],
-                args=[f"{ref.key}|{ref.size}" for ref in refs],
-            )
-        )
+        keys, args = self._release_inputs(owner, refs)
+        return int(self._release(keys=keys, args=args))
+
+    async def arelease(self, lines: AsyncDirectCommands, owner: str, refs: Sequence[MediaRef]) -> int:
+        """`release` on an event loop's own connections (`lines`, to this store's Redis)."""
+        keys, args = self._release_inputs(owner, refs)
+        try:
+            freed = await lines.execute("EVALSHA", self._release.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed since: load it again
+            await lines.execute("SCRIPT", "LOAD", self._release.script)
+            freed = await lines.execute("EVALSHA", self._release.sha, len(keys), *keys, *args)
+        return int(freed)
+
+    def _release_inputs(self, owner: str, refs: Sequence[MediaRef]) -> tuple[list[str], list[str]]:
+        keys = [
+            self._key("", SIZES_KEY),
+            self._key("", TOTAL_KEY),
+            self._key(OWNER_FAMILY, owner),
+            *(ref.key for ref in refs),
+        ]
+        return keys, [f"{ref.key}|{ref.size}" for ref in refs]
 
     def total_bytes(self) -> int:
         return int(self._client.get(self._key("", TOTAL_KEY)) or 0)
