@@ -20,13 +20,15 @@ fails here. `/v1/route` takes the same body with `model` optional, so the same p
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import io
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -473,13 +475,26 @@ def assert_sound(
         assert names_the_field(payload["error"]["param"], path), f"{shown}: {payload['error']}"
 
 
-def _http_check(client: KeyedAsyncClient, endpoint: str, ok: int) -> Callable[[str, Any], None]:
-    from asgiref.sync import async_to_sync
+@pytest.fixture
+def one_loop() -> Iterator[Callable[[Awaitable[Any]], Any]]:
+    """Runs each request on one event loop of the test's own (in a thread), as a server's requests
+    run on its one loop: a loop per request would open the frontend's connections afresh each time."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="edge-loop", daemon=True)
+    thread.start()
+    yield lambda awaitable: asyncio.run_coroutine_threadsafe(awaitable, loop).result(timeout=60)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
 
+
+def _http_check(
+    client: KeyedAsyncClient, endpoint: str, ok: int, run: Callable[[Awaitable[Any]], Any]
+) -> Callable[[str, Any], None]:
     def check(path: str, value: Any) -> None:
         body = body_with(path, value)
         raw = json.dumps(body).encode()  # NaN and lone surrogates as Python's json writes them
-        response = async_to_sync(client.post)(endpoint, data=raw, content_type="application/json")
+        response = run(client.post(endpoint, data=raw, content_type="application/json"))
         payload = json.loads(response.content)
         if endpoint.endswith("completions") and response.status_code == 503:
             assert payload["error"]["code"] == "no_live_worker", payload
@@ -489,13 +504,15 @@ def _http_check(client: KeyedAsyncClient, endpoint: str, ok: int) -> Callable[[s
 
 
 @pytest.mark.django_db(transaction=True)
-def test_route_refuses_every_ill_typed_value_by_name_and_answers_every_valid_one(edge) -> None:
-    failures = list(each_path(_http_check(edge, "/v1/route", 200), examples=2))
+def test_route_refuses_every_ill_typed_value_by_name_and_answers_every_valid_one(edge, one_loop) -> None:
+    failures = list(each_path(_http_check(edge, "/v1/route", 200, one_loop), examples=2))
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.django_db(transaction=True)
-def test_chat_completions_refuses_every_ill_typed_value_and_takes_valid_ones_to_the_router(edge) -> None:
+def test_chat_completions_refuses_every_ill_typed_value_and_takes_valid_ones_to_the_router(
+    edge, one_loop
+) -> None:
     # No worker is registered: a body the edge accepts ends at the deliberate 503 no_live_worker.
-    failures = list(each_path(_http_check(edge, "/v1/chat/completions", 503), examples=0))
+    failures = list(each_path(_http_check(edge, "/v1/chat/completions", 503, one_loop), examples=0))
     assert not failures, "\n".join(failures)
