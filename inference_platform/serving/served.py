@@ -802,8 +802,7 @@ class ServedRequest:
             # Asked before the liveness mark goes: a worker that finds the mark gone and no
             # cancel takes its frontend for dead (workers.runtime says which it was).
             await _cancel_task(self.task_id)
-        if self.media:
-            await arelease_media(self.request_id, self.media)
+        await arelease_media(self.request_id, self.media)
         try:
             mark = live_key(settings.REDIS_KEY_PREFIX, self.request_id)
             await frontend().redis_lines().execute("DEL", mark)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from routing.state.lua import lua_text
+from routing.state.lua import aevalsha, lua_text
 
 if TYPE_CHECKING:
     from routing.state.redis_direct import AsyncDirectCommands
@@ -193,12 +193,7 @@ class MediaStore:
     async def arelease(self, lines: AsyncDirectCommands, owner: str, refs: Sequence[MediaRef]) -> int:
         """`release` on an event loop's own connections (`lines`, to this store's Redis)."""
         keys, args = self._release_inputs(owner, refs)
-        try:
-            freed = await lines.execute("EVALSHA", self._release.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:  # Redis restarted or flushed since: load it again
-            await lines.execute("SCRIPT", "LOAD", self._release.script)
-            freed = await lines.execute("EVALSHA", self._release.sha, len(keys), *keys, *args)
-        return int(freed)
+        return int(await aevalsha(lines, self._release.sha, self._release.script, len(keys), *keys, *args))
 
     def _release_inputs(self, owner: str, refs: Sequence[MediaRef]) -> tuple[list[str], list[str]]:
         keys = [

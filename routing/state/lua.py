@@ -74,18 +74,25 @@ class LuaScript:
 
     async def acall(self, lines: AsyncDirectCommands, *args: Any) -> Any:
         """The script on an event loop's own connections (`lines`)."""
-        try:
-            return await lines.execute("EVALSHA", self.sha, 0, *args)
-        except redis.exceptions.NoScriptError:
-            sha = await lines.execute("SCRIPT", "LOAD", self.source)
-            self.sha = reply_text(sha)
-            return await lines.execute("EVALSHA", self.sha, 0, *args)
+        return await aevalsha(lines, self.sha, self.source, 0, *args)
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
         pipe.evalsha(self.sha, 0, *args)
 
     def reload(self) -> None:
         self.sha = self._load()
+
+
+async def aevalsha(
+    lines: AsyncDirectCommands, sha: str, source: str, numkeys: int, *keys_and_args: Any
+) -> Any:
+    """EVALSHA of `source` (whose SHA1 is `sha`) on an event loop's own connections (`lines`),
+    loading it again first if Redis forgot it (restart, flush)."""
+    try:
+        return await lines.execute("EVALSHA", sha, numkeys, *keys_and_args)
+    except redis.exceptions.NoScriptError:
+        await lines.execute("SCRIPT", "LOAD", source)
+        return await lines.execute("EVALSHA", sha, numkeys, *keys_and_args)
 
 
 def execute_pipeline(pipe: redis.client.Pipeline, scripts: Iterable[LuaScript]) -> list[Any]:
