@@ -123,6 +123,7 @@ class ModelPool:
         self._views: OrderedDict[tuple[str, str], ModelView] = OrderedDict()
         self._lock = threading.Lock()
         self._local_cards: dict[Path, ModelCard | None] = {}
+        self._local: ExpiringLru[tuple[ServedModel | None]] = ExpiringLru(max_entries=4)
         self._rotations: dict[str, WeightedRotation] = {}  # by alias
 
     def rows(self) -> dict[str, ModelRow]:
@@ -190,10 +191,18 @@ class ModelPool:
             return rotation
 
     def local_model(self) -> ServedModel | None:
-        """The deployment's own model from its directory, if this frontend has the directory."""
+        """The deployment's own model from its directory, if this frontend has the directory:
+        looked up again after _NAME_KEPT_S, as the model's name is (each look resolves the
+        directory's path, system calls that were ~2% of a text request's CPU)."""
+        key = (settings.MODEL_PATH, settings.MODEL_NAME)
+        kept = self._local.get(key)
+        if kept is not None:
+            return kept[0]
         view = model_view(settings.MODEL_PATH, deployment_model_name())
         card = self._local_card(view.path)
-        return None if card is None else ServedModel(view, card.fingerprint)
+        local = None if card is None else ServedModel(view, card.fingerprint)
+        self._local.put(key, (local,), _NAME_KEPT_S)
+        return local
 
     def _local_card(self, path: Path) -> ModelCard | None:
         with self._lock:
