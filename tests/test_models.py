@@ -310,6 +310,31 @@ def test_a_frontend_without_the_deployments_model_is_ready_while_another_model_h
     assert Client().get("/ready").status_code == 503
 
 
+def test_a_model_directory_built_after_the_frontend_started_is_served_within_a_second(
+    demo_model_dir, tmp_path, settings, monkeypatch
+):
+    from inference_platform.serving.model_pool import ModelPool
+
+    # given MODEL_PATH a directory not built yet, and the frontend's look at it
+    directory = tmp_path / "demo"
+    settings.MODEL_PATH, settings.MODEL_NAME = directory, ""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the kept look's clock
+    pool = ModelPool()
+    assert pool.local_model() is None
+
+    # when the model is built there
+    shutil.copytree(demo_model_dir, directory)
+
+    # then the look kept for a second stands, and after it the model is the deployment's own
+    now[0] += 0.5
+    assert pool.local_model() is None
+    now[0] += 0.6
+    local = pool.local_model()
+    assert local is not None and local.name == "demo"
+    assert local.fingerprint == read_model_card(demo_model_dir).fingerprint
+
+
 def test_the_deployments_model_name_follows_a_re_pointed_directory_link_within_a_second(
     tmp_path, settings, monkeypatch
 ):
