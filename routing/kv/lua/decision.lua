@@ -71,16 +71,18 @@ end
 local sticky_read = nil  -- the affinity key's worker, once read
 local among = ARGV[30] ~= ''
 -- The records of `names` in the fleet read's facts, by their places: false for a name the facts
--- leave out (not eligible).
+-- leave out (not eligible). Each record is read where it lies (GETRANGE), never the whole string:
+-- that is a record per eligible worker (22 kB at a thousand), whose copy into Lua, and the
+-- collection of it after, cost ~8% of a decision among candidates at 1,024 workers and grew
+-- with the fleet.
 local function fleet_records(names)
   local places, out = kv_hmget(ARGV[35], names), {}
-  local facts, size = nil, struct.size(FACTS_FORMAT)
+  local size = struct.size(FACTS_FORMAT)
   for k = 1, #names do
     local place = places[k]
     if place then
-      facts = facts or redis.call('GET', ARGV[30])
-      local at = (tonumber(place) - 1) * size + 1
-      out[k] = string.sub(facts, at, at + size - 1)
+      local at = (tonumber(place) - 1) * size
+      out[k] = redis.call('GETRANGE', ARGV[30], at, at + size - 1)
     else
       out[k] = false
     end
