@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from routing.kv.index import KvIndex
 from routing.kv.load import LoadTracker
 from routing.kv.router import KvRouter
 from routing.media.store import MediaStore
-from routing.state.lua import LuaScript, lua_constants, lua_text
+from routing.state.lua import _LIBRARY_FUNCTION, LuaScript, lua_constants, lua_text
 from tenants.limits import TenantLimiter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,10 +79,42 @@ def test_every_composed_script_compiles_in_redis(redis_client: redis.Redis, comp
         assert sha == hashlib.sha1(source.encode()).hexdigest(), name
 
 
+def _library_functions(text: str) -> dict[str, str]:
+    return {match.group(1): match.group(0) for match in _LIBRARY_FUNCTION.finditer(text)}
+
+
 def test_every_lua_file_is_part_of_a_script_the_code_runs(composed_scripts) -> None:
     everything = "\n".join(composed_scripts.values())
-    unused = [str(path.relative_to(ROOT)) for path in LUA_FILES if path.read_text() not in everything]
+    unused = []
+    for path in LUA_FILES:
+        text = path.read_text()
+        # a library's functions go only into the scripts that call them: each into one at least,
+        # and every other line of the file too
+        parts = [*_library_functions(text).values(), *_LIBRARY_FUNCTION.sub("", text).splitlines()]
+        unused += [
+            f"{path.relative_to(ROOT)}: {part.splitlines()[0]}" for part in parts if part not in everything
+        ]
     assert unused == []
+
+
+def test_a_composed_script_defines_every_library_function_it_calls(composed_scripts) -> None:
+    library = {}
+    for path in LUA_FILES:
+        if path.name.endswith("_functions.lua"):
+            library.update(_library_functions(path.read_text()))
+    for name, source in composed_scripts.items():
+        for function, text in library.items():
+            # given a library function that the script calls (outside its own definition) ...
+            if re.search(rf"\b{function}\(", source.replace(text, "")):
+                # then it is defined in the script (in Redis, a name never defined is an error
+                # only when the call runs)
+                assert re.search(rf"^ *local function {function}\(", source, re.MULTILINE), (name, function)
+    # and one that nothing in a script names is left out: the decision carries the overlap and
+    # load functions, not the event log's
+    decision = next(
+        source for name, source in composed_scripts.items() if name.startswith("router._decision")
+    )
+    assert "local function kv_predict(" in decision and "local function kv_apply(" not in decision
 
 
 def test_no_python_string_holds_lua() -> None:
