@@ -71,10 +71,9 @@ end
 local sticky_read = nil  -- the affinity key's worker, once read
 local among = ARGV[30] ~= ''
 -- The records of `names` in the fleet read's facts, by their places: false for a name the facts
--- leave out (not eligible). Each record is read where it lies (GETRANGE), never the whole string:
--- that is a record per eligible worker (22 kB at a thousand), whose copy into Lua, and the
--- collection of it after, cost ~8% of a decision among candidates at 1,024 workers and grew
--- with the fleet.
+-- leave out (not eligible). Each record is read where it lies (GETRANGE, ~0.8 us a record here),
+-- never the whole string: that holds a record per eligible worker, and its GET into Lua grew with
+-- the fleet (~35 us at 1,024 workers, 22 kB), more than 34 candidates' GETRANGEs cost.
 local function fleet_records(names)
   local places, out = kv_hmget(ARGV[35], names), {}
   local size = struct.size(FACTS_FORMAT)
