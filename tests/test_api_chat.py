@@ -443,13 +443,19 @@ async def test_a_stream_whose_client_leaves_before_its_first_token_is_cancelled_
 
     body = json.dumps(chat_body(served_demo_model, stream=True)).encode()
     given = False
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    prefix = django_settings.REDIS_KEY_PREFIX
 
     async def receive():
         nonlocal given
         if not given:
             given = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.sleep(0.5)  # waits half a second for a first token, then goes
+        # goes once the task is in the ghost's queue, while the frontend waits for its first
+        # token (a fixed half second raced the frontend's send on a loaded machine)
+        deadline = time.monotonic() + 10
+        while not conn.llen(f"{prefix}worker.ghost") and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return {"type": "http.disconnect"}
 
     sent: list[dict] = []
@@ -469,8 +475,6 @@ async def test_a_stream_whose_client_leaves_before_its_first_token_is_cancelled_
     await asyncio.wait_for(ApiHandler()(scope, receive, send), 10)
 
     assert [m for m in sent if m["type"] == "http.response.start"] == []
-    conn = redis.Redis.from_url(django_settings.REDIS_URL)
-    prefix = django_settings.REDIS_KEY_PREFIX
     queued = conn.rpop(f"{prefix}worker.ghost")  # the task the ghost never took
     args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(queued)["body"]))
     request_id = args[0]["request_id"]
