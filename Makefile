@@ -36,9 +36,9 @@ run: install
 # `make check` runs them; then those that start the platform's processes or a browser, one at a
 # time (they share session pools of workers, and wait on what crosses processes), beside vLLM's
 # (from .venv-vllm), one at a time too, in a test run of their own: its output follows.
-# (All three at once, the first at nice 10, took 228-285 s against 275 s one after the other, but
-# on fresh clones `make check`'s tests that bound a wait by the clock, starved beside the others,
-# failed 2 runs in 3: docs/decisions/2026-12-07-test-runs-at-once.md.)
+# (All three at once, the first at nice 10, saved ~50 s of the suite's ~275 s here, but on fresh
+# clones `make check`'s tests that bound a wait by the clock, starved beside the others, failed 2
+# runs in 3: docs/decisions/2026-12-07-test-runs-at-once.md.)
 test: install lint vllm
 	@bash scripts/ensure_redis.sh
 	@bash scripts/ensure_chromium.sh
