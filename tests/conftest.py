@@ -395,21 +395,29 @@ def pooled_sim_platform(sim_pool: WorkerPool, tmp_path):
 
 
 HELD_WORKER = "solo"
+# The held worker's pool size (as bench/workload.py gives a simulated worker a native worker's
+# KV_CAPACITY_BLOCKS) and clock speed: tests/test_sim_fleet.py reads both.
+HELD_KV_BLOCKS, HELD_SPEEDUP = 64, 50
 
 
 @pytest.fixture(scope="session")
 def held_worker_pool(
     platform_harness, tmp_path_factory: pytest.TempPathFactory, demo_model_dir
 ) -> Iterator[WorkerPool]:
-    """One simulated worker (HELD_WORKER) that a test freezes with SIGSTOP to hold it busy, and
-    thaws before it ends (`held_platform`), for the tests of what waits for a busy fleet: its
-    heartbeat outlives the freeze (60 s)."""
+    """One simulated worker (HELD_WORKER), alone in a platform: a test freezes it with SIGSTOP to
+    hold it busy, and thaws it before it ends (`held_platform`), for the tests of what waits for a
+    busy fleet (its heartbeat outlives the freeze: 60 s). Its pool has a size of its own and its
+    clock runs HELD_SPEEDUP times faster than real time, for the tests of a simulated worker's
+    pool and clock (tests/test_sim_fleet.py), through its running frontend: neither setting
+    changes what a frozen worker holds up, and sharing it saves a worker process."""
     yield from _start_pool(
         platform_harness,
         tmp_path_factory.mktemp("held-worker"),
         demo_model_dir,
-        {"WORKER_HEARTBEAT_TTL_SECS": "60"},
-        lambda processes: processes.start_sim_workers(HELD_WORKER, 1),
+        {"WORKER_HEARTBEAT_TTL_SECS": "60", "MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
+        lambda processes: processes.start_sim_workers(
+            HELD_WORKER, 1, "--sim-kv-blocks", str(HELD_KV_BLOCKS), "--sim-speedup", str(HELD_SPEEDUP)
+        ),
         8,
     )
 

@@ -1,10 +1,13 @@
 """Two models behind one endpoint, two workers each, and a frontend that cannot see either model's
 directory (issue 37's acceptance), through the official `openai` client.
 
-The Qwen2-VL workers are real processes with the model, whose block hashes must be the frontend's
-own (made from the model card they published); the LLaVA workers are simulated ones of its
-checkpoint (`run_worker --engine sim --model-path`: its card, no weights, two in one process),
-since what the test asks of them is routing: which model, which worker, which credit."""
+The Qwen2-VL worker that first serves the prompt is a real process with the model, whose block
+hashes must be the frontend's own (made from the model card it published); the other Qwen2-VL
+worker and the LLaVA workers are simulated ones of their checkpoints (`run_worker --engine sim`:
+the card, no weights; LLaVA's two in one process), since what the test asks of them is routing:
+which model, which worker, which credit. The simulated Qwen2-VL worker starts once the real one
+has served the prompt (a simulated worker caches the router's own hashes, so its hits would prove
+nothing of them), and before the repeat, which the router must send back to the real one."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 QWEN = "demo"  # the Qwen2-VL demo checkpoint's directory name: what its worker announces
 LLAVA = "llava-1.5-tiny"
 QWEN_WORKERS = ("qwen_a", "qwen_b")
+REAL_QWEN, SIMULATED_QWEN = QWEN_WORKERS  # with the model; simulated, started after the first answer
 LLAVA_PROCESS = "llava"  # one simulated process: LLAVA_WORKERS
 LLAVA_WORKERS = ("llava-0", "llava-1")
 ADMIN_USER, ADMIN_PASSWORD = "operator", "operator-pw-7c2a"  # a throwaway login in the test's SQLite
@@ -44,14 +48,13 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
 ):
     import openai
 
-    # given two workers of each model, and a frontend without their directories
+    # given workers of each model (a second Qwen one below), and a frontend without their directories
     platform = platform_processes()
-    for name in QWEN_WORKERS:
-        platform.start_worker(name)  # MODEL_PATH: the Qwen2-VL demo
+    platform.start_worker(REAL_QWEN)  # MODEL_PATH: the Qwen2-VL demo
     llava = ("--model-path", str(llava_demo_dir("llava")))
     assert tuple(platform.start_sim_workers(LLAVA_PROCESS, len(LLAVA_WORKERS), *llava)) == LLAVA_WORKERS
     platform.make_superuser(ADMIN_USER, ADMIN_PASSWORD)  # while the workers load
-    platform.wait_for_workers(*QWEN_WORKERS, *LLAVA_WORKERS)
+    platform.wait_for_workers(REAL_QWEN, *LLAVA_WORKERS)
     base_url = platform.start_server(
         MODEL_PATH=str(tmp_path / "not-here"), MODEL_CARD_DIR=str(tmp_path / "cards")
     )
@@ -64,7 +67,17 @@ def test_two_models_each_answered_by_its_own_pool_through_the_openai_client(
     # and each request lands on a worker of its model, the frontend's block hashes the worker's own
     first, headers = _ask(client, QWEN)
     held = headers["x-routed-worker"]  # the Qwen worker that now holds the prompt's blocks
-    assert held in QWEN_WORKERS and first.choices[0].message.content
+    assert held == REAL_QWEN and first.choices[0].message.content
+    # (the second Qwen worker, idle: a candidate the repeat must pass over)
+    assert platform.start_sim_workers(SIMULATED_QWEN, 1) == [SIMULATED_QWEN]
+    platform.wait_for_workers(SIMULATED_QWEN)
+    route = httpx.post(
+        f"{base_url}/v1/route",
+        json={"model": QWEN, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4},
+        headers=platform.headers,
+        timeout=30,
+    ).json()
+    assert sorted(candidate["worker"] for candidate in route["candidates"]) == list(QWEN_WORKERS), route
     again, headers = _ask(client, QWEN)
     assert headers["x-routed-worker"] == held and _overlap(headers) > 0
     assert again.usage.prompt_tokens_details.cached_tokens > 0

@@ -3,20 +3,19 @@ session's `sim_pool`) serves real chat requests routed by the real router over t
 fed by its pools' KV events; a repeated image goes back to the worker that cached it and is
 answered from its pool. An operator's `flush_caches` empties a simulated pool as it empties a
 native one, and a simulated worker's engine TTFT is on its simulated clock (what
-bench/workload.py compares)."""
+bench/workload.py compares): the session's held worker (`held_worker_pool`), whose pool has a
+size of its own and whose clock runs faster than real time."""
 
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from routing.fleet.registry import WorkerRegistry
 from routing.kv.index import KvIndex
-from tests.conftest import TEST_REDIS_URL
+from tests.conftest import HELD_KV_BLOCKS, HELD_WORKER, WorkerPool
 from tests.image_server import ImageServer
 from tests.platform_harness import PlatformProcesses
 from tests.test_observability_end_to_end import eventually, scrape
@@ -87,33 +86,24 @@ def cached_tokens(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-TUNED = "tuned"
+TUNED = HELD_WORKER
 
 
-@pytest.fixture(scope="module")
-def tuned(platform_harness, tmp_path_factory, demo_model_dir) -> Iterator[PlatformProcesses]:
-    """One simulated worker, TUNED, given a pool size of its own (as bench/workload.py gives it a
-    native worker's KV_CAPACITY_BLOCKS) and running 50 times faster than real time, and a
-    frontend: the module's tests each read it from a state they make or measure from."""
-    platform = platform_harness(
-        tmp_path_factory.mktemp("tuned"),
-        demo_model_dir,
-        TEST_REDIS_URL,
-        f"test:{uuid.uuid4().hex[:12]}:",
-        {"MEDIA_ALLOWED_HOSTS": "127.0.0.1"},
-    )
-    try:
-        platform.start_sim_workers(TUNED, 1, "--sim-kv-blocks", "64", "--sim-speedup", "50")
-        platform.wait_for_workers(TUNED)
-        platform.start_server()
-        yield platform
-    finally:
-        platform.close()
+@pytest.fixture
+def tuned(held_worker_pool: WorkerPool) -> PlatformProcesses:
+    """The session's held worker, TUNED, alone in its platform, given a pool size of its own (as
+    bench/workload.py gives it a native worker's KV_CAPACITY_BLOCKS) and running HELD_SPEEDUP
+    times faster than real time, and its running frontend (a tenant of the test's own): the
+    module's tests each read it from a state they make or measure from (those that freeze it thaw
+    it before they end)."""
+    platform = held_worker_pool.running_frontend()
+    platform.wait_until_idle(TUNED)  # no earlier test's request still running, nor counted later
+    return platform
 
 
 def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next_request_is_cold(tuned):
-    # given: a simulated worker whose pool is given a size of its own, emptied first (the other
-    # test of the module may have used it), which has served a picture twice
+    # given: a simulated worker whose pool is given a size of its own, emptied first (other tests
+    # may have used it), which has served a picture twice
     platform, name, base_url = tuned, TUNED, tuned.base_url
     platform.manage("flush_caches")
     index = KvIndex(platform.redis, platform.namespace)
@@ -124,7 +114,8 @@ def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next
         warm = ask(base_url, platform, url)
         blocks = index.worker_blocks(name)
         assert cached_tokens(warm) > 0 and blocks
-        assert WorkerRegistry(platform.redis, platform.namespace).alive([name])[name].kv_capacity_blocks == 64
+        capacity = WorkerRegistry(platform.redis, platform.namespace).alive([name])[name].kv_capacity_blocks
+        assert capacity == HELD_KV_BLOCKS
         # when
         report = json.loads(platform.manage("flush_caches", "--json").strip().splitlines()[-1])
         # then: the worker dropped what it held and said so to the index
@@ -138,7 +129,7 @@ def test_flush_caches_empties_a_simulated_workers_pool_and_the_index_so_the_next
 
 def test_a_simulated_workers_engine_ttft_is_on_its_simulated_clock(tuned):
     # given: a simulated worker running 50 times faster than real time, its caches emptied and
-    # its engine's TTFT figures so far read (the other test of the module may have used it)
+    # its engine's TTFT figures so far read (other tests may have used it)
     platform, base_url = tuned, tuned.base_url
     platform.manage("flush_caches")
     labels = (("worker", TUNED),)
