@@ -177,3 +177,99 @@ def test_a_plain_redis_broker_with_its_prefix_and_timeouts_takes_the_push(
     monkeypatch.setitem(conf, "broker_transport_options", {"global_keyprefix": "p:", "socket_timeout": 5.0})
     monkeypatch.setitem(conf, "broker_use_ssl", None)
     assert direct_broker_url() == "redis://:secret@127.0.0.1:6379/3"
+
+
+class _CountedLines:
+    """The loop's real connections (`frontend().redis_lines()`), counting the round trips made on
+    them: each command still goes to Redis."""
+
+    def __init__(self, lines) -> None:
+        self._lines, self.round_trips = lines, []
+
+    async def execute(self, *args):
+        self.round_trips.append((args[0],))
+        return await self._lines.execute(*args)
+
+    async def execute_many(self, *commands):
+        self.round_trips.append(tuple(command[0] for command in commands))
+        return await self._lines.execute_many(*commands)
+
+
+@pytest.fixture
+def counted_lines(monkeypatch) -> Iterator[list[_CountedLines]]:
+    """Each `redis_lines()` the frontend hands out while the test runs, counting its round trips."""
+    from inference_platform.serving.frontend import frontend
+
+    made: list[_CountedLines] = []
+    hand_out = frontend().redis_lines
+
+    def counted(url: str | None = None):
+        made.append(_CountedLines(hand_out(url)))
+        return made[-1]
+
+    monkeypatch.setattr(frontend(), "redis_lines", counted)
+    yield made
+
+
+def _sent_task(worker: str):
+    from routing.contract.tasks import GenerateTask
+
+    return GenerateTask(request_id="r-send", prompt="Hi", max_tokens=1, follow_id=f"f-{uuid.uuid4().hex[:8]}")
+
+
+def _mark_ttl_ms(follow_id: str) -> int:
+    from routing.contract.responses import live_key
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    key = live_key(settings.REDIS_KEY_PREFIX, follow_id)
+    try:
+        return client.pttl(key)
+    finally:
+        client.delete(key)
+
+
+async def test_a_requests_mark_and_task_go_in_one_round_trip_where_the_broker_is_the_platforms_redis(
+    counted_lines,
+) -> None:
+    from inference_platform.serving.dispatch import send_to_worker
+
+    # given the default: the broker is the platform's Redis
+    worker = f"broker-{uuid.uuid4().hex[:8]}"
+    assert direct_broker_url() == settings.REDIS_URL
+    task = _sent_task(worker)
+
+    # when the frontend sends a request's task to a worker
+    await send_to_worker(worker, task)
+
+    # then the liveness mark is set and the task queued, in one round trip, the mark first
+    assert [trip for lines in counted_lines for trip in lines.round_trips] == [("SET", "LPUSH")]
+    assert 0 < _mark_ttl_ms(task.follow_id) <= settings.REQUEST_LIVENESS_TTL_SECS * 1000
+    (message,) = _queued(f"worker.{worker}")
+    assert json.loads(base64.b64decode(message["body"]))[0][0]["follow_id"] == task.follow_id
+
+
+async def test_with_a_broker_of_its_own_the_mark_is_set_before_the_task_is_pushed_there(
+    broker_settings, monkeypatch, counted_lines
+) -> None:
+    from inference_platform.serving.dispatch import send_to_worker
+
+    # given a broker that is not the platform's Redis (another database of the test server)
+    broker_url = settings.REDIS_URL.rsplit("/", 1)[0] + "/12"
+    monkeypatch.setitem(broker_settings, "broker_url", broker_url)
+    worker = f"broker-{uuid.uuid4().hex[:8]}"
+    task = _sent_task(worker)
+    broker = redis.Redis.from_url(broker_url)
+    queue_key = f"{settings.REDIS_KEY_PREFIX}worker.{worker}"
+    try:
+        # when the frontend sends a request's task
+        await send_to_worker(worker, task)
+
+        # then the mark went to the platform's Redis, then the task to the broker: two round trips
+        assert [trip for lines in counted_lines for trip in lines.round_trips] == [("SET",), ("LPUSH",)]
+        assert _mark_ttl_ms(task.follow_id) > 0
+        assert broker.llen(queue_key) == 1
+    finally:
+        broker.delete(
+            queue_key,
+            f"{settings.REDIS_KEY_PREFIX}_kombu.binding.worker.{worker}",
+        )

@@ -299,17 +299,17 @@ async def test_the_follow_renews_the_mark_and_reservation_a_quarter_ttl_after_th
     settings.REQUEST_LIVENESS_TTL_SECS = ttl_s
     marks: list[str] = []
     renewals: list[str] = []
-    mark, renew = dispatch._mark_followed, RequestLease.arenew
+    mark, renew = dispatch._mark_command, RequestLease.arenew
 
-    async def counted_mark(follow_id: str) -> None:
+    def counted_mark(follow_id: str) -> tuple[object, ...]:  # each mark set: the send's, the renewals'
         marks.append(follow_id)
-        await mark(follow_id)
+        return mark(follow_id)
 
     async def counted_renew(self, *args, **kwargs):
         renewals.append(self.request_id)
         return await renew(self, *args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "_mark_followed", counted_mark)
+    monkeypatch.setattr(dispatch, "_mark_command", counted_mark)
     monkeypatch.setattr(RequestLease, "arenew", counted_renew)
     worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model)
     request = await open_request(tenant_caller, chat_request(served_demo_model))

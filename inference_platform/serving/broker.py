@@ -41,6 +41,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from celery import signals
+from django.conf import settings
 
 from inference_platform.celery import app as celery_app
 from inference_platform.serving.frontend import frontend
@@ -116,6 +117,19 @@ def task_envelope(name: str, args: list[Any], queue: str, expires_s: float, args
         "properties": properties,
     }
     return json.dumps(envelope).encode()
+
+
+def push_with_state(
+    name: str, args: list[Any], *, queue: str, expires_s: float, argsrepr: str | None = None
+) -> tuple[str, str, bytes] | None:
+    """The one command `publish_task` would send for this task (the LPUSH of its envelope), for a
+    caller to send in one round trip with commands of its own on the platform's Redis: only where
+    the broker is that Redis (CELERY_BROKER_URL is REDIS_URL, the default) and the push is direct.
+    None otherwise: the caller sends its commands, then `publish_task`."""
+    url = direct_broker_url()
+    if url is None or url != settings.REDIS_URL or _publish_observed():
+        return None
+    return ("LPUSH", f"{_queue_prefix()}{queue}", task_envelope(name, args, queue, expires_s, argsrepr))
 
 
 async def publish_task(

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import redis
 from django.conf import settings
 
-from inference_platform.serving.broker import publish_task
+from inference_platform.serving.broker import publish_task, push_with_state
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
 from routing.contract.responses import (
@@ -438,12 +438,16 @@ def _eligible(
     return eligible
 
 
-async def _mark_followed(follow_id: str) -> None:
-    """The request's liveness mark, which the worker looks for, set for one liveness TTL (set
-    before the send, then renewed by `follow_task` a few times per TTL: see LIVE_FAMILY)."""
+def _mark_command(follow_id: str) -> tuple[object, ...]:
+    """The command that sets the request's liveness mark, which the worker looks for, for one
+    liveness TTL (set with the send, then renewed by `follow_task` a few times per TTL: see
+    LIVE_FAMILY)."""
     ttl_ms = max(1, int(settings.REQUEST_LIVENESS_TTL_SECS * 1000))
-    mark = live_key(settings.REDIS_KEY_PREFIX, follow_id)
-    await frontend().redis_lines().execute("SET", mark, b"1", "PX", ttl_ms)
+    return ("SET", live_key(settings.REDIS_KEY_PREFIX, follow_id), b"1", "PX", ttl_ms)
+
+
+async def _mark_followed(follow_id: str) -> None:
+    await frontend().redis_lines().execute(*_mark_command(follow_id))
 
 
 async def send_to_worker(worker: str, task: GenerateTask) -> float:
@@ -451,22 +455,31 @@ async def send_to_worker(worker: str, task: GenerateTask) -> float:
     when the request's liveness mark was set (`time.monotonic()`; 0.0 for a task with none), for
     `follow_task` to renew it from then on."""
     marked_at = 0.0
+    message: dict[str, Any] = {
+        "name": task.name,
+        "args": [task.to_payload()],
+        "queue": worker_queue(worker),
+        "expires_s": settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
+        # What Celery's logs and events show of the task: the request, not the payload (its
+        # prompt and token ids), which Celery would otherwise render at every send.
+        "argsrepr": repr([task.request_id]),
+    }
     if task.follow_id:  # marked before the worker can look for the mark
+        mark = _mark_command(task.follow_id)
+        push = push_with_state(**message)
         try:
-            await _mark_followed(task.follow_id)
+            if push is not None:
+                # The broker is the platform's Redis: the mark and the push in one round trip (a
+                # connection's commands run in order: the mark is set when the task is there).
+                # A round trip is most of what a short request costs the frontend's CPU.
+                await frontend().redis_lines().execute_many(mark, push)
+                return time.monotonic()
+            await frontend().redis_lines().execute(*mark)
         except redis.RedisError as exc:
             raise state_unavailable(task.follow_id, exc) from exc
         marked_at = time.monotonic()
     try:
-        await publish_task(
-            task.name,
-            [task.to_payload()],
-            queue=worker_queue(worker),
-            expires_s=settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS,
-            # What Celery's logs and events show of the task: the request, not the payload (its
-            # prompt and token ids), which Celery would otherwise render at every send.
-            argsrepr=repr([task.request_id]),
-        )
+        await publish_task(**message)
     except Exception as exc:  # the broker refused or is unreachable
         logger.exception("could not queue request %s for worker %s", task.request_id, worker)
         raise ApiError(
