@@ -38,7 +38,7 @@ from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
 from inference_platform.serving.served import ServedRequest
-from routing.contract.responses import ResponseWriter, live_key
+from routing.contract.responses import ResponseWriter, live_key, response_key
 from routing.contract.tasks import DoneEvent, ErrorEvent, GenerateTask, StartedEvent, TokenEvent
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.kv.load import LoadTracker
@@ -354,6 +354,9 @@ async def test_a_streamed_answer_releases_each_resource_once(
     assert releases.media[rid] == 1 and releases.lease_callbacks[rid] == 1
     assert releases.clock == Counter({200: 1}) and releases.cancels[rid] == 0
     await nothing_left(rid, tenant_caller, ["w1"])
+    # and the answer's stream went with the liveness mark, read to its end
+    conn = redis.Redis.from_url(django_settings.REDIS_URL)
+    assert not conn.exists(response_key(django_settings.REDIS_KEY_PREFIX, rid))
 
 
 def gone_lines(caplog: pytest.LogCaptureFixture, request_id: str) -> list[str]:

@@ -602,8 +602,10 @@ async def follow_task(
                 raise WorkerLost(lost, after_tokens=produced)
             if event.type in (DONE, ERROR):
                 # Read to the end: the stream has served its purpose (its TTL covers a frontend
-                # that dies before getting here).
-                await lines.execute("DEL", response_key(namespace, rid))
+                # that dies before getting here). A DONE's goes with the request's liveness mark,
+                # in its owner's round trip (`ServedRequest._released`): the request ends now.
+                if event.type == ERROR:
+                    await lines.execute("DEL", response_key(namespace, rid))
                 yield event
                 return
             yield event

@@ -75,7 +75,7 @@ from inference_platform.serving.prepare import (
     session_scope_hash,
 )
 from routing.admission.queue import QueuedRequest, QueueFull, Ticket, wait_estimate_s
-from routing.contract.responses import cancel_key, live_key
+from routing.contract.responses import cancel_key, live_key, response_key
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, GenerateTask, TokenEvent
 from routing.fleet.registry import Heartbeat
 from routing.kv.decision import AllWorkersBusy, StaleWorkers
@@ -128,6 +128,7 @@ class ServedRequest:
         self.rate_limit_headers: dict[str, str] = {}
         self._replanned = False
         self._worker_ended = False  # the worker answered DONE or ERROR: nothing to cancel there
+        self._answered_on: str | None = None  # the task whose DONE was read: its stream to drop
         # What reached the client already, for a migration after the first token to continue from.
         self._token_ids: list[int] = []
         self._text: list[str] = []
@@ -593,7 +594,7 @@ class ServedRequest:
                                     break
                             raise self._worker_error(event)
                         elif isinstance(event, DoneEvent):
-                            self._worker_ended = True
+                            self._worker_ended, self._answered_on = True, self.task_id
                             done = self._whole(event)
                             await self.close(200, done)
                             yield done
@@ -803,9 +804,14 @@ class ServedRequest:
             # cancel takes its frontend for dead (workers.runtime says which it was).
             await _cancel_task(self.task_id)
         await arelease_media(self.request_id, self.media)
+        # The liveness mark, and the stream a DONE was read from (`follow_task` leaves it here):
+        # one round trip.
+        namespace = settings.REDIS_KEY_PREFIX
+        drops: list[tuple[str, str]] = [("DEL", live_key(namespace, self.request_id))]
+        if self._answered_on is not None:
+            drops.append(("DEL", response_key(namespace, self._answered_on)))
         try:
-            mark = live_key(settings.REDIS_KEY_PREFIX, self.request_id)
-            await frontend().redis_lines().execute("DEL", mark)
+            await frontend().redis_lines().execute_many(*drops)
         except redis.RedisError:
             logger.warning("could not drop the liveness mark of request %s (it expires)", self.request_id)
 
