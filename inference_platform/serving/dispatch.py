@@ -471,7 +471,7 @@ async def send_to_worker(worker: str, task: GenerateTask) -> float:
             if push is not None:
                 # The broker is the platform's Redis: the mark and the push in one round trip (a
                 # connection's commands run in order: the mark is set when the task is there).
-                # A round trip is most of what a short request costs the frontend's CPU.
+                # (A round trip's send alone costs the frontend ~0.1 ms of CPU here.)
                 await frontend().redis_lines().execute_many(mark, push)
                 return time.monotonic()
             await frontend().redis_lines().execute(*mark)
