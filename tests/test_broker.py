@@ -211,7 +211,7 @@ def counted_lines(monkeypatch) -> Iterator[list[_CountedLines]]:
     yield made
 
 
-def _sent_task(worker: str):
+def _sent_task():
     from routing.contract.tasks import GenerateTask
 
     return GenerateTask(request_id="r-send", prompt="Hi", max_tokens=1, follow_id=f"f-{uuid.uuid4().hex[:8]}")
@@ -236,7 +236,7 @@ async def test_a_requests_mark_and_task_go_in_one_round_trip_where_the_broker_is
     # given the default: the broker is the platform's Redis
     worker = f"broker-{uuid.uuid4().hex[:8]}"
     assert direct_broker_url() == settings.REDIS_URL
-    task = _sent_task(worker)
+    task = _sent_task()
 
     # when the frontend sends a request's task to a worker
     await send_to_worker(worker, task)
@@ -257,7 +257,7 @@ async def test_with_a_broker_of_its_own_the_mark_is_set_before_the_task_is_pushe
     broker_url = settings.REDIS_URL.rsplit("/", 1)[0] + "/12"
     monkeypatch.setitem(broker_settings, "broker_url", broker_url)
     worker = f"broker-{uuid.uuid4().hex[:8]}"
-    task = _sent_task(worker)
+    task = _sent_task()
     broker = redis.Redis.from_url(broker_url)
     queue_key = f"{settings.REDIS_KEY_PREFIX}worker.{worker}"
     try:

@@ -129,6 +129,13 @@ def push_with_state(
     url = direct_broker_url()
     if url is None or url != settings.REDIS_URL or _publish_observed():
         return None
+    return _push(name, args, queue, expires_s, argsrepr)
+
+
+def _push(
+    name: str, args: list[Any], queue: str, expires_s: float, argsrepr: str | None
+) -> tuple[str, str, bytes]:
+    """The LPUSH of the task's envelope onto the queue's list (under the broker's key prefix)."""
     return ("LPUSH", f"{_queue_prefix()}{queue}", task_envelope(name, args, queue, expires_s, argsrepr))
 
 
@@ -150,5 +157,4 @@ async def publish_task(
             expires=expires_s,
         )
         return
-    message = task_envelope(name, args, queue, expires_s, argsrepr)
-    await frontend().redis_lines(url).execute("LPUSH", f"{_queue_prefix()}{queue}", message)
+    await frontend().redis_lines(url).execute(*_push(name, args, queue, expires_s, argsrepr))

@@ -128,7 +128,6 @@ class ServedRequest:
         self.rate_limit_headers: dict[str, str] = {}
         self._replanned = False
         self._worker_ended = False  # the worker answered DONE or ERROR: nothing to cancel there
-        self._answered_on: str | None = None  # the task whose DONE was read: its stream to drop
         # What reached the client already, for a migration after the first token to continue from.
         self._token_ids: list[int] = []
         self._text: list[str] = []
@@ -594,7 +593,7 @@ class ServedRequest:
                                     break
                             raise self._worker_error(event)
                         elif isinstance(event, DoneEvent):
-                            self._worker_ended, self._answered_on = True, self.task_id
+                            self._worker_ended = True
                             done = self._whole(event)
                             await self.close(200, done)
                             yield done
@@ -804,12 +803,12 @@ class ServedRequest:
             # cancel takes its frontend for dead (workers.runtime says which it was).
             await _cancel_task(self.task_id)
         await arelease_media(self.request_id, self.media)
-        # The liveness mark, and the stream a DONE was read from (`follow_task` leaves it here):
-        # one round trip.
+        # The liveness mark, and the stream the task's end was read from, in one round trip
+        # (`follow_task` leaves a DONE's here; an ERROR's it dropped already).
         namespace = settings.REDIS_KEY_PREFIX
         drops: list[tuple[str, str]] = [("DEL", live_key(namespace, self.request_id))]
-        if self._answered_on is not None:
-            drops.append(("DEL", response_key(namespace, self._answered_on)))
+        if self._worker_ended:
+            drops.append(("DEL", response_key(namespace, self.task_id)))
         try:
             await frontend().redis_lines().execute_many(*drops)
         except redis.RedisError:
