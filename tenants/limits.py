@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -123,9 +122,10 @@ class TenantLimiter:
         """Free the request's concurrency slot (a no-op if it held none)."""
         self._client.zrem(self.key(tenant_id, "active"), request_id)
 
-    async def arelease(self, lines: Any, tenant_id: int, request_id: str) -> None:
-        """`release` on an event loop's own connections (`lines`: AsyncDirectCommands)."""
-        await lines.execute("ZREM", self.key(tenant_id, "active"), request_id)
+    def release_command(self, tenant_id: int, request_id: str) -> tuple[str, str, str]:
+        """`release` as a command, for a caller that sends it in a round trip of its own making
+        (a request's end: inference_platform.serving.served)."""
+        return ("ZREM", self.key(tenant_id, "active"), request_id)
 
     def active(self, tenant_id: int) -> int:
         return int(self._client.zcard(self.key(tenant_id, "active")))

@@ -9,7 +9,6 @@ prompt_tokens, cached_tokens, completion_tokens, refused (over a limit). Keyed b
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import redis
 
@@ -28,25 +27,22 @@ class TenantUsage:
     def record(self, usage_id: str, *, prompt: int = 0, cached: int = 0, completion: int = 0) -> None:
         """One answered request and its tokens."""
         pipe = self._client.pipeline(transaction=False)
-        key = self.key(usage_id)
-        pipe.hincrby(key, "requests", 1)
-        pipe.hincrby(key, "prompt_tokens", prompt)
-        pipe.hincrby(key, "cached_tokens", cached)
-        pipe.hincrby(key, "completion_tokens", completion)
+        for command in self.record_commands(usage_id, prompt=prompt, cached=cached, completion=completion):
+            pipe.execute_command(*command)
         pipe.execute()
 
-    async def arecord(
-        self, lines: Any, usage_id: str, *, prompt: int = 0, cached: int = 0, completion: int = 0
-    ) -> None:
-        """`record` on an event loop's own connections (`lines`: AsyncDirectCommands), in one
-        round trip."""
+    def record_commands(
+        self, usage_id: str, *, prompt: int = 0, cached: int = 0, completion: int = 0
+    ) -> list[tuple[str, str, str, int]]:
+        """`record` as commands, for a caller that sends them in a round trip of its own making
+        (a request's end: inference_platform.serving.served)."""
         key = self.key(usage_id)
-        await lines.execute_many(
+        return [
             ("HINCRBY", key, "requests", 1),
             ("HINCRBY", key, "prompt_tokens", prompt),
             ("HINCRBY", key, "cached_tokens", cached),
             ("HINCRBY", key, "completion_tokens", completion),
-        )
+        ]
 
     def refused(self, usage_id: str) -> None:
         self._client.hincrby(self.key(usage_id), "refused", 1)

@@ -621,3 +621,39 @@ def lone_frontend(lone_worker_pool: WorkerPool) -> harness.PlatformProcesses:
     """`pooled_frontend`'s counterpart for the session's lone worker: its running frontend
     (default settings), as a tenant of the test's own sees it."""
     return lone_worker_pool.running_frontend()
+
+
+class _CountedLines:
+    """The loop's real connections (`frontend().redis_lines()`), counting the round trips made on
+    them: each command still goes to Redis."""
+
+    def __init__(self, lines) -> None:
+        self._lines, self.round_trips = lines, []
+
+    async def execute(self, *args):
+        self.round_trips.append((args[0],))
+        return await self._lines.execute(*args)
+
+    async def execute_many(self, *commands):
+        self.round_trips.append(tuple(command[0] for command in commands))
+        return await self._lines.execute_many(*commands)
+
+    async def replies(self, *commands):
+        self.round_trips.append(tuple(command[0] for command in commands))
+        return await self._lines.replies(*commands)
+
+
+@pytest.fixture
+def counted_lines(monkeypatch) -> Iterator[list[_CountedLines]]:
+    """Each `redis_lines()` the frontend hands out while the test runs, counting its round trips."""
+    from inference_platform.serving.frontend import frontend
+
+    made: list[_CountedLines] = []
+    hand_out = frontend().redis_lines
+
+    def counted(url: str | None = None):
+        made.append(_CountedLines(hand_out(url)))
+        return made[-1]
+
+    monkeypatch.setattr(frontend(), "redis_lines", counted)
+    yield made

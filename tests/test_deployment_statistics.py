@@ -27,14 +27,11 @@ _DEPLOYMENT = """
 import json, sys
 import django
 django.setup()
-import asyncio
 from django.core.management import call_command
 call_command("migrate", interactive=False, verbosity=0)
 from inference_platform.admin_dashboard import deployment_snapshot
 from inference_platform.serving.clock import RequestClock
 from inference_platform.serving.frontend import frontend
-from inference_platform.serving.served import _count_usage
-from routing.contract.tasks import DoneEvent
 from routing.deployment import deployment_id, statistics_namespace
 from routing.observe import telemetry
 from routing.state.redis_keys import sync_client
@@ -50,8 +47,7 @@ for _ in range(failed_requests):
     RequestClock().finish(500, None)
 for _ in range(answered):
     RequestClock().finish(200, "gpu0")
-    done = DoneEvent(prompt_tokens=10, cached_tokens=0, completion_tokens=2)
-    asyncio.run(_count_usage(caller.usage_id, done))
+    frontend().usage().record(caller.usage_id, prompt=10, cached=0, completion=2)
 recorder.flush()
 window = deployment_snapshot(5)["window"]["totals"]
 print(json.dumps({

@@ -154,3 +154,57 @@ async def test_several_commands_go_in_one_round_trip_and_an_error_reply_leaves_t
     assert await lines.execute("HGET", key, "b") == b"4"
     assert len(lines._idle) == 1
     await lines.close()
+
+
+async def test_replies_give_an_error_reply_in_its_place_and_raise_nothing(
+    redis_url, redis_client, key_namespace
+) -> None:
+    lines = _lines(redis_url)
+    key = f"{key_namespace}h"
+    replies = await lines.replies(("HINCRBY", key, "a", 1), ("HINCRBY", key, "a", "x"), ("HGET", key, "a"))
+    assert replies[0] == 1 and replies[2] == b"1"
+    assert isinstance(replies[1], redis.ResponseError) and "not an integer" in str(replies[1])
+    await lines.close()
+
+
+class _ForgetfulRedisFaultInjected:
+    """A loop's connections to a Redis that forgot its scripts (restarted): the first EVALSHA of
+    a round trip is refused with NOSCRIPT once, the round trip's other commands run."""
+
+    def __init__(self, lines: AsyncDirectCommands) -> None:
+        self.lines, self.refused = lines, 0
+
+    async def execute(self, *command):
+        return await self.lines.execute(*command)
+
+    async def replies(self, *commands):
+        if commands[0][0] == "EVALSHA" and not self.refused:
+            self.refused += 1
+            return [
+                redis.exceptions.NoScriptError("NOSCRIPT No matching script."),
+                *await self.lines.replies(*commands[1:]),
+            ]
+        return await self.lines.replies(*commands)
+
+
+@pytest.mark.parametrize("forgotten", [False, True])
+async def test_a_script_sends_the_callers_commands_in_its_round_trip_and_runs_once_if_redis_forgot_it(
+    redis_url, redis_client, key_namespace, forgotten
+) -> None:
+    # given a script that counts its runs, and lines to a Redis that may have forgotten it
+    script = LuaScript(redis_client, "return redis.call('INCR', ARGV[1])")
+    lines = _lines(redis_url)
+    on = _ForgetfulRedisFaultInjected(lines) if forgotten else lines
+    runs, along = f"{key_namespace}runs", f"{key_namespace}along"
+
+    # when it runs with two commands of the caller's along
+    reply = await script.acall(on, runs, along=[("HINCRBY", along, "a", 1), ("HINCRBY", along, "b", 2)])
+
+    # then the script ran once (again after a NOSCRIPT), the commands once each
+    assert reply == 1 and redis_client.get(runs) == b"1"
+    assert redis_client.hgetall(along) == {b"a": b"1", b"b": b"2"}
+    # and a command of the caller's that fails raises, after the script ran
+    with pytest.raises(redis.ResponseError, match="not an integer"):
+        await script.acall(lines, runs, along=[("HINCRBY", along, "a", "x")])
+    assert redis_client.get(runs) == b"2"
+    await lines.close()

@@ -214,13 +214,13 @@ def releases(monkeypatch) -> Releases:
         monkeypatch.setattr(owner, name, counting)
 
     spy(TenantLimiter, "release", lambda self, tenant, rid: counted.tenant_slot.update([rid]))
-    spy(TenantLimiter, "arelease", lambda self, lines, tenant, rid: counted.tenant_slot.update([rid]))
+    spy(TenantLimiter, "release_command", lambda self, tenant, rid: counted.tenant_slot.update([rid]))
     spy(LoadTracker, "free", lambda self, worker, rid: counted.load.update([(worker, rid)]))
-    spy(LoadTracker, "afree", lambda self, lines, worker, rid: counted.load.update([(worker, rid)]))
+    spy(LoadTracker, "afree", lambda self, lines, worker, rid, **_: counted.load.update([(worker, rid)]))
     spy(MediaStore, "release", lambda self, owner, refs: counted.media.update([owner]))
     spy(MediaStore, "arelease", lambda self, lines, owner, refs: counted.media.update([owner]))
     spy(ServedRequest, "_released", lambda self, lease: counted.lease_callbacks.update([self.request_id]))
-    spy(served, "_cancel_task", lambda task_id: counted.cancels.update([task_id]))
+    spy(served, "_cancel_command", lambda task_id: counted.cancels.update([task_id]))
     spy(RequestClock, "finish", lambda self, status, *a, **k: counted.clock.update([status]))
     return counted
 
@@ -285,6 +285,32 @@ async def test_a_served_answer_releases_each_resource_once(served_demo_model, te
     assert releases.clock == Counter({200: 1})
     assert releases.cancels[rid] == 0  # the worker ended it: nothing to cancel
     await nothing_left(rid, tenant_caller, ["w1"])
+
+
+@pytestmark_db
+async def test_an_answered_requests_end_is_written_in_one_round_trip(
+    served_demo_model, tenant_caller, counted_lines
+):
+    # given a text request (no media) of a tenant with a concurrency slot
+    worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model)
+    text = {"model": served_demo_model, "max_tokens": 6, "messages": [{"role": "user", "content": "Hi"}]}
+    request = await open_request(tenant_caller, parse_chat_request(text, max_tokens_limit=64))
+
+    # when it is answered and followed to its end
+    worker.answer(await worker.next_task(), [("Hel", [11]), ("lo", [12])])
+    await drain(request)
+    await request.close(200)  # (the end came with the answer: nothing more)
+
+    # then after the last read of its stream came the first token's move to decode, then its
+    # end, in one round trip: the load freed, the liveness mark and the stream dropped, the
+    # tenant's slot freed and its usage counted
+    trips = [trip for lines in counted_lines for trip in lines.round_trips]
+    last_read = len(trips) - 1 - trips[::-1].index(("XREAD",))
+    end = ("EVALSHA", "DEL", "ZREM", "HINCRBY", "HINCRBY", "HINCRBY", "HINCRBY")
+    assert trips[last_read + 1 :] == [("EVALSHA",), end]
+    await nothing_left(request.request_id, tenant_caller, ["w1"])
+    usage = (await frontend().ausage()).totals([tenant_caller.usage_id])[tenant_caller.usage_id]
+    assert (usage["requests"], usage["completion_tokens"]) == (1, 2)
 
 
 @pytestmark_db

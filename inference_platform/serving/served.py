@@ -16,11 +16,13 @@ last byte (as vLLM's `AsyncLLM.generate` owns a request and aborts it on cancel)
 - `close(status, result)`: ends the request once, whatever ended it.
 
 What the request holds is freed in exactly one place each:
-- what exists only once a worker was chosen rides the lease (`RequestLease.on_release`, run once
-  by `RequestLease.arelease`, which `close` awaits): the load reservation itself, the media blobs,
-  the liveness mark, and the worker-side cancel of a task the worker did not end;
-- what precedes the lease is freed by `close` itself: the tenant's concurrency slot (with its
-  usage) and the metrics clock;
+- what exists only once a worker was chosen rides the lease, released once by
+  `RequestLease.arelease`, which `close` awaits: the load reservation itself, then in the same
+  round trip (`_lease_end`) the worker-side cancel of a task the worker did not end, the
+  liveness mark and the response stream; then the media blobs (`on_release`: their store may be
+  a Redis of its own);
+- what precedes the lease is freed by `close` itself (`_tenant_end`): the tenant's concurrency
+  slot (with its usage), in the lease's round trip where there is a lease; and the metrics clock;
 - a place in the admission queue is left by `_wait_in_line` itself, whatever ends its wait, and
   a place at the arrival gate by `_arrival`'s block.
 """
@@ -83,6 +85,7 @@ from routing.kv.lease import RESERVED, RequestLease
 from routing.media.store import MediaRef, MediaStoreError
 from routing.observe import telemetry
 from routing.prompt.processor_view import tensors_by_reference
+from routing.state.redis_direct import Command
 from tenants.keys import ANONYMOUS, Caller
 from tenants.limits import LimitExceeded, exceeded_headers
 
@@ -761,23 +764,32 @@ class ServedRequest:
     async def close(self, status: int, result: DoneEvent | ApiError | None = None) -> None:
         """End the request once (later calls do nothing): its lease released (and with it what
         rides on it: load, media, liveness mark, a worker-side cancel), its status and tokens
-        counted, its tenant's slot freed and usage recorded."""
+        counted, its tenant's slot freed and usage recorded. What it writes to Redis at its end
+        goes in one round trip: the load's free, then `_lease_end` and `_tenant_end`."""
         if self._closed:
             return
         self._closed = True
         self.status = status
         self._end_wait()
         done = result if isinstance(result, DoneEvent) else None
+        for_tenant = await self._tenant_end(done)
         if self.lease is not None:
             outcome = "done" if done is not None else "abandoned" if status == CLIENT_CLOSED else "failed"
             if isinstance(result, ApiError):
                 outcome = result.code or outcome
+            along = [*self._lease_end(), *for_tenant]
             try:
-                await asyncio.shield(self.lease.arelease(frontend().redis_lines(), outcome))
-            except redis.RedisError:  # the reservation expires on its own
+                await asyncio.shield(self.lease.arelease(frontend().redis_lines(), outcome, along=along))
+            except redis.RedisError as exc:  # the reservation, the mark and the slot expire on their own
+                note_redis_failure()
                 logger.warning(
-                    "could not free the load of request %s on worker %s", self.request_id, self.worker
+                    "could not write the end of request %s (its load on worker %s, liveness mark%s): %s",
+                    self.request_id,
+                    self.worker,
+                    ", usage" if done is not None else "",
+                    exc,
                 )
+            for_tenant = []  # sent with the free (the lease is released here only)
             if self.prepared is not None:
                 turns().notify(self.prepared.model.name)  # a request of this process may go now
         if status == CLIENT_CLOSED:
@@ -792,36 +804,54 @@ class ServedRequest:
             )
         model = self.prepared.model.name if self.prepared is not None else None
         self.clock.finish(status, self.worker, done, model)
-        if self._admitted:
-            await asyncio.shield(self._end_for_tenant(done))
+        if for_tenant:
+            await asyncio.shield(self._end_for_tenant(for_tenant))
+
+    def _lease_end(self) -> list[Command]:
+        """What rides on the lease and is written with its free: a cancel of the task if the
+        worker did not end it (the client went away, a timeout, a failure here), set before the
+        liveness mark goes, since a worker that finds the mark gone and no cancel takes its
+        frontend for dead (workers.runtime says which it was); the mark; and the stream the task's
+        end was read from (`follow_task` leaves a DONE's here; an ERROR's it dropped already)."""
+        namespace = settings.REDIS_KEY_PREFIX
+        if not self._worker_ended:
+            return [_cancel_command(self.task_id), ("DEL", live_key(namespace, self.request_id))]
+        return [("DEL", live_key(namespace, self.request_id), response_key(namespace, self.task_id))]
+
+    async def _tenant_end(self, done: DoneEvent | None) -> list[Command]:
+        """What the request's end writes for its tenant: its concurrency slot freed, if it took
+        one (`_admit`), and what it used counted, if it was answered."""
+        caller = self.caller
+        if not self._admitted:
+            return []
+        commands: list[Command] = []
+        if caller.max_concurrent_requests:
+            commands.append(frontend().limiter().release_command(caller.tenant_id, self.request_id))  # type: ignore[arg-type]
+        if done is not None:
+            usage = await frontend().ausage()
+            commands += usage.record_commands(
+                caller.usage_id,  # type: ignore[arg-type]
+                prompt=int(done.prompt_tokens),
+                cached=int(done.cached_tokens),
+                completion=int(done.completion_tokens),
+            )
+        return commands
 
     async def _released(self, lease: RequestLease) -> None:
-        """What rides on the lease, freed once when it is released (`RequestLease.arelease`)."""
-        if not self._worker_ended:
-            # The worker may still be at it (the client went away, a timeout, a failure here).
-            # Asked before the liveness mark goes: a worker that finds the mark gone and no
-            # cancel takes its frontend for dead (workers.runtime says which it was).
-            await _cancel_task(self.task_id)
+        """What rides on the lease in a store of its own, freed once when it is released
+        (`RequestLease.arelease`): the request's media blobs."""
         await arelease_media(self.request_id, self.media)
-        # The liveness mark, and the stream the task's end was read from, in one round trip
-        # (`follow_task` leaves a DONE's here; an ERROR's it dropped already).
-        namespace = settings.REDIS_KEY_PREFIX
-        drops: list[tuple[str, str]] = [("DEL", live_key(namespace, self.request_id))]
-        if self._worker_ended:
-            drops.append(("DEL", response_key(namespace, self.task_id)))
-        try:
-            await frontend().redis_lines().execute_many(*drops)
-        except redis.RedisError:
-            logger.warning("could not drop the liveness mark of request %s (it expires)", self.request_id)
 
-    async def _end_for_tenant(self, done: DoneEvent | None) -> None:
+    async def _end_for_tenant(self, commands: list[Command]) -> None:
+        """`_tenant_end`'s commands, for a request that never had a lease (refused or failed
+        before a worker was chosen)."""
         if redis_recently_failed():
             # Redis just failed this request: the client gets its answer now, not a timeout later.
-            task = asyncio.create_task(_record_end(self.caller, self.request_id, done))
+            task = asyncio.create_task(_record_end(self.caller, self.request_id, commands))
             _background.add(task)
             task.add_done_callback(_background.discard)
             return
-        await _record_end(self.caller, self.request_id, done)
+        await _record_end(self.caller, self.request_id, commands)
 
     def _log_sent(self) -> None:
         assert self.prepared is not None and self.lease is not None
@@ -850,14 +880,10 @@ def as_api_error(exc: BaseException, request_id: str) -> ApiError:
     return ApiError(500, f"Internal error in request {request_id}.", code="internal_error")
 
 
-async def _record_end(caller: Caller, request_id: str, done: DoneEvent | None) -> None:
-    """Free the tenant's concurrency slot and count what the request used."""
-    lines = frontend().redis_lines()
+async def _record_end(caller: Caller, request_id: str, commands: list[Command]) -> None:
+    """Free the tenant's concurrency slot and count what the request used (`commands`)."""
     try:
-        if caller.max_concurrent_requests:  # only then did the request take a slot (`_admit`)
-            await frontend().limiter().arelease(lines, caller.tenant_id, request_id)  # type: ignore[arg-type]
-        if done is not None:
-            await _count_usage(caller.usage_id, done)  # type: ignore[arg-type]
+        await frontend().redis_lines().execute_many(*commands)
     except redis.RedisError:
         note_redis_failure()
         # The slot expires on its own; a lost usage increment must not fail an answered request.
@@ -876,27 +902,16 @@ def _count_refusal(usage_id: str) -> None:
     frontend().usage().refused(usage_id)
 
 
-async def _count_usage(usage_id: str, done: DoneEvent) -> None:
-    """What an answered request used, under its tenant's usage id."""
-    usage = await frontend().ausage()
-    await usage.arecord(
-        frontend().redis_lines(),
-        usage_id,
-        prompt=int(done.prompt_tokens),
-        cached=int(done.cached_tokens),
-        completion=int(done.completion_tokens),
-    )
+def _cancel_command(task_id: str) -> Command:
+    """The mark that tells a worker to stop a task (workers.runtime looks for it)."""
+    return ("SET", cancel_key(settings.REDIS_KEY_PREFIX, task_id), b"1", "EX", _CANCEL_TTL_S)
 
 
 async def _cancel_task(task_id: str) -> None:
     """Ask the worker to stop a task; with Redis gone too, the worker finishes it and its stream
     expires."""
     try:
-        await (
-            frontend()
-            .redis_lines()
-            .execute("SET", cancel_key(settings.REDIS_KEY_PREFIX, task_id), b"1", "EX", _CANCEL_TTL_S)
-        )
+        await frontend().redis_lines().execute(*_cancel_command(task_id))
     except redis.RedisError:
         logger.warning("could not cancel request %s: Redis failed", task_id)
 

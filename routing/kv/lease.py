@@ -21,14 +21,14 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from routing.kv.decision import RoutingDecision
     from routing.kv.load import LoadTracker
-    from routing.state.redis_direct import AsyncDirectCommands
+    from routing.state.redis_direct import AsyncDirectCommands, Command
 
 logger = logging.getLogger("routing.kv.lease")
 
@@ -139,15 +139,19 @@ class RequestLease:
             raise failure
         return True
 
-    async def arelease(self, lines: AsyncDirectCommands, outcome: str) -> bool:
+    async def arelease(
+        self, lines: AsyncDirectCommands, outcome: str, *, along: Sequence[Command] = ()
+    ) -> bool:
         """`release` on an event loop's own connections (`lines`), awaiting each callback that
-        is a coroutine function; the same promises."""
+        is a coroutine function; the same promises. `along`: what else the request's end writes
+        (to `lines`' Redis), sent after the free in its round trip, and only if this call is the
+        one that releases."""
         callbacks = self._end(outcome)
         if callbacks is None:
             return False
         failure: Exception | None = None
         try:
-            await self.load.afree(lines, self.worker, self.request_id)
+            await self.load.afree(lines, self.worker, self.request_id, along=along)
         except Exception as exc:  # Redis away: the reservation expires on its own
             failure = exc
         for callback in callbacks:

@@ -33,7 +33,7 @@ from routing.contract.kv_events import check_worker_name
 from routing.state.lua import LuaScript, execute_pipeline, lua_constants, lua_script, lua_text
 
 if TYPE_CHECKING:
-    from routing.state.redis_direct import AsyncDirectCommands
+    from routing.state.redis_direct import AsyncDirectCommands, Command
 
 REQUESTS_FAMILY = "load:req:"
 TOTALS_KEY = "load:totals"
@@ -129,9 +129,13 @@ class LoadTracker:
         """Completion, failure or cancellation. False if it was not tracked (already freed)."""
         return bool(self._free(self._namespace, check_worker_name(worker), request_id))
 
-    async def afree(self, lines: AsyncDirectCommands, worker: str, request_id: str) -> bool:
-        """`free` on an event loop's own connections (`lines`)."""
-        return bool(await self._free.acall(lines, self._namespace, check_worker_name(worker), request_id))
+    async def afree(
+        self, lines: AsyncDirectCommands, worker: str, request_id: str, *, along: Sequence[Command] = ()
+    ) -> bool:
+        """`free` on an event loop's own connections (`lines`); `along`: commands of the caller's
+        sent after it in the same round trip (`LuaScript.acall`)."""
+        args = (self._namespace, check_worker_name(worker), request_id)
+        return bool(await self._free.acall(lines, *args, along=along))
 
     def renew(self, worker: str, request_id: str, ttl_s: float) -> bool:
         """Push the entry's expiry to now + ttl_s (its frontend still follows it)."""

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
 import redis
 
-from routing.state.redis_direct import AsyncDirectCommands, direct_commands
+from routing.state.redis_direct import AsyncDirectCommands, Command, direct_commands
 from routing.state.redis_keys import reply_text
 
 
@@ -108,9 +108,22 @@ class LuaScript:
             self.sha = self._load()
             return self._direct.execute("EVALSHA", self.sha, 0, *args)
 
-    async def acall(self, lines: AsyncDirectCommands, *args: Any) -> Any:
-        """The script on an event loop's own connections (`lines`)."""
-        return await aevalsha(lines, self.sha, self.source, 0, *args)
+    async def acall(self, lines: AsyncDirectCommands, *args: Any, along: Sequence[Command] = ()) -> Any:
+        """The script on an event loop's own connections (`lines`); its reply.
+
+        `along`: commands of the caller's sent after it in the same round trip (a pipeline, not a
+        transaction), each run once; the first of them to fail raises, after the script ran."""
+        if not along:
+            return await aevalsha(lines, self.sha, self.source, 0, *args)
+        script, *others = await lines.replies(("EVALSHA", self.sha, 0, *args), *along)
+        if isinstance(script, redis.exceptions.NoScriptError):
+            script = await aevalsha(lines, self.sha, self.source, 0, *args)
+        elif isinstance(script, redis.ResponseError):
+            raise script
+        for reply in others:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return script
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
         pipe.evalsha(self.sha, 0, *args)

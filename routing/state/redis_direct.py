@@ -30,6 +30,9 @@ from typing import Any
 
 import redis
 
+# One command: its name, then its arguments, as `execute` takes them.
+Command = tuple[Any, ...]
+
 
 class DirectCommands:
     def __init__(self, client: redis.Redis) -> None:
@@ -134,6 +137,15 @@ class AsyncDirectCommands:
     async def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
         """Several commands in one round trip (a pipeline, not a transaction): their replies in
         order. An error reply raises, once every reply is read (the connection stays in step)."""
+        replies = await self.replies(*commands)
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
+
+    async def replies(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """`execute_many`, an error reply given in its place (a `redis.ResponseError`) rather
+        than raised: for a caller that tells apart which of its commands failed."""
         return await self._on_a_connection(self._round_trip_many, commands)
 
     async def _on_a_connection(self, exchange: Callable[[Any, Any], Awaitable[Any]], payload: Any) -> Any:
@@ -172,7 +184,6 @@ class AsyncDirectCommands:
 
     async def _round_trip_many(self, connection: Any, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
         replies: list[Any] = []
-        error: redis.ResponseError | None = None
         try:
             async with asyncio.timeout(self._timeout):
                 if _pack_command is not None:
@@ -183,7 +194,6 @@ class AsyncDirectCommands:
                     try:
                         replies.append(await connection.read_response())
                     except redis.ResponseError as exc:  # read whole: the next reply follows
-                        error = error or exc
                         replies.append(exc)
         except TimeoutError as exc:
             await connection.disconnect(nowait=True)
@@ -192,8 +202,6 @@ class AsyncDirectCommands:
             await connection.disconnect(nowait=True)
             raise
         self._idle.append(connection)
-        if error is not None:
-            raise error
         return replies
 
     def _timed_out(self) -> redis.TimeoutError:
