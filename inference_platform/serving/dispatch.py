@@ -603,7 +603,7 @@ async def follow_task(
             if event.type in (DONE, ERROR):
                 # Read to the end: the stream has served its purpose (its TTL covers a frontend
                 # that dies before getting here). A DONE's goes with the request's liveness mark,
-                # in its owner's round trip (`ServedRequest._released`): the request ends now.
+                # in its owner's round trip (`ServedRequest._lease_end`): the request ends now.
                 if event.type == ERROR:
                     await lines.execute("DEL", response_key(namespace, rid))
                 yield event
