@@ -778,8 +778,12 @@ class ServedRequest:
             if isinstance(result, ApiError):
                 outcome = result.code or outcome
             along = [*self._lease_end(), *for_tenant]
+            sent = True
             try:
-                await asyncio.shield(self.lease.arelease(frontend().redis_lines(), outcome, along=along))
+                # False only if the lease was released already: then nothing went along.
+                sent = await asyncio.shield(
+                    self.lease.arelease(frontend().redis_lines(), outcome, along=along)
+                )
             except redis.RedisError as exc:  # the reservation, the mark and the slot expire on their own
                 note_redis_failure()
                 logger.warning(
@@ -789,7 +793,8 @@ class ServedRequest:
                     ", usage" if done is not None else "",
                     exc,
                 )
-            for_tenant = []  # sent with the free (the lease is released here only)
+            if sent:  # (or lost with the connection: never sent twice, a usage counted twice)
+                for_tenant = []
             if self.prepared is not None:
                 turns().notify(self.prepared.model.name)  # a request of this process may go now
         if status == CLIENT_CLOSED:
@@ -828,7 +833,11 @@ class ServedRequest:
         if caller.max_concurrent_requests:
             commands.append(frontend().limiter().release_command(caller.tenant_id, self.request_id))  # type: ignore[arg-type]
         if done is not None:
-            usage = await frontend().ausage()
+            try:
+                usage = await frontend().ausage()
+            except Exception:  # a lost usage increment must not fail an answered request
+                logger.exception("could not count the usage of request %s", self.request_id)
+                return commands
             commands += usage.record_commands(
                 caller.usage_id,  # type: ignore[arg-type]
                 prompt=int(done.prompt_tokens),
