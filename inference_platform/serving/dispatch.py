@@ -46,6 +46,7 @@ from routing.kv.decision import RoutingDecision, WorkerReport
 from routing.kv.lease import RequestLease
 from routing.models import Worker, worker_queue
 from routing.observe import telemetry
+from routing.state.redis_direct import Command
 from routing.state.redis_keys import redact_text, sync_client
 
 logger = logging.getLogger("inference_platform.dispatch")
@@ -438,7 +439,7 @@ def _eligible(
     return eligible
 
 
-def _mark_command(follow_id: str) -> tuple[object, ...]:
+def _mark_command(follow_id: str) -> Command:
     """The command that sets the request's liveness mark, which the worker looks for, for one
     liveness TTL (set with the send, then renewed by `follow_task` a few times per TTL: see
     LIVE_FAMILY)."""

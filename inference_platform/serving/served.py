@@ -852,8 +852,8 @@ class ServedRequest:
         await arelease_media(self.request_id, self.media)
 
     async def _end_for_tenant(self, commands: list[Command]) -> None:
-        """`_tenant_end`'s commands, for a request that never had a lease (refused or failed
-        before a worker was chosen)."""
+        """`_tenant_end`'s commands, where no lease release took them along: a request refused
+        or failed before a worker was chosen (or whose lease was released already)."""
         if redis_recently_failed():
             # Redis just failed this request: the client gets its answer now, not a timeout later.
             task = asyncio.create_task(_record_end(self.caller, self.request_id, commands))

@@ -134,7 +134,7 @@ class AsyncDirectCommands:
     async def execute(self, *args: Any) -> Any:
         return await self._on_a_connection(self._round_trip, args)
 
-    async def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
+    async def execute_many(self, *commands: Command) -> list[Any]:
         """Several commands in one round trip (a pipeline, not a transaction): their replies in
         order. An error reply raises, once every reply is read (the connection stays in step)."""
         replies = await self.replies(*commands)
@@ -143,7 +143,7 @@ class AsyncDirectCommands:
                 raise reply
         return replies
 
-    async def replies(self, *commands: tuple[Any, ...]) -> list[Any]:
+    async def replies(self, *commands: Command) -> list[Any]:
         """`execute_many`, an error reply given in its place (a `redis.ResponseError`) rather
         than raised: for a caller that tells apart which of its commands failed."""
         return await self._on_a_connection(self._round_trip_many, commands)
