@@ -524,6 +524,37 @@ def test_busy_workers_are_no_candidates_and_all_busy_reserves_nothing(router: Kv
     assert router.load.snapshot(["gpu2"])["gpu2"].active_requests == 2
 
 
+def test_a_decision_asked_for_no_scores_holds_the_chosen_workers_alone_and_names_the_busy(
+    router: KvRouter, publisher: KvEventPublisher
+) -> None:
+    # given: gpu1 holds the prompt, gpu0 reports a full queue, gpu2 and gpu3 are idle
+    policy = RoutingPolicy(busy_max_requests=2)
+    tokens = _tokens(22, 400)
+    hashes = block_hashes(tokens, BS)
+    publisher.publish([KvEvent("stored", "gpu1", tuple(hashes[:10]))])
+    reports = {"gpu0": WorkerReport(running_and_waiting=2)}
+    previewed = router.route(hashes, len(tokens), BS, WORKERS, policy, reports=reports, rng=random.Random(3))
+
+    # when: the same decision, reserving, asked for no scores
+    lease = router.decide(
+        "r1", hashes, len(tokens), BS, WORKERS, policy, reports=reports, rng=random.Random(3), scores=False
+    )
+
+    # then: the same choice, the chosen worker's score alone, the busy worker still named
+    decision = lease.decision
+    assert (decision.worker, decision.overlap, decision.best_overlap) == ("gpu1", 10, 10)
+    assert (decision.reason, decision.busy) == (previewed.reason, previewed.busy) == ("cost", ("gpu0",))
+    assert list(decision.scores) == [s for s in previewed.scores if s.worker == "gpu1"]
+    assert len(previewed.scores) == len(WORKERS) - 1
+    # and the reservation is the one a full decision makes
+    assert router.load.snapshot(["gpu1"])["gpu1"].active_requests == 1
+    lease.release("done")
+    # and every worker busy is still told apart from none eligible
+    with pytest.raises(AllWorkersBusy) as busy:
+        router.decide("r2", hashes, len(tokens), BS, ["gpu0"], policy, reports=reports, scores=False)
+    assert busy.value.workers == ("gpu0",)
+
+
 @pytest.mark.parametrize("fleet", [WORKERS, tuple(f"w{i:03d}" for i in range(100))])
 def test_a_decision_conditional_on_a_generation_that_moved_reserves_nothing(
     router: KvRouter, redis_client: redis.Redis, key_namespace: str, fleet: tuple[str, ...]

@@ -246,6 +246,34 @@ def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router
     assert router.route(hashes, 1_000, BS, FLEET, policy, rng=random.Random(2)).worker == "w250"
 
 
+def test_among_candidates_a_decision_asked_for_no_scores_holds_the_chosen_workers_alone(router, publisher):
+    # given: the fleet above whose longest prefix is on a busy worker, and a preview's decision
+    hashes = block_hashes(_tokens(16, 1_000), BS)
+    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
+    publisher.publish([KvEvent("stored", "w250", tuple(hashes[:50]))])
+    reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
+    reports["w250"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=64)
+    policy = RoutingPolicy(busy_max_requests=32)
+    previewed = router.route(hashes, 1_000, BS, FLEET, policy, reports=reports, rng=random.Random(4))
+
+    # when: reserving, asked for no scores
+    lease = router.decide(
+        "r1", hashes, 1_000, BS, FLEET, policy, reports=reports, rng=random.Random(4), scores=False
+    )
+
+    # then: a worker of the same overlap (the holders are drawn anew at each decision), its score
+    # alone, and the busy holder still named
+    decision = lease.decision
+    assert (
+        (decision.overlap, decision.best_overlap) == (previewed.overlap, previewed.best_overlap) == (20, 20)
+    )
+    assert decision.busy == previewed.busy == ("w250",)
+    assert [(s.worker, s.overlap) for s in decision.scores] == [(decision.worker, 20)]
+    assert len(previewed.scores) > 2
+    assert router.load.snapshot([decision.worker])[decision.worker].active_requests == 1
+    lease.release("done")
+
+
 def test_a_routers_new_facts_replace_those_before_the_last_it_wrote(
     router, publisher, redis_client: redis.Redis, key_namespace: str
 ):

@@ -477,6 +477,7 @@ async def areserve_worker(
         instances=eligible.instances,
         reservation_ttl_s=lease_ttl_s(),
         only_if=eligible.rows_generation if conditional else None,
+        scores=False,  # a request being dispatched reads the chosen worker's alone
         **options,
     )
 

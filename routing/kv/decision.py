@@ -49,7 +49,9 @@ class RoutingDecision:
     worker: str
     overlap: int  # leading blocks the chosen worker holds
     total_blocks: int  # ceil(isl / block_size)
-    scores: Sequence[Score]  # DeferredScores from the router: computed when read
+    # DeferredScores from the router, computed when read: every candidate's, or the chosen
+    # worker's alone where the decision was asked for no more (KvRouter.decide's `scores`)
+    scores: Sequence[Score]
     reason: str  # "cost" | "affinity" | "load-bound" | "only-candidate" | "round_robin" | "random"
     block_hashes: tuple[int, ...] = field(default=(), repr=False)
     approximate: bool = False  # the worker publishes no events

@@ -205,6 +205,7 @@ class KvRouter:
         instances: Mapping[str, str] | None = None,
         reservation_ttl_s: float | None = None,
         only_if: tuple[str, bytes] | None = None,
+        scores: bool = True,
         **options: Any,
     ) -> RequestLease:
         """Decide and reserve in one atomic step; the lease frees the reservation exactly once.
@@ -214,11 +215,22 @@ class KvRouter:
         (nothing reserved). only_if: (key, value): decide only while that Redis key holds that
         value, checked in the same atomic step (a frontend's fleet read is checked against the
         rows' generation there instead of with a round trip of its own before); StaleWorkers
-        when it does not (nothing reserved). `options`: those of `route` (session_key,
-        affinity_enabled, approximate_workers, reports, mode, rng).
+        when it does not (nothing reserved). scores=False: the decision's `scores` hold the
+        chosen worker's alone (unless the debug log wants them all), which is all a request being
+        dispatched reads, and Redis then builds and sends none of the others. `options`: those of
+        `route` (session_key, affinity_enabled, approximate_workers, reports, mode, rng).
         """
         steps = self._reserving(
-            request_id, block_hashes, isl, block_size, workers, policy, reservation_ttl_s, only_if, options
+            request_id,
+            block_hashes,
+            isl,
+            block_size,
+            workers,
+            policy,
+            reservation_ttl_s,
+            only_if,
+            scores,
+            options,
         )
         return self._lease(request_id, self._drive(steps), instances)
 
@@ -235,13 +247,23 @@ class KvRouter:
         instances: Mapping[str, str] | None = None,
         reservation_ttl_s: float | None = None,
         only_if: tuple[str, bytes] | None = None,
+        scores: bool = True,
         **options: Any,
     ) -> RequestLease:
         """`decide` on the running event loop: its round trip goes on `lines`, this loop's own
         connections, so a request's decision hands nothing to a thread and back (a hand-over
         cost a decision ~120 us on a 2-core machine, more than the round trip itself)."""
         steps = self._reserving(
-            request_id, block_hashes, isl, block_size, workers, policy, reservation_ttl_s, only_if, options
+            request_id,
+            block_hashes,
+            isl,
+            block_size,
+            workers,
+            policy,
+            reservation_ttl_s,
+            only_if,
+            scores,
+            options,
         )
         return self._lease(request_id, await self._adrive(steps, lines), instances)
 
@@ -255,6 +277,7 @@ class KvRouter:
         policy: RoutingPolicy,
         reservation_ttl_s: float | None,
         only_if: tuple[str, bytes] | None,
+        scores: bool,
         options: dict[str, Any],
     ) -> _Steps:
         if not request_id:
@@ -268,6 +291,7 @@ class KvRouter:
             request_id=request_id,
             reservation_ttl_ms=None if reservation_ttl_s is None else max(int(reservation_ttl_s * 1000), 1),
             only_if=only_if,
+            scores=scores,
             **options,
         )
 
@@ -322,6 +346,7 @@ class KvRouter:
         rng: random.Random | None = None,
         reservation_ttl_ms: int | None = None,
         only_if: tuple[str, bytes] | None = None,
+        scores: bool = True,
     ) -> _Steps:
         """A decision as the steps it takes, none of which waits on Redis itself: it yields each
         script call's arguments (or a fleet read whose facts to write) and is sent the reply,
@@ -356,6 +381,9 @@ class KvRouter:
             ROUND_ROBIN_KEY,
         ]
         condition = only_if or ("", b"")
+        # '1': the chosen worker's figures alone (the script's ARGV 36), unless the debug log
+        # below reads every candidate's.
+        brief = "" if scores or self._logger.isEnabledFor(logging.DEBUG) else "1"
         reply = None
         if mode == "kv" and len(eligible) > self.candidates_above:
             # A large fleet: the script weighs candidates, not every worker (`_decide_among`);
@@ -371,19 +399,20 @@ class KvRouter:
             elif replica is not None:
                 replica.start()
             if found is not None:
-                reply = yield from self._decide_given(args, packed, policy, condition, found)
+                reply = yield from self._decide_given(args, packed, policy, condition, found, brief)
             else:  # no replica, or its bits moved just now: Redis's index
                 sample_names = [eligible[position] for position in sample]
-                reply = yield from self._decide_among(args, packed, policy, condition, sample_names)
+                reply = yield from self._decide_among(args, packed, policy, condition, sample_names, brief)
             self._check_fresh(reply, only_if)
             if not reply[0]:
                 reply = None
         if reply is None:
-            reply = yield self._over_args(args, packed, policy, condition)
+            reply = yield self._over_args(args, packed, policy, condition, brief)
             self._check_fresh(reply, only_if)
         chosen_at, reason, best_overlap, *packed_columns, busy_at, weighed = reply
         # A large fleet's candidates, those weighed, as the script names them: decoded where read
-        # (most are read only if something asks for the scores).
+        # (most are read only if something asks for the scores). A brief reply names the chosen
+        # worker and the busy ones alone, as if they had been all those weighed.
         names: Sequence[str | bytes] = weighed or eligible
         overlaps, prefill, decode = (_integers(column) for column in packed_columns)
         busy = tuple(reply_text(names[j - 1]) for j in busy_at)
@@ -448,6 +477,7 @@ class KvRouter:
         packed: _PackedWorkers,
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
+        brief: str,
     ) -> tuple[object, ...]:
         """The decision script's arguments over these workers. A reserving decision must run
         once: it only goes again if Redis lost the script, in which case the first attempt did
@@ -468,6 +498,7 @@ class KvRouter:
             "",
             "",
             "",
+            brief,
         )
 
     def _decide_among(
@@ -477,6 +508,7 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         sample: Sequence[str],
+        brief: str,
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """The decision script among a large fleet's candidates, read in the same step: the
         holders of the request's longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix
@@ -495,7 +527,7 @@ class KvRouter:
         heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
         reservations made by every frontend move the next draw's choice elsewhere."""
         args = (HOLDERS_PER_PREFIX, "\n".join(sample), "", "")
-        return (yield from self._with_facts(common, fleet, policy, condition, args))
+        return (yield from self._with_facts(common, fleet, policy, condition, args, brief))
 
     def _with_facts(
         self,
@@ -504,9 +536,11 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         among: tuple[object, ...],
+        brief: str,
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """A decision among candidates (`among`: ARGV 31 to 34), weighed by the fleet read's
-        facts (and places: ARGV 30, 35), which are written first if the script finds them gone."""
+        facts (and places: ARGV 30, 35), which are written first if the script finds them gone;
+        `brief`: ARGV 36."""
         places = self._places_key(fleet)
         args = (
             *common,
@@ -521,6 +555,7 @@ class KvRouter:
             self._facts_key(fleet),
             *among,
             places,
+            brief,
         )
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
@@ -539,6 +574,7 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         found: Mapping[int, int],
+        brief: str,
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """`_decide_among` with the candidates this process's replica of the index found (the
         same ones: the holders of the longest cached prefixes, at most HOLDERS_PER_PREFIX per
@@ -552,7 +588,7 @@ class KvRouter:
             struct.pack(f">{len(found)}i", *found.values()),
             b"".join([records[position] for position in found]),
         )
-        return (yield from self._with_facts(common, fleet, policy, condition, args))
+        return (yield from self._with_facts(common, fleet, policy, condition, args, brief))
 
     @staticmethod
     def _replica_fleet(replica: IndexReplica, fleet: _PackedWorkers) -> ReplicaFleet:
