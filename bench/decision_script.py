@@ -109,6 +109,7 @@ def main() -> None:
         }
         if versions["baseline"] == script:
             print("(the baseline's decision.lua is the working tree's: every ratio is a null one)")
+            versions["baseline"] = script + "\n\n"  # a SHA of its own
         shas = {client.script_load(text): name for name, text in versions.items()}
         decisions = [call for call in calls if call[29]]  # among candidates, as at this fleet's size
         print(
