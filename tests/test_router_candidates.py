@@ -227,14 +227,20 @@ def test_a_worker_outside_the_fleet_read_is_never_weighed_however_much_it_holds(
         assert "w137" not in {score.worker for score in decision.scores}
 
 
-def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router, publisher):
-    # given: w250 holds the longest prefix, but its engine reports a full queue
-    hashes = block_hashes(_tokens(15, 1_000), BS)
+def _a_busy_worker_holds_the_longest_prefix(publisher, seed: int):
+    """Every worker holds a prompt's first 20 blocks, w250 its first 50, and w250's engine reports
+    a full queue: the prompt's hashes, the reports and a policy with a busy threshold."""
+    hashes = block_hashes(_tokens(seed, 1_000), BS)
     publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
     publisher.publish([KvEvent("stored", "w250", tuple(hashes[:50]))])
     reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
     reports["w250"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=64)
-    policy = RoutingPolicy(busy_max_requests=32)
+    return hashes, reports, RoutingPolicy(busy_max_requests=32)
+
+
+def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router, publisher):
+    # given: w250 holds the longest prefix, but its engine reports a full queue
+    hashes, reports, policy = _a_busy_worker_holds_the_longest_prefix(publisher, 15)
 
     # when
     decision = router.route(hashes, 1_000, BS, FLEET, policy, reports=reports, rng=random.Random(2))
@@ -247,13 +253,8 @@ def test_among_candidates_a_holder_its_report_says_is_busy_is_passed_over(router
 
 
 def test_among_candidates_a_decision_asked_for_no_scores_holds_the_chosen_workers_alone(router, publisher):
-    # given: the fleet above whose longest prefix is on a busy worker, and a preview's decision
-    hashes = block_hashes(_tokens(16, 1_000), BS)
-    publisher.publish([KvEvent("stored", name, tuple(hashes[:20])) for name in FLEET])
-    publisher.publish([KvEvent("stored", "w250", tuple(hashes[:50]))])
-    reports = {name: WorkerReport(capacity_blocks=10_000, running_and_waiting=1) for name in FLEET}
-    reports["w250"] = WorkerReport(capacity_blocks=10_000, running_and_waiting=64)
-    policy = RoutingPolicy(busy_max_requests=32)
+    # given: a busy worker holding the longest prefix, and a preview's decision
+    hashes, reports, policy = _a_busy_worker_holds_the_longest_prefix(publisher, 16)
     previewed = router.route(hashes, 1_000, BS, FLEET, policy, reports=reports, rng=random.Random(4))
 
     # when: reserving, asked for no scores

@@ -220,17 +220,9 @@ class KvRouter:
         dispatched reads, and Redis then builds and sends none of the others. `options`: those of
         `route` (session_key, affinity_enabled, approximate_workers, reports, mode, rng).
         """
+        options["scores"] = scores  # to _steps, with route's options
         steps = self._reserving(
-            request_id,
-            block_hashes,
-            isl,
-            block_size,
-            workers,
-            policy,
-            reservation_ttl_s,
-            only_if,
-            scores,
-            options,
+            request_id, block_hashes, isl, block_size, workers, policy, reservation_ttl_s, only_if, options
         )
         return self._lease(request_id, self._drive(steps), instances)
 
@@ -253,17 +245,9 @@ class KvRouter:
         """`decide` on the running event loop: its round trip goes on `lines`, this loop's own
         connections, so a request's decision hands nothing to a thread and back (a hand-over
         cost a decision ~120 us on a 2-core machine, more than the round trip itself)."""
+        options["scores"] = scores  # to _steps, with route's options
         steps = self._reserving(
-            request_id,
-            block_hashes,
-            isl,
-            block_size,
-            workers,
-            policy,
-            reservation_ttl_s,
-            only_if,
-            scores,
-            options,
+            request_id, block_hashes, isl, block_size, workers, policy, reservation_ttl_s, only_if, options
         )
         return self._lease(request_id, await self._adrive(steps, lines), instances)
 
@@ -277,7 +261,6 @@ class KvRouter:
         policy: RoutingPolicy,
         reservation_ttl_s: float | None,
         only_if: tuple[str, bytes] | None,
-        scores: bool,
         options: dict[str, Any],
     ) -> _Steps:
         if not request_id:
@@ -291,7 +274,6 @@ class KvRouter:
             request_id=request_id,
             reservation_ttl_ms=None if reservation_ttl_s is None else max(int(reservation_ttl_s * 1000), 1),
             only_if=only_if,
-            scores=scores,
             **options,
         )
 
