@@ -41,8 +41,8 @@
 -- the names of those weighed (an empty list otherwise). With 36 at '1', as if the chosen worker
 -- and the busy ones had been all those weighed: their names always, the chosen first (place 1),
 -- and its figures alone in the columns. Every candidate's columns and names are what only
--- `/v1/route` and the debug log read, and building and sending them was about a tenth of a
--- decision's time in Redis.
+-- `/v1/route` and the debug log read, and building and sending them took about 7% of a
+-- decision's time in Redis (bench/decision_script.py).
 -- Binary strings: far cheaper to send than arguments per worker, and to build and read than
 -- text; and only what the policy reads is sent.
 if ARGV[28] ~= '' and redis.call('GET', ARGV[28]) ~= ARGV[29] then
