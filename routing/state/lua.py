@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from routing.state.redis_direct import AsyncDirectCommands, Command, direct_commands
+from routing.state.redis_direct import AsyncDirectCommands, Command, direct_commands, raise_first_error
 from routing.state.redis_keys import reply_text
 
 
@@ -120,9 +120,7 @@ class LuaScript:
             script = await aevalsha(lines, self.sha, self.source, 0, *args)
         elif isinstance(script, redis.ResponseError):
             raise script
-        for reply in others:
-            if isinstance(reply, redis.ResponseError):
-                raise reply
+        raise_first_error(others)
         return script
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:

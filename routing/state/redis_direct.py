@@ -25,13 +25,21 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import redis
 
 # One command: its name, then its arguments, as `execute` takes them.
 Command = tuple[Any, ...]
+
+
+def raise_first_error(replies: Iterable[Any]) -> None:
+    """Raise the first error reply among `replies` as `AsyncDirectCommands.replies` gives them
+    (each in its place), if any."""
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
 
 
 class DirectCommands:
@@ -138,9 +146,7 @@ class AsyncDirectCommands:
         """Several commands in one round trip (a pipeline, not a transaction): their replies in
         order. An error reply raises, once every reply is read (the connection stays in step)."""
         replies = await self.replies(*commands)
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                raise reply
+        raise_first_error(replies)
         return replies
 
     async def replies(self, *commands: Command) -> list[Any]:
@@ -182,7 +188,7 @@ class AsyncDirectCommands:
         self._idle.append(connection)
         return reply
 
-    async def _round_trip_many(self, connection: Any, commands: tuple[tuple[Any, ...], ...]) -> list[Any]:
+    async def _round_trip_many(self, connection: Any, commands: tuple[Command, ...]) -> list[Any]:
         replies: list[Any] = []
         try:
             async with asyncio.timeout(self._timeout):
