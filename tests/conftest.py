@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from tests import platform_harness as harness
+from tests import process_groups
 
 TEST_REDIS_URL = os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 
@@ -44,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.close(handle)
         os.environ[harness.WORKER_STARTS_FILE] = path
         config.stash[_starts_file_key] = path
+    process_groups.configure(config)
 
 
 _starts_file_key = pytest.StashKey[str]()
@@ -54,6 +56,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if path:
         os.environ.pop(harness.WORKER_STARTS_FILE, None)
         os.unlink(path)
+    process_groups.unconfigure(config)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
@@ -63,6 +66,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for fixture, marker in MARKERS_BY_FIXTURE.items():
             if fixture in fixtures and item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
+    process_groups.record(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` keeps each group of `tests/process_groups.py` in one test process."""
+    if config.getvalue("dist") == "loadgroup":
+        return process_groups.ProcessGroupScheduling(config, log)
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures start anything
