@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements-installed
 # Test processes of the tier that starts no process (`make check`, below).
 CHECK_PROCESSES ?= 3
+# Test processes of the tier that starts the platform's processes (`make test`, below).
+INTEGRATION_PROCESSES ?= 2
 
 .PHONY: install run test test-vllm check lint bench clean-var vllm
 
@@ -33,9 +35,13 @@ run: install
 	@bash scripts/run_platform.sh
 
 # The whole suite in two runs: the tests that start no process in three test processes, as
-# `make check` runs them; then those that start the platform's processes or a browser, one at a
-# time (they share session pools of workers, and wait on what crosses processes), beside vLLM's
-# (from .venv-vllm), one at a time too, in a test run of their own: its output follows.
+# `make check` runs them; then those that start the platform's processes or a browser, in two
+# test processes that each take whole groups of tests sharing a pool of workers, so that no pool
+# starts twice (tests/process_groups.py; they mostly wait on what crosses processes), at nice 10,
+# beside vLLM's (from .venv-vllm), one at a time, in a test run of their own: its output follows.
+# The machine is then busy: at the same priority vLLM's run, a chain of engine starts, stretched
+# to the integration tier's length (265 s); at nice 10 it keeps its pace and the two take 230 s
+# (docs/decisions/2026-12-07-integration-tier-in-two-processes.md).
 # (All three at once, the first at nice 10, saved ~50 s of the suite's ~275 s here, but on fresh
 # clones `make check`'s tests that bound a wait by the clock, starved beside the others, failed 2
 # runs in 3: docs/decisions/2026-12-07-test-runs-at-once.md.)
@@ -44,7 +50,7 @@ test: install lint vllm
 	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest -m "not integration and not browser" -n $(CHECK_PROCESSES) --dist loadscope $(PYTEST_ARGS)
 	@bash scripts/side_by_side.sh '$(PY) -m pytest -m vllm $(PYTEST_ARGS)' \
-		'$(PY) -m pytest -m "(integration or browser) and not vllm" $(PYTEST_ARGS)'
+		'nice -n 10 $(PY) -m pytest -m "(integration or browser) and not vllm" -n $(INTEGRATION_PROCESSES) --dist loadgroup $(PYTEST_ARGS)'
 
 # The tiers are markers the fixtures a test uses apply (tests/conftest.py). A module's tests stay
 # in one test process, so the engines its module-scoped fixtures load are loaded once. Three
