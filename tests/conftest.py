@@ -69,6 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     process_groups.record(items)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, absent under `-p no:xdist`
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadgroup` keeps each group of `tests/process_groups.py` in one test process."""
     if config.getvalue("dist") == "loadgroup":

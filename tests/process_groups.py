@@ -17,6 +17,7 @@ before starting them, and `ProcessGroupScheduling` reads it when it splits the c
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import tempfile
@@ -31,7 +32,7 @@ _groups_file_key = pytest.StashKey[str]()
 def configure(config: pytest.Config) -> None:
     """In the controlling process of a `--dist loadgroup` run: name the file the test processes
     (started after this, inheriting the environment) write their groups to."""
-    if hasattr(config, "workerinput") or config.getvalue("dist") != "loadgroup":
+    if hasattr(config, "workerinput") or config.getoption("dist", None) != "loadgroup":
         return
     handle, path = tempfile.mkstemp(prefix="test-groups-", suffix=".json")
     os.close(handle)
@@ -43,7 +44,7 @@ def unconfigure(config: pytest.Config) -> None:
     path = config.stash.get(_groups_file_key, None)
     if path:
         os.environ.pop(GROUPS_FILE, None)
-        for leftover in (path, f"{path}.{os.getpid()}"):
+        for leftover in (path, *glob.glob(f"{glob.escape(path)}.gw*")):  # a process's partial file
             if os.path.exists(leftover):
                 os.unlink(leftover)
 
