@@ -15,6 +15,7 @@ from inference_platform.serving import dispatch
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.fleet.worker_rows import GENERATION_KEY, KeptRows, WorkerRow, announce_change
 from routing.models import Worker
+from routing.state import pacing
 from routing.state.redis_keys import sync_client
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -182,3 +183,22 @@ async def test_a_fleet_read_made_in_the_background_works_out_again_only_the_work
         assert afresh["rows-x"].ineligible_because == "disabled in the admin"
     finally:
         registry.remove("rows-x")
+
+
+async def test_a_fleet_read_reads_and_works_out_its_workers_as_paced_passes(live_worker, monkeypatch):
+    # given: a read that a request asked for the eligible workers, and the passes that run paced
+    # (routing.state.pacing: they let the event loop's decisions in while they work) recorded
+    await dispatch.eligible_workers(MODEL, django_settings.KV_BLOCK_SIZE)
+    passes: list[str] = []
+
+    def recorded(fn, *args, **kwargs):
+        passes.append(fn.__name__)
+        return pacing.paced(fn, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "paced", recorded)
+
+    # when: the next read is made, as the background makes it
+    await dispatch._read_again(MODEL)
+
+    # then: its heartbeats were read, and the last read's answers worked out again, paced
+    assert passes in (["_heartbeats_if_current", "prepare_like"], ["_heartbeats", "prepare_like"])

@@ -46,6 +46,7 @@ from routing.kv.decision import RoutingDecision, WorkerReport
 from routing.kv.lease import RequestLease
 from routing.models import Worker, worker_queue
 from routing.observe import telemetry
+from routing.state.pacing import paced, pause_point
 from routing.state.redis_direct import Command
 from routing.state.redis_keys import redact_text, sync_client
 
@@ -192,8 +193,11 @@ class EligibleWorkers(dict[str, Heartbeat]):
         """Works out now what a decision reads, and has the router pack it (a fleet read being
         made in the background calls this, not a request)."""
         policy = frontend().policy().routing
+        self.reports  # noqa: B018 (each worked out now, between pause points: routing.state.pacing)
+        pause_point()
         frontend().router().pack_workers(self.names, self.reports, self.approximate, policy)
-        self.instances  # noqa: B018 (worked out now, not by a request)
+        pause_point()
+        self.instances  # noqa: B018
 
 
 @dataclass(eq=False)
@@ -243,6 +247,7 @@ class FleetRead:
         self._like = previous
         try:
             for key, build in list(previous._builders.items()):
+                pause_point()
                 found = self.derived(key, build)
                 if isinstance(key, tuple) and key[0] == "eligible":  # the router packs one fleet at a time
                     found.prepare()
@@ -275,6 +280,7 @@ def _states(
     alive = read.alive
 
     def state(row: WorkerRow) -> WorkerState:
+        pause_point()
         beat = alive.get(row.name)
         because = _eligibility(row.enabled, row.draining, beat, model, block_size, encoders, fingerprint)
         return WorkerState(row.name, beat, because)
@@ -328,8 +334,9 @@ async def _read_again(model: str) -> FleetRead:
     generation, every, rows, alive = await _rows_and_heartbeats(model)
     read = FleetRead(generation, every, rows, alive, time.monotonic())
     if previous is not None:
-        # Off the event loop: a thousand workers' eligibility and packing take milliseconds.
-        await asyncio.to_thread(read.prepare_like, previous)
+        # Off the event loop: a thousand workers' eligibility and packing take milliseconds;
+        # paced, so that the loop's decisions need not wait for all of it (routing.state.pacing).
+        await asyncio.to_thread(paced, read.prepare_like, previous)
     _last_reads[model] = read
     return read
 
@@ -354,7 +361,7 @@ async def _rows_and_heartbeats(
     kept = kept_rows().get()
     if kept is not None:
         generation, rows = kept[0], _of_model(kept[1], model)
-        alive = await asyncio.to_thread(_heartbeats_if_current, generation, rows)
+        alive = await asyncio.to_thread(paced, _heartbeats_if_current, generation, rows)
         if alive is not None:
             return generation, kept[1], rows, alive
     # Read before the database: a change committed after this read moves past it, so the rows
@@ -366,7 +373,7 @@ async def _rows_and_heartbeats(
     every = tuple([WorkerRow(*row) async for row in Worker.objects.values_list(*fields)])
     kept_rows().put(generation, every)
     rows = _of_model(every, model)
-    alive = await asyncio.to_thread(_heartbeats, rows)
+    alive = await asyncio.to_thread(paced, _heartbeats, rows)
     return generation, every, rows, alive
 
 

@@ -17,6 +17,7 @@ import redis
 
 from routing.contract.tasks import CONTRACT_VERSION
 from routing.state.lua import lua_text
+from routing.state.pacing import pause_point
 from routing.state.redis_keys import reply_text
 
 HEARTBEAT_FAMILY = "hb:"
@@ -200,6 +201,7 @@ class WorkerRegistry:
             known = parsed.get(name)
             if known is None or known[0] != value:
                 known = parsed[name] = (value, Heartbeat.from_json(value))
+                pause_point()  # (a fleet read in the background: routing.state.pacing)
             out[name] = known[1]
         return out
 

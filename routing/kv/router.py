@@ -55,6 +55,7 @@ from routing.kv.load import SWEEP_LUA_FUNCTIONS, LoadTracker
 from routing.kv.replica import IndexReplica, ReplicaFleet
 from routing.kv.selection import DeferredScores, RoutingPolicy, Score, score_workers
 from routing.state.lua import LuaScript, lua_constants, lua_script
+from routing.state.pacing import pause_point
 from routing.state.redis_direct import AsyncDirectCommands
 from routing.state.redis_keys import reply_text
 
@@ -623,10 +624,14 @@ class KvRouter:
         packed = self._packed(workers, reports, approximate, policy)
         if len(packed.eligible) <= self.candidates_above:
             return
+        pause_point()  # (between the steps of a paced pass: routing.state.pacing)
+        packed.records  # noqa: B018 (a step of its own)
+        pause_point()
         if self._facts_key(packed) not in self._facts_written[-1:]:
             self._write_facts(packed)
         replica = self._replica
         if replica is not None and replica.ready:
+            pause_point()
             self._replica_fleet(replica, packed)
 
     def _packed(
@@ -743,17 +748,25 @@ class _PackedWorkers:
             if approximate_set
             else []
         )
+        # A fleet's worth of work each: a paced pass may pause between them (routing.state.pacing).
+        busy_facts = _busy_facts(eligible, found) if checks_busy else b""
+        pause_point()
+        names = "\n".join(checked_workers(eligible))
+        pause_point()
+        prefill_rates = _prefill_rates(eligible, found) if drains and found else b""
+        pause_point()
+        schedules = _schedules(eligible, found, assumed)
         return cls(
             sources=(workers, reports, approximate),
             key=key,
             eligible=eligible,
             eligible_set=frozenset(eligible),
             approximate=approximate_set,
-            busy_facts=_busy_facts(eligible, found) if checks_busy else b"",
-            names="\n".join(checked_workers(eligible)),
-            prefill_rates=_prefill_rates(eligible, found) if drains and found else b"",
+            busy_facts=busy_facts,
+            names=names,
+            prefill_rates=prefill_rates,
             approximate_at=struct.pack(f">{len(approximate_at)}i", *approximate_at),
-            schedules=_schedules(eligible, found, assumed),
+            schedules=schedules,
         )
 
     @functools.cached_property
