@@ -5,6 +5,7 @@ inference_platform/api/handler.py); everything else to Django's handler with the
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
@@ -60,3 +61,9 @@ async def http_app(scope, receive, send) -> None:
 
 
 application = ProtocolTypeRouter({"http": RequestBodyLimit(http_app, settings.API_MAX_BODY_BYTES)})
+
+# What the start-up made (Django's and the project's modules, classes, functions, settings: ~96,000
+# objects the collector tracks) lives as long as the process. Frozen, no collection walks it
+# again: a full collection of a frontend just started took 28 ms of its event loop here, every
+# request in flight waiting, and ~0 ms frozen (docs/decisions/2026-12-07-paced-fleet-reads.md).
+gc.freeze()

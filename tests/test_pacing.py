@@ -1,12 +1,22 @@
-"""A paced pass (routing.state.pacing) lets the interpreter go at its pause points once per slice,
-and only there; the fleet's re-read offers them. A clock of the test's own: nothing here waits."""
+"""What keeps a frontend's event loop from waiting behind the rest of its process: a paced pass
+(routing.state.pacing) lets the interpreter go at its pause points once per slice, and only there,
+and the fleet's re-read offers them (a clock of the test's own: nothing here waits); the start-up's
+objects are out of the collector's way."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
 from routing.fleet.registry import Heartbeat, WorkerRegistry
 from routing.state import pacing
+from tests import model_configs
+from tests.conftest import TEST_REDIS_URL
 
 
 class Clock:
@@ -88,3 +98,35 @@ def test_parsing_a_fleets_new_heartbeats_in_a_paced_pass_pauses_between_them(clo
     assert list(beats) == names and all(again[name] is beats[name] for name in names)
     assert paused_parsing >= 10
     assert clock.slept == []
+
+
+def test_a_started_frontend_keeps_its_start_up_objects_out_of_every_collection(tmp_path: Path) -> None:
+    # given: a migrated database and a model directory, as `make run` gives a frontend
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(model_configs.write_family_dir(tmp_path / "model", "qwen3_5")),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "REDIS_URL": TEST_REDIS_URL,
+        "REDIS_KEY_PREFIX": f"test:{uuid.uuid4().hex[:12]}:",
+        "DJANGO_SETTINGS_MODULE": "inference_platform.settings",
+    }
+    code = (
+        "import django; django.setup(); from django.core.management import call_command; "
+        "call_command('migrate', verbosity=0); import gc; frozen = gc.get_freeze_count(); "
+        "import inference_platform.asgi; print(frozen, gc.get_freeze_count())"
+    )
+
+    # when: the ASGI application (what uvicorn loads) is imported
+    started = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+
+    # then: what its start-up made is frozen (tens of thousands of objects), none before it
+    assert started.returncode == 0, started.stderr[-2000:]
+    before, after = map(int, started.stdout.split()[-2:])
+    assert before == 0 and after > 20_000
