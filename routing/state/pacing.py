@@ -7,7 +7,9 @@ thousand workers holds the interpreter for 10-20 ms (their heartbeats parsed, th
 reports and the decision's packed arguments worked out). A decision whose Redis reply arrives
 meanwhile waits for the interpreter: until the pass next lets it go, or for the switch interval
 (5 ms) when it does not, and again at the decision's next step. In `bench/fleet.py` at 1,024
-workers that was most of the decisions slower than 1.2 ms, and doubled the p99.
+workers every decision that overlapped the working out was slower than 1.2 ms, and a fifth to a
+half of those slower overlapped a re-read; with re-reads that had nothing new to parse, the p99
+was about half (docs/decisions/2026-12-07-paced-fleet-reads.md).
 
 So a paced pass sleeps PAUSE_S each time it has run SLICE_S, at the points its loops offer
 (`pause_point()`): a sleeping thread holds no interpreter, and a thread waiting for it takes it.
