@@ -16,9 +16,10 @@ rounds. Three requests:
   image_new  the same, with a picture never sent before each time (the same pixels and a text
              chunk of its own: as many bytes to decode as `image`'s first sight).
 
-Usage: `.venv/bin/python bench/frontend_cpu.py [--requests N] [--rounds N]` (Redis at REDIS_URL,
-default redis://127.0.0.1:6379/14, under a namespace of its own that is deleted afterwards). A
-shared machine moves the figures; the spread of the rounds is printed. Last line:
+Usage: `.venv/bin/python bench/frontend_cpu.py [--requests N] [--rounds N] [--kinds text,image]`
+(Redis at REDIS_URL, default redis://127.0.0.1:6379/14, under a namespace of its own that is
+deleted afterwards; `--kinds` runs some of the three). A shared machine moves the figures; the
+spread of the rounds is printed. Last line (the kinds run):
     frontend_cpu_ms_text=<x.xx> frontend_cpu_ms_image=<x.xx> frontend_cpu_ms_image_new=<x.xx>
 """
 
@@ -48,6 +49,9 @@ from tests.platform_harness import PlatformProcesses  # noqa: E402
 SYSTEM_PROMPT = " ".join(f"rule{k % 97} applies to every answer about the catalogue" for k in range(38))[
     : 300 * 6
 ]  # ~300 words
+
+
+KINDS = ("text", "image", "image_new")
 
 
 def _picture_of_its_own(png: bytes, k: int) -> bytes:
@@ -94,7 +98,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=150, help="requests per kind per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"which requests, comma-separated (of {', '.join(KINDS)})"
+    )
     args = parser.parse_args()
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds takes some of {', '.join(KINDS)}")
 
     redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
     namespace = f"bench:fcpu:{uuid.uuid4().hex[:10]}:"
@@ -116,7 +126,7 @@ def main() -> int:
             app = ApiHandler()
 
             async def run() -> dict[str, list[float]]:
-                figures: dict[str, list[float]] = {"text": [], "image": [], "image_new": []}
+                figures: dict[str, list[float]] = {kind: [] for kind in kinds}
                 sent = 0
                 for kind in figures:  # warm: imports, the model card, the first connections
                     await _cpu_ms_per_request(app, platform.api_key, _bodies(kind, png, 10, sent))

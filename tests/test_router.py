@@ -634,8 +634,14 @@ async def test_an_event_loop_moves_and_renews_a_lease_on_its_own_connections(
     lease = router.decide("r1", hashes, 320, BS, ["gpu0"], RoutingPolicy(), reservation_ttl_s=0.5)
     lines = AsyncDirectCommands(redis.asyncio.ConnectionPool.from_url(redis_url))
 
-    # when its first token comes, then its load moves from prefill to decode, once
-    assert await lease.afirst_token(lines) and not await lease.afirst_token(lines)
+    # when its first token is read, then the lease leaves prefill at once, once
+    before = router.load.snapshot(["gpu0"])["gpu0"]
+    assert lease.first_token_read() and not lease.first_token_read()
+    assert router.load.snapshot(["gpu0"])["gpu0"] == before != (0, 20, 1)
+
+    # and its load moves to decode with the loop's next round trip, which brings back the replies
+    # of the commands sent along
+    assert await lease.amove_to_decode(lines, along=(("ECHO", "next read"),)) == [b"next read"]
     assert router.load.snapshot(["gpu0"])["gpu0"] == (0, 20, 1)
 
     # and while the loop renews it, a sweep past its first expiry leaves it
@@ -645,6 +651,10 @@ async def test_an_event_loop_moves_and_renews_a_lease_on_its_own_connections(
     router.load.sweep()
     assert router.load.snapshot(["gpu0"])["gpu0"].active_requests == 1
     assert lease.release("done") and not await lease.arenew(lines, 0.5)
+
+    # and a move asked for after the release sends only what goes along
+    assert await lease.amove_to_decode(lines, along=(("ECHO", "late"),)) == [b"late"]
+    assert router.load.snapshot(["gpu0"])["gpu0"] == (0, 0, 0)
     await lines.close()
 
 

@@ -27,8 +27,9 @@ from inference_platform.serving.frontend import frontend
 from routing.contract.responses import (
     ResponseEvent,
     live_key,
-    read_response_events,
+    parse_response_read,
     response_key,
+    response_read,
 )
 from routing.contract.tasks import (
     CONTRACT_VERSION,
@@ -575,8 +576,10 @@ async def follow_task(
 
     A worker that vanishes (its heartbeat lapses, or a new process took its name) raises
     `WorkerLost`, saying whether a token of this task was read already; a worker that stays
-    silent past the timeouts raises a 504 ApiError. Nothing is released or cancelled here: the
-    request's owner (`ServedRequest`) decides whether the request moves on or ends.
+    silent past the timeouts raises a 504 ApiError. The first token ends the lease's prefill here
+    (its load moves to decode with the next read of the stream: the token waits for no round trip
+    of its own). Nothing is released or cancelled here: the request's owner (`ServedRequest`)
+    decides whether the request moves on or ends.
     """
     namespace = settings.REDIS_KEY_PREFIX
     rid, worker = task_id, lease.worker
@@ -586,19 +589,29 @@ async def follow_task(
     produced = False  # a token of this task was read
     timeout = settings.REQUEST_FIRST_TOKEN_TIMEOUT_SECS
     deadline = time.monotonic() + timeout
+    to_decode = False  # the first token was read: the load's move rides with the next read
     lines = frontend().redis_lines()  # this loop's own connections: no thread hand-over
     while True:
         if time.monotonic() - marked_at > settings.REQUEST_LIVENESS_TTL_SECS / 4:
             await _mark_followed(lease.request_id)
             await lease.arenew(lines, lease_ttl_s())
             marked_at = time.monotonic()
-        events = await read_response_events(lines, namespace, rid, last_id, _POLL_MS)
+        read = response_read(namespace, rid, last_id, _POLL_MS)
+        if to_decode:
+            to_decode = False
+            (reply,) = await lease.amove_to_decode(lines, along=(read,))
+        else:
+            reply = await lines.execute(*read)
+        events = parse_response_read(reply)
         for event in events:
             last_id = event.id
             if event.type == STARTED:
                 started = True
                 started_by = str(event.data.get("instance") or "")
             elif event.type == TOKEN:
+                # Prefill is over: the lease says so now, its load in Redis with the next read
+                # (an answer read whole, its end with it, leaves the move to the release).
+                to_decode = lease.first_token_read() or to_decode
                 started = produced = True
                 timeout = settings.REQUEST_TOKEN_TIMEOUT_SECS
                 deadline = time.monotonic() + timeout

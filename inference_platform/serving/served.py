@@ -581,10 +581,7 @@ class ServedRequest:
                 try:
                     async for entry in follow_task(self.lease, self.task_id, self._marked_at):
                         event = entry.event
-                        if isinstance(event, TokenEvent):
-                            if self.lease.state == RESERVED:
-                                # The first token ends prefill: the request's load moves to decode.
-                                await self.lease.afirst_token(frontend().redis_lines())
+                        if isinstance(event, TokenEvent):  # (its first ended prefill: follow_task)
                             self.clock.first_token()
                             self._note_sent(event)
                             yield event

@@ -28,9 +28,11 @@ __all__ = [
     "ResponseEvent",
     "ResponseWriter",
     "cancel_key",
+    "parse_response_read",
     "parse_stream_entries",
     "read_response_events",
     "response_key",
+    "response_read",
 ]
 
 RESPONSE_FAMILY = "resp:"
@@ -131,16 +133,25 @@ def parse_stream_entries(entries: list[Any]) -> list[ResponseEvent]:
     return events
 
 
+def response_read(namespace: str, request_id: str, last_id: str, block_ms: int) -> tuple[Any, ...]:
+    """The command that reads a request's events after `last_id`, waiting up to `block_ms` for the
+    first one (`parse_response_read` reads its reply): for a caller that sends it along with
+    commands of its own in one round trip."""
+    return ("XREAD", "COUNT", 256, "BLOCK", block_ms, "STREAMS", response_key(namespace, request_id), last_id)
+
+
+def parse_response_read(reply: Any) -> list[ResponseEvent]:
+    """`response_read`'s reply as Redis sends it (a direct line): its events, in order."""
+    if not reply:
+        return []
+    ((_key, entries),) = reply.items() if isinstance(reply, dict) else reply  # RESP3 answers a map
+    return parse_stream_entries(entries)
+
+
 async def read_response_events(
     lines: Any, namespace: str, request_id: str, last_id: str, block_ms: int
 ) -> list[ResponseEvent]:
     """Events after `last_id`, waiting up to `block_ms` for the first one, on an event loop's own
     connections (`lines`: routing.state.redis_direct.AsyncDirectCommands). Its reply is Redis's
     own: redis-py's XREAD parses the same entries for about four times the CPU."""
-    reply = await lines.execute(
-        "XREAD", "COUNT", 256, "BLOCK", block_ms, "STREAMS", response_key(namespace, request_id), last_id
-    )
-    if not reply:
-        return []
-    ((_key, entries),) = reply.items() if isinstance(reply, dict) else reply  # RESP3 answers a map
-    return parse_stream_entries(entries)
+    return parse_response_read(await lines.execute(*response_read(namespace, request_id, last_id, block_ms)))

@@ -1,10 +1,11 @@
 """The request lease: the one owner of a routed request's life in the router.
 
 `KvRouter.decide` reserves the request's load on its worker and hands out a lease; from then
-on only the lease changes that load: `first_token` moves it from prefill to decode, `release`
-frees it exactly once, whatever ends the request (completion, failure, cancellation, a send
-that failed). If the process holding the lease dies, the reservation expires in Redis on its
-own (`LoadTracker`'s entry TTL), which is the lease's expiry.
+on only the lease changes that load: `first_token` (on an event loop, `first_token_read` then
+`amove_to_decode`) moves it from prefill to decode, `release` frees it exactly once, whatever
+ends the request (completion, failure, cancellation, a send that failed). If the process
+holding the lease dies, the reservation expires in Redis on its own (`LoadTracker`'s entry
+TTL), which is the lease's expiry.
 
 What other parts tie to a request's life rides on the lease, so it is freed with it and only
 once: `attributes` carries their data (the migration attempt, the frontend's liveness mark,
@@ -68,14 +69,27 @@ class RequestLease:
         self.load.prefill_done(self.worker, self.request_id)
         return True
 
-    async def afirst_token(self, lines: AsyncDirectCommands) -> bool:
-        """`first_token` on an event loop's own connections (`lines`)."""
+    def first_token_read(self) -> bool:
+        """`first_token` in two steps, for a reader of the answer's stream on an event loop: the
+        lease leaves prefill here at once (True the first time, False after), and its load in
+        Redis moves with the reader's next round trip (`amove_to_decode`), so that the first
+        token waits for no round trip of its own."""
         with self._lock:
             if self.state != RESERVED:
                 return False
             self.state = DECODING
-        await self.load.aprefill_done(lines, self.worker, self.request_id)
-        return True
+            return True
+
+    async def amove_to_decode(
+        self, lines: AsyncDirectCommands, *, along: Sequence[Command] = ()
+    ) -> list[Any]:
+        """The load's move to decode after `first_token_read`, on an event loop's own connections
+        (`lines`), with `along` (the caller's commands, a read of the stream, say) sent behind it
+        in the same round trip: their replies. A lease released or moved to another worker
+        (`reassign`) meanwhile sends `along` alone."""
+        if self.state != DECODING:
+            return await lines.execute_many(*along) if along else []
+        return (await self.load.aprefill_done(lines, self.worker, self.request_id, along=along))[1]
 
     def renew(self, ttl_s: float) -> bool:
         """The frontend still follows the request: its reservation lives ttl_s more.

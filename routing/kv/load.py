@@ -120,10 +120,17 @@ class LoadTracker:
         """The first token came: the request leaves prefill. False if it is not tracked."""
         return bool(self._prefill_done(self._namespace, check_worker_name(worker), request_id, self._ttl_ms))
 
-    async def aprefill_done(self, lines: AsyncDirectCommands, worker: str, request_id: str) -> bool:
-        """`prefill_done` on an event loop's own connections (`lines`): no thread to hand it to."""
+    async def aprefill_done(
+        self, lines: AsyncDirectCommands, worker: str, request_id: str, *, along: Sequence[Command] = ()
+    ) -> tuple[bool, list[Any]]:
+        """`prefill_done` on an event loop's own connections (`lines`): no thread to hand it to.
+        `along`: commands of the caller's sent after it in the same round trip; their replies
+        come back beside the move's answer (`LuaScript.acall_along`)."""
         args = (self._namespace, check_worker_name(worker), request_id, self._ttl_ms)
-        return bool(await self._prefill_done.acall(lines, *args))
+        if not along:
+            return bool(await self._prefill_done.acall(lines, *args)), []
+        moved, replies = await self._prefill_done.acall_along(lines, *args, along=along)
+        return bool(moved), replies
 
     def free(self, worker: str, request_id: str) -> bool:
         """Completion, failure or cancellation. False if it was not tracked (already freed)."""

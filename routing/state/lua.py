@@ -115,13 +115,21 @@ class LuaScript:
         transaction), each run once; the first of them to fail raises, after the script ran."""
         if not along:
             return await aevalsha(lines, self.sha, self.source, 0, *args)
+        return (await self.acall_along(lines, *args, along=along))[0]
+
+    async def acall_along(
+        self, lines: AsyncDirectCommands, *args: Any, along: Sequence[Command]
+    ) -> tuple[Any, list[Any]]:
+        """`acall` that hands back the replies of `along` too (the script's, then theirs), for a
+        caller that reads them: a stream read sent behind the script, say. A script Redis forgot
+        runs again alone once they have run (once)."""
         script, *others = await lines.replies(("EVALSHA", self.sha, 0, *args), *along)
         if isinstance(script, redis.exceptions.NoScriptError):
             script = await aevalsha(lines, self.sha, self.source, 0, *args)
         elif isinstance(script, redis.ResponseError):
             raise script
         raise_first_error(others)
-        return script
+        return script, others
 
     def queue(self, pipe: redis.client.Pipeline, *args: Any) -> None:
         pipe.evalsha(self.sha, 0, *args)
