@@ -21,6 +21,15 @@ Usage: `.venv/bin/python bench/frontend_cpu.py [--requests N] [--rounds N] [--ki
 deleted afterwards; `--kinds` runs some of the three). A shared machine moves the figures; the
 spread of the rounds is printed. Last line (the kinds run):
     frontend_cpu_ms_text=<x.xx> frontend_cpu_ms_image=<x.xx> frontend_cpu_ms_image_new=<x.xx>
+
+Before and after: `--baseline-ref REF [--pairs N]` runs REF's own copy of this bench (in a git
+worktree of REF, with this checkout's .venv) and this checkout's, each in a process of its own,
+one after the other N times (default 3), and prints each kind's figures side by side with the
+ratio of their medians (this checkout's over REF's), for the kinds both print. Issue 36's
+"before" is 5fd36e0, the commit that added this bench: its `image` sent the same picture each
+time and decoded it each time, `image_new`'s work now, so where REF's bench has no `image_new`
+this checkout's is set against REF's `image` as well. Last line:
+    frontend_cpu_ms_<kind>=<x.xx> baseline_ms_<kind>=<x.xx> ratio_<kind>=<x.xxx> ... (each kind)
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,10 +111,14 @@ def main() -> int:
     parser.add_argument(
         "--kinds", default=",".join(KINDS), help=f"which requests, comma-separated (of {', '.join(KINDS)})"
     )
+    parser.add_argument("--baseline-ref", help="a git ref to measure before this checkout, in turn with it")
+    parser.add_argument("--pairs", type=int, default=3, help="with --baseline-ref: runs of each, in turn")
     args = parser.parse_args()
     kinds = [kind for kind in args.kinds.split(",") if kind]
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds takes some of {', '.join(KINDS)}")
+    if args.baseline_ref:
+        return before_and_after(args.baseline_ref, args.pairs, kinds, args.rounds, args.requests)
 
     redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
     namespace = f"bench:fcpu:{uuid.uuid4().hex[:10]}:"
@@ -147,6 +161,86 @@ def main() -> int:
     medians = {kind: statistics.median(values) for kind, values in figures.items()}
     print(" ".join(f"frontend_cpu_ms_{kind}={median:.2f}" for kind, median in medians.items()))
     return 0
+
+
+def before_and_after(ref: str, pairs: int, kinds: list[str], rounds: int, requests: int) -> int:
+    """REF's copy of this bench and this checkout's, each in a process of its own, in turn."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    sizes = ["--rounds", str(rounds), "--requests", str(requests)]
+    figures: dict[str, dict[str, list[float]]] = {"baseline": {}, "ours": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-frontend-cpu-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(tree), commit], check=True
+        )
+        try:
+            (tree / ".venv").symlink_to(REPO / ".venv")
+            for pair in range(pairs):
+                # REF's bench may not know --kinds: it runs its own, and the kinds asked are kept.
+                runs = {"baseline": (tree, sizes), "ours": (REPO, [*sizes, "--kinds", ",".join(kinds)])}
+                for side, (root, options) in runs.items():
+                    got = _run_bench(root, options)
+                    for kind in kinds:
+                        if kind in got:
+                            figures[side].setdefault(kind, []).append(got[kind])
+                    print(f"pair {pair + 1} {side:8} " + " ".join(f"{k}={v:.2f}" for k, v in got.items()))
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    named = ref if commit.startswith(ref) else f"{ref} ({commit[:7]})"
+    # A ref whose bench has no image_new predates the decoded pictures kept: its image decoded
+    # the picture each time, image_new's work, which is set against it too.
+    compared = [(kind, kind) for kind in kinds if kind in figures["baseline"] and kind in figures["ours"]]
+    if (
+        "image_new" in figures["ours"]
+        and "image_new" not in figures["baseline"]
+        and "image" in figures["baseline"]
+    ):
+        compared.append(("image_new", "image"))
+    if not compared:
+        print(f"{named} printed none of {', '.join(kinds)}: nothing to compare")
+        return 1
+    last = []
+    for kind, theirs in compared:
+        ours, base = statistics.median(figures["ours"][kind]), statistics.median(figures["baseline"][theirs])
+        print(
+            f"{kind:9} {ours:.2f} ms against {base:.2f} ms ({theirs}) at {named}: {ours / base:.3f}x "
+            f"(medians of {pairs} runs each; ours {_spread(figures['ours'][kind])}, "
+            f"{named}'s {_spread(figures['baseline'][theirs])})"
+        )
+        last.append(
+            f"frontend_cpu_ms_{kind}={ours:.2f} baseline_ms_{kind}={base:.2f} ratio_{kind}={ours / base:.3f}"
+        )
+    print(" ".join(last))
+    return 0
+
+
+def _run_bench(root: Path, options: list[str]) -> dict[str, float]:
+    """One run of the bench in checkout `root`: the figures of its last line, by kind."""
+    done = subprocess.run(
+        [sys.executable, str(root / "bench" / "frontend_cpu.py"), *options],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"bench/frontend_cpu.py in {root} failed ({done.returncode}): {done.stderr[-2000:]}"
+        )
+    return {
+        name.removeprefix("frontend_cpu_ms_"): float(value)
+        for name, _, value in (field.partition("=") for field in lines[-1].split())
+    }
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 if __name__ == "__main__":
