@@ -581,7 +581,7 @@ class ServedRequest:
                 try:
                     async for entry in follow_task(self.lease, self.task_id, self._marked_at):
                         event = entry.event
-                        if isinstance(event, TokenEvent):  # (its first ended prefill: follow_task)
+                        if isinstance(event, TokenEvent):  # (follow_task ended prefill at the first)
                             self.clock.first_token()
                             self._note_sent(event)
                             yield event
