@@ -16,6 +16,8 @@ from inference_platform.api.boundary import new_request_id
 from inference_platform.serving.errors import ApiError
 from inference_platform.serving.frontend import frontend
 from inference_platform.serving.served import ServedRequest
+from routing.admission.queue import QueuedRequest
+from routing.kv.load import LoadTracker
 from tenants.keys import Caller, authenticate
 from tests.test_served_request import ScriptedWorker, chat_request, pytestmark_db
 
@@ -79,6 +81,35 @@ async def test_a_request_no_worker_can_take_waits_holding_no_slot_and_goes_when_
     assert task.request_id == request.request_id and tasks_sent(worker) == 0
     assert queued(served_demo_model) == 0
     assert frontend().limiter().active(caller.tenant_id) == 1
+    await request.close(499)
+
+
+async def test_a_request_that_finds_others_waiting_goes_behind_them_though_a_worker_is_free(
+    served_demo_model, make_api_key, busy_at_one
+):
+    # given a free worker, and a request of the model already waiting in the queue (in a higher
+    # band: first in line whatever the tenants' shares)
+    caller = await caller_of(make_api_key, "late-tenant")
+    worker = await asyncio.to_thread(ScriptedWorker, "w1", served_demo_model)
+    queue = frontend().admission_queue()
+    earlier = QueuedRequest("earlier", served_demo_model, "earlier-tenant", priority=5)
+    ahead = await asyncio.to_thread(queue.join, earlier, max_depth=10, max_tenant_depth=10)
+
+    # when a request comes
+    request = ServedRequest(new_request_id(), caller)
+    opening = asyncio.ensure_future(request.open(chat_request(served_demo_model), {}))
+    await until(lambda: queued(served_demo_model) == 2, "the request never queued")
+
+    # then it waits behind it (the decision refused while one waits): nothing sent or reserved
+    assert tasks_sent(worker) == 0
+    load = LoadTracker(worker.conn, worker.prefix)
+    assert (await asyncio.to_thread(load.snapshot, ["w1"]))["w1"].active_requests == 0
+
+    # and once the one ahead has left, it is sent to the free worker
+    await asyncio.to_thread(queue.leave, ahead, dispatched=False)
+    await asyncio.wait_for(opening, 60)
+    assert (await worker.next_task()).request_id == request.request_id
+    assert queued(served_demo_model) == 0
     await request.close(499)
 
 

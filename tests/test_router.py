@@ -18,7 +18,14 @@ import redis.asyncio
 
 from routing.contract.kv_events import KvEvent
 from routing.kv.affinity import SessionAffinity
-from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, StaleWorkers, WorkerReport
+from routing.kv.decision import (
+    AllWorkersBusy,
+    NoEligibleWorker,
+    RequestsWaiting,
+    RoutingDecision,
+    StaleWorkers,
+    WorkerReport,
+)
 from routing.kv.events import KvEventPublisher
 from routing.kv.index import KvIndex
 from routing.kv.lease import RequestLease
@@ -579,6 +586,28 @@ def test_a_decision_conditional_on_a_generation_that_moved_reserves_nothing(
     loads = router.load.snapshot(list(fleet))
     assert sum(load.active_requests for load in loads.values()) == 1
     assert router.decide("b", hashes, 160, BS, list(fleet), RoutingPolicy()).worker in fleet
+
+
+@pytest.mark.parametrize("fleet", [WORKERS, tuple(f"w{i:03d}" for i in range(100))])
+def test_a_decision_made_unless_requests_wait_reserves_nothing_while_they_do(
+    router: KvRouter, redis_client: redis.Redis, key_namespace: str, fleet: tuple[str, ...]
+) -> None:
+    # given: the key that exists while the model's requests wait in the admission queue, absent
+    key = f"{key_namespace}admq:bands:demo"
+    hashes = block_hashes(_tokens(17, 160), BS)
+    first = router.decide("a", hashes, 160, BS, list(fleet), RoutingPolicy(), unless_waiting=key)
+    assert first.worker in fleet
+
+    # when: requests start waiting (a small fleet, and one past the candidates' threshold)
+    redis_client.zadd(key, {"0": 0})
+
+    # then: it refuses, and nothing of it is reserved; without the condition it decides as before
+    with pytest.raises(RequestsWaiting):
+        router.decide("b", hashes, 160, BS, list(fleet), RoutingPolicy(), unless_waiting=key)
+    loads = router.load.snapshot(list(fleet))
+    assert sum(load.active_requests for load in loads.values()) == 1
+    assert router.decide("b", hashes, 160, BS, list(fleet), RoutingPolicy()).worker in fleet
+    redis_client.delete(key)
 
 
 def test_a_worker_past_its_kv_fraction_is_busy(router: KvRouter) -> None:

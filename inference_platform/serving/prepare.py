@@ -461,12 +461,15 @@ async def areserve_worker(
     request_id: str,
     *,
     conditional: bool = True,
+    unless_waiting: str | None = None,
 ) -> RequestLease:
     """Decide and reserve in one atomic step (the baselines, round robin and random, too), on the
     running event loop (KvRouter.adecide): no thread to hand the round trip to and back.
 
     Workers from a fleet read (`EligibleWorkers`) are decided over only while the rows'
     generation is still the read's (`conditional`): StaleWorkers, nothing reserved, when it moved.
+    `unless_waiting`: the admission queue's key of the model (`AdmissionQueue.waiting_key`), for
+    a decision made only while no request waits there: RequestsWaiting, nothing reserved, else.
     """
     front = frontend()
     args, options, eligible = _decision_inputs(prepared, workers, scope_key, await front.apolicy())
@@ -477,6 +480,7 @@ async def areserve_worker(
         instances=eligible.instances,
         reservation_ttl_s=lease_ttl_s(),
         only_if=eligible.rows_generation if conditional else None,
+        unless_waiting=unless_waiting,
         scores=False,  # a request being dispatched reads the chosen worker's alone
         **options,
     )

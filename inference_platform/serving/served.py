@@ -80,7 +80,7 @@ from routing.admission.queue import QueuedRequest, QueueFull, Ticket, wait_estim
 from routing.contract.responses import cancel_key, live_key, response_key
 from routing.contract.tasks import IMAGE_CHANGED, DoneEvent, ErrorEvent, GenerateTask, TokenEvent
 from routing.fleet.registry import Heartbeat
-from routing.kv.decision import AllWorkersBusy, StaleWorkers
+from routing.kv.decision import AllWorkersBusy, RequestsWaiting, StaleWorkers
 from routing.kv.lease import RESERVED, RequestLease
 from routing.media.store import MediaRef, MediaStoreError
 from routing.observe import telemetry
@@ -422,13 +422,18 @@ class ServedRequest:
         else join the admission queue (routing.admission) and hand back the place."""
         model = prepared.model.name
         queue = frontend().admission_queue()
-        if not await queue.awaiting(frontend().redis_lines(), model):
-            try:
-                await self._decide_and_send(prepared, self.request_id, workers=workers)
-                return None
-            except ApiError as refused:
-                if refused.code != "all_workers_busy":
-                    raise
+        try:
+            # Made only while none of the model's requests wait: the queue's look goes with the
+            # decision, in its round trip and its atomic step.
+            await self._decide_and_send(
+                prepared, self.request_id, workers=workers, unless_waiting=queue.waiting_key(model)
+            )
+            return None
+        except RequestsWaiting:
+            pass
+        except ApiError as refused:
+            if refused.code != "all_workers_busy":
+                raise
         queued = QueuedRequest(
             request_id=self.request_id,
             model=model,
@@ -501,6 +506,7 @@ class ServedRequest:
         resend: GenerateTask | None = None,
         workers: Mapping[str, Heartbeat] | None = None,
         on_reserved: Callable[[], Awaitable[None]] | None = None,
+        unless_waiting: str | None = None,
     ) -> None:
         """Choose among the eligible workers not tried yet, reserve there, and send `task_id`.
 
@@ -510,7 +516,9 @@ class ServedRequest:
         built (a migration: its media are stored, its encoder chosen); else the task is built
         from `prepared`, its media stored. `workers`: the eligible workers, when just looked up.
         `on_reserved`: awaited once a worker is reserved, before anything is sent (a refusal there
-        leaves the reservation to the lease, which `close` releases).
+        leaves the reservation to the lease, which `close` releases). `unless_waiting`: decide
+        only while that key (the admission queue's) does not exist; RequestsWaiting, nothing
+        reserved or sent, when it does.
         """
         view = prepared.view
         started = time.perf_counter()
@@ -531,6 +539,7 @@ class ServedRequest:
                     self.request_id,
                     # Rows that keep moving: the last try decides on the freshest read it has.
                     conditional=attempt < _STALE_READS_RETRIED,
+                    unless_waiting=unless_waiting,
                 )
                 break
             except AllWorkersBusy as busy:

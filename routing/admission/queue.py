@@ -178,11 +178,12 @@ class AdmissionQueue:
 
     def waiting(self, model: str) -> bool:
         """Whether any request of `model` is queued (a new one then joins behind them)."""
-        return bool(self._client.exists(f"{self._namespace}{BANDS_FAMILY}{model}"))
+        return bool(self._client.exists(self.waiting_key(model)))
 
-    async def awaiting(self, lines: AsyncDirectCommands, model: str) -> bool:
-        """`waiting` on an event loop's own connections (`lines`): no thread to hand it to."""
-        return bool(await lines.execute("EXISTS", f"{self._namespace}{BANDS_FAMILY}{model}"))
+    def waiting_key(self, model: str) -> str:
+        """The key that exists while requests of `model` wait (`waiting`): what a decision made
+        only while none wait is conditional on (KvRouter.decide's `unless_waiting`)."""
+        return f"{self._namespace}{BANDS_FAMILY}{model}"
 
     def full_for(
         self, model: str, tenant: str, priority: int, *, max_depth: int, max_tenant_depth: int

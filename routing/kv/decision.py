@@ -23,6 +23,12 @@ class StaleWorkers(Exception):
     reads its workers again before deciding."""
 
 
+class RequestsWaiting(Exception):
+    """Requests wait in the admission queue ahead of this one (the key a reserving decision was
+    made unless it exists, `KvRouter.decide`'s `unless_waiting`, does): nothing was reserved, and
+    the request joins the queue behind them."""
+
+
 class AllWorkersBusy(Exception):
     """Every eligible worker is past a busy threshold: the caller answers 503 with Retry-After."""
 

@@ -40,7 +40,14 @@ import redis
 
 from routing.fleet.registry import ROUND_ROBIN_KEY
 from routing.kv.affinity import SessionAffinity
-from routing.kv.decision import AllWorkersBusy, NoEligibleWorker, RoutingDecision, StaleWorkers, WorkerReport
+from routing.kv.decision import (
+    AllWorkersBusy,
+    NoEligibleWorker,
+    RequestsWaiting,
+    RoutingDecision,
+    StaleWorkers,
+    WorkerReport,
+)
 from routing.kv.index import (
     DEFAULT_APPROXIMATE_TTL_S,
     INDEX_LUA_FUNCTIONS,
@@ -69,6 +76,7 @@ HOLDERS_PER_PREFIX = 16
 LOAD_SAMPLE = 16
 MODES = ("kv", "round_robin", "random")
 STALE = (b"stale", "stale")  # the decision script's reason when its `only_if` key moved
+WAITING = (b"waiting", "waiting")  # its reason when its `unless_waiting` key exists
 # its reasons when the fleet read's facts are gone, or their places (and maybe the facts too)
 NO_FLEET_FACTS = (b"nofleet", "nofleet", b"noplaces", "noplaces")
 NO_FLEET_PLACES = (b"noplaces", "noplaces")
@@ -216,10 +224,13 @@ class KvRouter:
         (nothing reserved). only_if: (key, value): decide only while that Redis key holds that
         value, checked in the same atomic step (a frontend's fleet read is checked against the
         rows' generation there instead of with a round trip of its own before); StaleWorkers
-        when it does not (nothing reserved). scores=False: the decision's `scores` hold the
-        chosen worker's alone (unless the debug log wants them all), which is all a request being
-        dispatched reads, and Redis then builds and sends none of the others. `options`: those of
-        `route` (session_key, affinity_enabled, approximate_workers, reports, mode, rng).
+        when it does not (nothing reserved). unless_waiting (an option): a key whose existence
+        means requests wait ahead of this one (the admission queue's, routing.admission), checked
+        in the same atomic step; RequestsWaiting when it exists (nothing reserved). scores=False:
+        the decision's `scores` hold the chosen worker's alone (unless the debug log wants them
+        all), which is all a request being dispatched reads, and Redis then builds and sends none
+        of the others. `options`: those of `route` (session_key, affinity_enabled,
+        approximate_workers, reports, mode, rng).
         """
         options["scores"] = scores  # to _steps, with route's options
         steps = self._reserving(
@@ -329,6 +340,7 @@ class KvRouter:
         rng: random.Random | None = None,
         reservation_ttl_ms: int | None = None,
         only_if: tuple[str, bytes] | None = None,
+        unless_waiting: str | None = None,
         scores: bool = True,
     ) -> _Steps:
         """A decision as the steps it takes, none of which waits on Redis itself: it yields each
@@ -367,6 +379,7 @@ class KvRouter:
         # '1': the chosen worker's figures alone (the script's ARGV 36), unless the debug log
         # below reads every candidate's.
         brief = "" if scores or self._logger.isEnabledFor(logging.DEBUG) else "1"
+        tail = (brief, unless_waiting or "")  # ARGV 36 and 37
         reply = None
         if mode == "kv" and len(eligible) > self.candidates_above:
             # A large fleet: the script weighs candidates, not every worker (`_decide_among`);
@@ -382,15 +395,15 @@ class KvRouter:
             elif replica is not None:
                 replica.start()
             if found is not None:
-                reply = yield from self._decide_given(args, packed, policy, condition, found, brief)
+                reply = yield from self._decide_given(args, packed, policy, condition, found, tail)
             else:  # no replica, or its bits moved just now: Redis's index
                 sample_names = [eligible[position] for position in sample]
-                reply = yield from self._decide_among(args, packed, policy, condition, sample_names, brief)
+                reply = yield from self._decide_among(args, packed, policy, condition, sample_names, tail)
             self._check_fresh(reply, only_if)
             if not reply[0]:
                 reply = None
         if reply is None:
-            reply = yield self._over_args(args, packed, policy, condition, brief)
+            reply = yield self._over_args(args, packed, policy, condition, tail)
             self._check_fresh(reply, only_if)
         chosen_at, reason, best_overlap, *packed_columns, busy_at, weighed = reply
         # A large fleet's candidates, those weighed, as the script names them: decoded where read
@@ -451,8 +464,12 @@ class KvRouter:
 
     @staticmethod
     def _check_fresh(reply: list, only_if: tuple[str, bytes] | None) -> None:
-        if not reply[0] and reply[1] in STALE and only_if is not None:
+        if reply[0]:
+            return
+        if reply[1] in STALE and only_if is not None:
             raise StaleWorkers(f"{only_if[0]} moved since the workers were read")
+        if reply[1] in WAITING:
+            raise RequestsWaiting("requests wait in the admission queue ahead of this one")
 
     @staticmethod
     def _over_args(
@@ -460,7 +477,7 @@ class KvRouter:
         packed: _PackedWorkers,
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
-        brief: str,
+        tail: tuple[str, str],
     ) -> tuple[object, ...]:
         """The decision script's arguments over these workers. A reserving decision must run
         once: it only goes again if Redis lost the script, in which case the first attempt did
@@ -481,7 +498,7 @@ class KvRouter:
             "",
             "",
             "",
-            brief,
+            *tail,
         )
 
     def _decide_among(
@@ -491,7 +508,7 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         sample: Sequence[str],
-        brief: str,
+        tail: tuple[str, str],
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """The decision script among a large fleet's candidates, read in the same step: the
         holders of the request's longest cached prefixes (at most HOLDERS_PER_PREFIX per prefix
@@ -510,7 +527,7 @@ class KvRouter:
         heaviest load exceeds the mean by O(log log n / log d), not O(log n / log log n)), and
         reservations made by every frontend move the next draw's choice elsewhere."""
         args = (HOLDERS_PER_PREFIX, "\n".join(sample), "", "")
-        return (yield from self._with_facts(common, fleet, policy, condition, args, brief))
+        return (yield from self._with_facts(common, fleet, policy, condition, args, tail))
 
     def _with_facts(
         self,
@@ -519,11 +536,11 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         among: tuple[object, ...],
-        brief: str,
+        tail: tuple[str, str],
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """A decision among candidates (`among`: ARGV 31 to 34), weighed by the fleet read's
         facts (and places: ARGV 30, 35), which are written first if the script finds them gone;
-        `brief`: ARGV 36."""
+        `tail`: ARGV 36 and 37."""
         places = self._places_key(fleet)
         args = (
             *common,
@@ -538,7 +555,7 @@ class KvRouter:
             self._facts_key(fleet),
             *among,
             places,
-            brief,
+            *tail,
         )
         reply = yield args
         if not reply[0] and reply[1] in NO_FLEET_FACTS:
@@ -557,7 +574,7 @@ class KvRouter:
         policy: RoutingPolicy,
         condition: tuple[str, bytes],
         found: Mapping[int, int],
-        brief: str,
+        tail: tuple[str, str],
     ) -> Generator[tuple[object, ...] | _PackedWorkers, Any, list]:
         """`_decide_among` with the candidates this process's replica of the index found (the
         same ones: the holders of the longest cached prefixes, at most HOLDERS_PER_PREFIX per
@@ -571,7 +588,7 @@ class KvRouter:
             struct.pack(f">{len(found)}i", *found.values()),
             b"".join([records[position] for position in found]),
         )
-        return (yield from self._with_facts(common, fleet, policy, condition, args, brief))
+        return (yield from self._with_facts(common, fleet, policy, condition, args, tail))
 
     @staticmethod
     def _replica_fleet(replica: IndexReplica, fleet: _PackedWorkers) -> ReplicaFleet:

@@ -36,6 +36,9 @@
 -- name and the session's worker (their facts from 30, their overlaps from the marks and the
 -- index) and raises the approximate workers' overlaps; nothing of the index is walked.
 -- 36: '1' for the chosen worker's figures alone (a request being dispatched: see the reply).
+-- 37: a key whose existence means requests wait ahead of this one (the admission queue's bands
+-- of the model: '' or absent for none): a reply of false, 'waiting' when it exists (nothing
+-- read, nothing reserved), so that the look and the decision are one round trip and one step.
 -- The reply: the chosen worker's place among those weighed (false: none), the reason, the best
 -- overlap, the overlap, prefill and decode columns, the busy places, and, among candidates,
 -- the names of those weighed (an empty list otherwise). With 36 at '1', as if the chosen worker
@@ -47,6 +50,9 @@
 -- text; and only what the policy reads is sent.
 if ARGV[28] ~= '' and redis.call('GET', ARGV[28]) ~= ARGV[29] then
   return {false, 'stale', 0, '', '', '', {}, {}}
+end
+if ARGV[37] and ARGV[37] ~= '' and redis.call('EXISTS', ARGV[37]) == 1 then
+  return {false, 'waiting', 0, '', '', '', {}, {}}
 end
 local ns, packed = ARGV[1], ARGV[2]
 local isl, bs = tonumber(ARGV[5]), tonumber(ARGV[6])
