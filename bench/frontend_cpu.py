@@ -25,7 +25,9 @@ spread of the rounds is printed. Last line (the kinds run):
 Before and after: `--baseline-ref REF [--pairs N]` runs REF's own copy of this bench (in a git
 worktree of REF, with this checkout's .venv) and this checkout's, each in a process of its own,
 one after the other N times (default 3), and prints each kind's figures side by side with the
-ratio of their medians (this checkout's over REF's), for the kinds both print. Issue 36's
+ratio of their medians (this checkout's over REF's), for the kinds both print. REF's bench runs
+every kind it has (an older one has no --kinds), and so does this checkout's, besides those
+asked: what else a process served moves a kind's figure. Issue 36's
 "before" is 5fd36e0, the commit that added this bench: its `image` sent the same picture each
 time and decoded it each time, `image_new`'s work now, so where REF's bench has no `image_new`
 this checkout's is set against REF's `image` as well. Last line:
@@ -181,10 +183,14 @@ def before_and_after(ref: str, pairs: int, kinds: list[str], rounds: int, reques
         try:
             (tree / ".venv").symlink_to(REPO / ".venv")
             for pair in range(pairs):
-                # REF's bench may not know --kinds: it runs its own, and the kinds asked are kept.
-                runs = {"baseline": (tree, sizes), "ours": (REPO, [*sizes, "--kinds", ",".join(kinds)])}
-                for side, (root, options) in runs.items():
-                    got = _run_bench(root, options)
+                # REF's bench may not know --kinds: it runs every kind it has. This checkout's
+                # runs those too, besides the kinds asked: a kind's figure depends on what else
+                # the process served (its caches, its heap), so both sides serve the same.
+                got = _run_bench(tree, sizes)
+                ours = [kind for kind in KINDS if kind in got or kind in kinds]
+                for side in ("baseline", "ours"):
+                    if side == "ours":
+                        got = _run_bench(REPO, [*sizes, "--kinds", ",".join(ours)])
                     for kind in kinds:
                         if kind in got:
                             figures[side].setdefault(kind, []).append(got[kind])
