@@ -204,8 +204,12 @@ def test_two_frontends_deciding_at_the_same_instant_spread_over_idle_workers(
     routed: list[str] = []
 
     def ask(i: int) -> None:
-        # ~200 tokens each: a reservation outweighs the few template blocks the prompts share
-        body = text_request(f"Request {i}: " + f"tell me about thing number {i} " * 30, max_tokens=16)
+        # ~200 tokens each: a reservation outweighs the few template blocks the prompts share.
+        # Each answer lasts ~4 s (480 tokens at the simulated worker's ~9 ms a token), so the
+        # three are in flight together even where a loaded machine holds one frontend back for a
+        # while: with 16 tokens (~0.2 s), a frontend held back ~0.5 s (a clean clone's CI, the
+        # vLLM tier beside it) decided after the first answer had ended, its worker idle again.
+        body = text_request(f"Request {i}: " + f"tell me about thing number {i} " * 30, max_tokens=480)
         with httpx.Client(timeout=90, headers=platform.headers) as client:
             barrier.wait()
             response = client.post(f"{frontends[i % 2]}/v1/chat/completions", json=body)
