@@ -186,14 +186,12 @@ def before_and_after(ref: str, pairs: int, kinds: list[str], rounds: int, reques
                 # REF's bench may not know --kinds: it runs every kind it has. This checkout's
                 # runs those too, besides the kinds asked: a kind's figure depends on what else
                 # the process served (its caches, its heap), so both sides serve the same.
-                got = _run_bench(tree, sizes)
-                ours = [kind for kind in KINDS if kind in got or kind in kinds]
-                for side in ("baseline", "ours"):
-                    if side == "ours":
-                        got = _run_bench(REPO, [*sizes, "--kinds", ",".join(ours)])
-                    for kind in kinds:
-                        if kind in got:
-                            figures[side].setdefault(kind, []).append(got[kind])
+                theirs = _run_bench(tree, sizes)
+                same = [kind for kind in KINDS if kind in theirs or kind in kinds]
+                ours = _run_bench(REPO, [*sizes, "--kinds", ",".join(same)])
+                for side, got in (("baseline", theirs), ("ours", ours)):
+                    for kind, ms in got.items():
+                        figures[side].setdefault(kind, []).append(ms)
                     print(f"pair {pair + 1} {side:8} " + " ".join(f"{k}={v:.2f}" for k, v in got.items()))
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
