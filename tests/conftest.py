@@ -636,11 +636,12 @@ def lone_frontend(lone_worker_pool: WorkerPool) -> harness.PlatformProcesses:
 
 
 class _CountedLines:
-    """The loop's real connections (`frontend().redis_lines()`), counting the round trips made on
-    them: each command still goes to Redis."""
+    """The loop's real connections (`frontend().redis_lines()`), noting each round trip made on
+    them in `round_trips` (shared by every such wrapper of a test: one log, in order); each
+    command still goes to Redis."""
 
-    def __init__(self, lines) -> None:
-        self._lines, self.round_trips = lines, []
+    def __init__(self, lines, round_trips: list[tuple[str, ...]]) -> None:
+        self._lines, self.round_trips = lines, round_trips
 
     async def execute(self, *args):
         self.round_trips.append((args[0],))
@@ -656,16 +657,16 @@ class _CountedLines:
 
 
 @pytest.fixture
-def counted_lines(monkeypatch) -> Iterator[list[_CountedLines]]:
-    """Each `redis_lines()` the frontend hands out while the test runs, counting its round trips."""
+def counted_lines(monkeypatch) -> Iterator[list[tuple[str, ...]]]:
+    """The round trips made on every `redis_lines()` the frontend hands out while the test runs,
+    in the order they were made: each one's command names (a pipeline's, together)."""
     from inference_platform.serving.frontend import frontend
 
-    made: list[_CountedLines] = []
+    round_trips: list[tuple[str, ...]] = []
     hand_out = frontend().redis_lines
 
     def counted(url: str | None = None):
-        made.append(_CountedLines(hand_out(url)))
-        return made[-1]
+        return _CountedLines(hand_out(url), round_trips)
 
     monkeypatch.setattr(frontend(), "redis_lines", counted)
-    yield made
+    yield round_trips

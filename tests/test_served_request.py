@@ -304,10 +304,9 @@ async def test_an_answered_requests_end_is_written_in_one_round_trip(
     # then after the read of its whole answer came its end, in one round trip: the load freed,
     # the liveness mark and the stream dropped, the tenant's slot freed and its usage counted
     # (the first token's move to decode, read with the end, is left to the load's free)
-    trips = [trip for lines in counted_lines for trip in lines.round_trips]
-    last_read = len(trips) - 1 - trips[::-1].index(("XREAD",))
+    last_read = len(counted_lines) - 1 - counted_lines[::-1].index(("XREAD",))
     end = ("EVALSHA", "DEL", "ZREM", "HINCRBY", "HINCRBY", "HINCRBY", "HINCRBY")
-    assert trips[last_read + 1 :] == [end]
+    assert counted_lines[last_read + 1 :] == [end]
     await nothing_left(request.request_id, tenant_caller, ["w1"])
     usage = (await frontend().ausage()).totals([tenant_caller.usage_id])[tenant_caller.usage_id]
     assert (usage["requests"], usage["completion_tokens"]) == (1, 2)
@@ -326,9 +325,8 @@ async def test_the_first_token_waits_for_no_round_trip_and_its_load_moves_with_t
     events = request.events()
 
     # when the first token is read
-    trips = lambda: [trip for lines in counted_lines for trip in lines.round_trips]  # noqa: E731
     first = await events.__anext__()
-    read_so_far = trips()
+    read_so_far = list(counted_lines)
 
     # then it came straight from the read of the stream, the load still counted as prefill
     assert isinstance(first, TokenEvent) and first.text == "Hel"
@@ -340,7 +338,7 @@ async def test_the_first_token_waits_for_no_round_trip_and_its_load_moves_with_t
     writer.emit(TokenEvent(text="lo", token_ids=[12]))
     second = await events.__anext__()
     assert isinstance(second, TokenEvent) and second.text == "lo"
-    assert trips()[len(read_so_far) :] == [("EVALSHA", "XREAD")]
+    assert counted_lines[len(read_so_far) :] == [("EVALSHA", "XREAD")]
     assert (await asyncio.to_thread(load.snapshot, ["w1"]))["w1"].active_prefill_tokens == 0
     writer.emit(DoneEvent(text="Hello", prompt_tokens=20, completion_tokens=2, worker="w1"))
     assert [event.completion_tokens async for event in events] == [2]
