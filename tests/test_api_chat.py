@@ -771,3 +771,117 @@ async def test_a_streaming_client_that_hangs_up_mid_send_fault_injected_has_its_
     assert "hung_up" in seen, "the stream never reached its second piece"
     assert "cancelled" in seen, "the worker was never told to stop"
     assert seen["cancelled"] - seen["hung_up"] < 1.0
+
+
+async def _through_the_api_handler(
+    path: str, headers: dict[str, str], body: bytes = b""
+) -> tuple[int, bytes]:
+    """One request through `/v1`'s own ASGI handler, as the server hands it over: status, body."""
+    from inference_platform.api.handler import ApiHandler
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+        "method": "POST" if body else "GET", "scheme": "http", "path": path, "raw_path": path.encode(),
+        "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        + [(name.lower().encode(), value.encode()) for name, value in headers.items()],
+        "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000),
+    }  # fmt: skip
+    request = [{"type": "http.request", "body": body, "more_body": False}]
+    answered = asyncio.Event()
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if request:
+            return request.pop()
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            answered.set()
+
+    await asyncio.wait_for(ApiHandler()(scope, receive, send), 20)
+    (start,) = [m for m in sent if m["type"] == "http.response.start"]
+    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+async def test_a_chat_completion_sends_no_request_signal_and_makes_no_hand_over_to_djangos_thread(
+    api_headers, served_demo_model, ghost_worker, monkeypatch
+):
+    """Django's request signals only tidy the connections of asgiref's thread-sensitive thread,
+    and each cost a hand-over to it: `/v1` sends neither, and a chat completion whose key was
+    verified lately never enters that thread (inference_platform.api.handler)."""
+    from asgiref.sync import SyncToAsync
+    from django.core import signals
+
+    heard: list[str] = []
+
+    def started(**_kwargs) -> None:
+        heard.append("request_started")
+
+    def finished(**_kwargs) -> None:
+        heard.append("request_finished")
+
+    signals.request_started.connect(started)
+    signals.request_finished.connect(finished)
+    handed_over: list[object] = []
+    hand_over = SyncToAsync.__call__
+
+    async def counted(self, *args, **kwargs):
+        if self._thread_sensitive:
+            handed_over.append(self.func)
+        return await hand_over(self, *args, **kwargs)
+
+    monkeypatch.setattr(SyncToAsync, "__call__", counted)
+    done = DoneEvent(text="Hi", finish_reason="stop", prompt_tokens=3, completion_tokens=1)
+    try:
+        body = json.dumps(chat_body(served_demo_model)).encode()
+        for turn in range(2):  # the first verifies the key, in Django's thread
+            answering = asyncio.ensure_future(answer_ghost_tasks(1, 15, answers=[done]))
+            status, answer = await _through_the_api_handler("/v1/chat/completions", api_headers, body)
+            assert len(await answering) == 1
+            assert status == 200, answer
+            assert json.loads(answer)["choices"][0]["message"]["content"] == "Hi"
+            if turn == 0:
+                assert handed_over, "the key's first check reads the database, in Django's thread"
+                handed_over.clear()
+        assert handed_over == []
+        assert heard == []
+    finally:
+        signals.request_started.disconnect(started)
+        signals.request_finished.disconnect(finished)
+
+
+async def test_the_apis_calls_into_djangos_thread_tidy_its_connections_around_them(
+    api_headers, served_demo_model, monkeypatch
+):
+    """What Django's request signals did is done around each of the API's database calls, in
+    the thread that makes it: a connection past CONN_MAX_AGE or broken is closed before the
+    call and after it (a key not yet verified, a synchronous view)."""
+    import channels.db
+
+    from inference_platform.api import handler
+
+    tidied: list[int] = []
+
+    def close_old_connections() -> None:
+        tidied.append(threading.get_ident())
+
+    monkeypatch.setattr(channels.db, "close_old_connections", close_old_connections)
+    monkeypatch.setattr(handler, "close_old_connections", close_old_connections)
+    loop_thread = threading.get_ident()
+
+    # a synchronous view (its key checked inside it): tidied around the view
+    status, answer = await _through_the_api_handler("/v1/models", api_headers)
+    assert status == 200, answer
+    assert len(tidied) == 2
+    # a key never seen, on the event loop's path: tidied around its check (database_sync_to_async)
+    body = json.dumps(chat_body(served_demo_model)).encode()
+    status, answer = await _through_the_api_handler(
+        "/v1/chat/completions", {"Authorization": "Bearer sk-never-issued"}, body
+    )
+    assert status == 401, answer
+    assert len(tidied) == 4
+    assert loop_thread not in tidied

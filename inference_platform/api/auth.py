@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, sync_to_async
+from asgiref.sync import iscoroutinefunction
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
@@ -77,13 +78,14 @@ def identify(request: HttpRequest, *, operator: bool = False, metrics_token: boo
 
 async def aidentify(request: HttpRequest, *, operator: bool = False, metrics_token: bool = False) -> Caller:
     """`identify` on the event loop: a key verified lately is known there, without a thread
-    (tenants.keys.averified_caller); any other is checked by `identify`, in Django's thread."""
+    (tenants.keys.averified_caller); any other is checked by `identify`, in Django's thread, its
+    connections tidied around it (inference_platform.api.handler sends no request signal)."""
     presented = _presented_key(request)
     if presented is not None and not (metrics_token and _metrics_token_matches(presented)):
         caller = await averified_caller(presented, frontend().redis_lines())
         if caller is not None:
             return _allowed(request, caller, operator=operator, metrics_token=metrics_token)
-    return await sync_to_async(identify)(request, operator=operator, metrics_token=metrics_token)
+    return await database_sync_to_async(identify)(request, operator=operator, metrics_token=metrics_token)
 
 
 def _allowed(request: HttpRequest, caller: Caller, *, operator: bool, metrics_token: bool) -> Caller:

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import redis
+from channels.db import database_sync_to_async
 from django.conf import settings
 
 from inference_platform.serving.broker import publish_task, push_with_state
@@ -370,12 +371,18 @@ async def _rows_and_heartbeats(
     generation = await asyncio.to_thread(
         current_generation, sync_client(settings.REDIS_URL), settings.REDIS_KEY_PREFIX
     )
-    fields = ("name", "enabled", "draining", "model_name")
-    every = tuple([WorkerRow(*row) async for row in Worker.objects.values_list(*fields)])
+    # In Django's thread, its connections tidied around the query (the API sends no request
+    # signal to do it: inference_platform.api.handler).
+    every = await database_sync_to_async(_every_row)()
     kept_rows().put(generation, every)
     rows = _of_model(every, model)
     alive = await asyncio.to_thread(paced, _heartbeats, rows)
     return generation, every, rows, alive
+
+
+def _every_row() -> tuple[WorkerRow, ...]:
+    fields = ("name", "enabled", "draining", "model_name")
+    return tuple(WorkerRow(*row) for row in Worker.objects.values_list(*fields))
 
 
 def _of_model(rows: tuple[WorkerRow, ...], model: str) -> tuple[WorkerRow, ...]:
