@@ -48,6 +48,43 @@ def test_a_generate_task_survives_json_and_carries_the_contract_version():
     assert GenerateTask.from_payload(payload) == task
 
 
+def test_a_tasks_payload_is_asdicts_without_its_copies_of_what_cannot_change():
+    """`to_payload` is `dataclasses.asdict` plus the version, for every kind of field (nested
+    dataclasses, tuples of them and of numbers, dicts, lists); a list or dict in it is a copy of
+    its own, as asdict's, and a tuple of numbers is the task's own (it cannot change)."""
+    import dataclasses
+
+    from routing.contract.tasks import VideoRef
+
+    video = VideoRef(
+        identity="v" * 32, fps=2.0, total_frames=40, indices=(0, 20), width=64, height=48,
+        grid_thw=(1, 2, 2), frame_shape=(2, 48, 64, 3), media_ref="m1",
+    )  # fmt: skip
+    tasks = [
+        a_task(),
+        dataclasses.replace(
+            a_task(),
+            videos=(video,),
+            logit_bias={"7": -1.5},
+            processed={"pixel_values": {"ref": "r", "shape": [1, 3]}, "grid": [[1, 2, 2]]},
+            continued_token_ids=(5, 6),
+            image_ends=(30,),
+            priority=2,
+        ),
+        EncodeTask(request_id="enc-1", images=(ImageRef(identity="b" * 32, media_ref="m2"),), indices=(0,)),
+        FlushCachesTask(flush_id="f-1", kv=True),
+    ]
+    for task in tasks:
+        payload = task.to_payload()
+        assert payload == {**dataclasses.asdict(task), "contract_version": CONTRACT_VERSION}
+        assert type(task).from_payload(json.loads(json.dumps(payload))) == task
+    payload = tasks[1].to_payload()
+    payload["processed"]["grid"][0].append(9)
+    payload["logit_bias"]["8"] = 1.0
+    assert tasks[1].processed["grid"] == [[1, 2, 2]] and tasks[1].logit_bias == {"7": -1.5}
+    assert payload["block_hashes"] is tasks[1].block_hashes
+
+
 def test_an_optional_field_a_worker_does_not_know_is_ignored_and_a_missing_one_takes_its_default():
     payload = a_task().to_payload()
     payload["media_refs"] = [{"future": "field"}]  # a newer frontend's optional field

@@ -20,7 +20,9 @@ Extending the contract (media references, tenant salts, encoder embeddings, vide
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -99,6 +101,35 @@ class UnsupportedContract(ContractError):
             f"{who} cannot serve {task}: the task is in contract version {version!r}, "
             f"the worker speaks {spoken}; upgrade the older side"
         )
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def _plain(value: Any) -> Any:
+    """`dataclasses.asdict(value)`, equal to it, without copying what cannot change: a tuple of
+    strings and numbers (a prompt's block hashes) is the same tuple, where asdict rebuilt it an
+    element at a time and deep-copied each (~70 us of a text request's task, ~200 us of one
+    with a picture, to be thrown away by json.dumps). Lists and dicts are still copied."""
+    cls = type(value)
+    if cls in _SCALARS:
+        return value
+    if cls is tuple:
+        if all(type(item) in _SCALARS for item in value):
+            return value
+        return tuple(_plain(item) for item in value)
+    if cls is list:
+        return [_plain(item) for item in value]
+    if cls is dict:
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if dataclasses.is_dataclass(cls):
+        return {name: _plain(getattr(value, name)) for name in _field_names(cls)}
+    return copy.deepcopy(value)  # as asdict: anything else, a copy of its own
 
 
 def _from_mapping(cls: type, data: Mapping[str, Any]) -> Any:
@@ -228,7 +259,7 @@ class GenerateTask:
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
-        payload = dataclasses.asdict(self)
+        payload = _plain(self)
         payload[VERSION_FIELD] = CONTRACT_VERSION
         return payload
 
@@ -301,7 +332,7 @@ class EncodeTask:
     # Add optional fields here, with defaults (see the module docstring).
 
     def to_payload(self) -> dict[str, Any]:
-        payload = dataclasses.asdict(self)
+        payload = _plain(self)
         payload[VERSION_FIELD] = CONTRACT_VERSION
         return payload
 
@@ -338,7 +369,7 @@ class FlushCachesTask:
     shared_images: bool = False
 
     def to_payload(self) -> dict[str, Any]:
-        payload = dataclasses.asdict(self)
+        payload = _plain(self)
         payload[VERSION_FIELD] = CONTRACT_VERSION
         return payload
 
