@@ -7,7 +7,8 @@ Run: `.venv/bin/python bench/api_handler.py [--requests N] [--rounds N]`. The re
 authenticated `GET /v1/models` driven straight into each ASGI app (no socket, no server), so
 what differs between the two is the chain alone; a chat completion pays the same difference.
 It uses a temporary SQLite database and the demo model (built into var/models/demo if absent),
-and touches no Redis. The last line is the summary:
+and Redis at REDIS_URL (default redis://127.0.0.1:6379/14) under a namespace of its own: the key's
+check keeps what it verified there. Both are removed afterwards. The last line is the summary:
     api_cpu_ms=<x.xx> full_cpu_ms=<x.xx> ratio=<x.xx>   (CPU per request, medians of the rounds)
 """
 
@@ -20,7 +21,10 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+
+import redis
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -91,9 +95,22 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    scratch = Path(tempfile.mkdtemp(prefix="bench-api-handler-"))
+    with tempfile.TemporaryDirectory(prefix="bench-api-handler-") as scratch:
+        redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/14"
+        namespace = f"bench:api:{uuid.uuid4().hex[:10]}:"
+        try:
+            return _measure(Path(scratch), redis_url, namespace, args.requests, args.rounds)
+        finally:  # what the bench's key and its checks wrote, and nothing else
+            client = redis.Redis.from_url(redis_url)
+            for key in client.scan_iter(match=f"{namespace}*", count=1000):
+                client.delete(key)
+
+
+def _measure(scratch: Path, redis_url: str, namespace: str, requests: int, rounds: int) -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inference_platform.settings")
     os.environ["DATABASE_URL"] = f"sqlite:///{scratch / 'db.sqlite3'}"
+    os.environ["REDIS_URL"] = redis_url
+    os.environ["REDIS_KEY_PREFIX"] = namespace
     os.environ["MODEL_PATH"] = str(demo_model_dir())
     os.environ["LOG_LEVEL"] = "WARNING"
 
@@ -117,16 +134,16 @@ def main() -> int:
         for app in chains.values():  # warm both: imports, the model card, the first connection
             await _cpu_ms_per_request(app, scope, 20)
         figures: dict[str, list[float]] = {name: [] for name in chains}
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, app in chains.items():
-                figures[name].append(await _cpu_ms_per_request(app, scope, args.requests))
+                figures[name].append(await _cpu_ms_per_request(app, scope, requests))
         return figures
 
     figures = asyncio.run(run())
     api, full = statistics.median(figures["api"]), statistics.median(figures["full"])
     for name, values in figures.items():
-        print(f"{name:5} CPU per request: median {statistics.median(values):.3f} ms over {args.rounds} "
-              f"rounds of {args.requests} [{min(values):.3f}-{max(values):.3f}]")  # fmt: skip
+        print(f"{name:5} CPU per request: median {statistics.median(values):.3f} ms over {rounds} "
+              f"rounds of {requests} [{min(values):.3f}-{max(values):.3f}]")  # fmt: skip
     print(f"api_cpu_ms={api:.2f} full_cpu_ms={full:.2f} ratio={api / full:.2f}")
     return 0
 
