@@ -862,15 +862,12 @@ async def test_the_apis_calls_into_djangos_thread_tidy_its_connections_around_th
     call and after it (a key not yet verified, a synchronous view)."""
     import channels.db
 
-    from inference_platform.api import handler
-
     tidied: list[int] = []
 
     def close_old_connections() -> None:
         tidied.append(threading.get_ident())
 
     monkeypatch.setattr(channels.db, "close_old_connections", close_old_connections)
-    monkeypatch.setattr(handler, "close_old_connections", close_old_connections)
     loop_thread = threading.get_ident()
 
     # a synchronous view (its key checked inside it): tidied around the view

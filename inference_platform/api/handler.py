@@ -17,9 +17,9 @@ database connections and query log of the thread they run in, asgiref's thread-s
 chat completion with a key verified lately never uses that thread, and the two hand-overs were
 ~6% of its CPU in the frontend (bench/frontend_cpu.py). So `ApiHandler` sends neither signal, as
 Channels' consumers send none, and the API does that tidying where its connections are: around
-each database call, in the thread that makes it (`database_sync_to_async`, and `_tidy` around
-the API's synchronous views). A receiver connected to those signals therefore hears of admin
-and dashboard requests, not of `/v1/*` ones.
+each database call, in the thread that makes it (`database_sync_to_async`, its synchronous views
+included). The query log, kept only with DEBUG and bounded, is not emptied per API request. A
+receiver connected to those signals hears of admin and dashboard requests, not of `/v1/*` ones.
 
 `asgi.py` sends `/v1/*` here and everything else (admin, dashboard, `/metrics`, static files) to
 Django's handler with the full `MIDDLEWARE`.
@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections.abc import Callable
-from typing import Any
 
 from asgiref.sync import iscoroutinefunction
+from channels.db import database_sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.exception import convert_exception_to_response
-from django.db import close_old_connections, reset_queries
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.middleware.security import SecurityMiddleware
 from django.urls import set_script_prefix
@@ -128,16 +126,10 @@ class ApiHandler(ASGIHandler):
 
     def make_view_atomic(self, view: Callable) -> Callable:
         """A synchronous view of the API (`/v1/models`, `/v1/docs`) runs in Django's thread with
-        that thread's connections tidied around it, as Django's request signals would."""
+        that thread's connections tidied around it, as Django's request signals would: through
+        `database_sync_to_async`, as the API's other database calls."""
         view = super().make_view_atomic(view)
-        if iscoroutinefunction(view):
-            return view
-
-        @functools.wraps(view)
-        def tidied(*args: Any, **kwargs: Any) -> Any:
-            return _tidy(view, *args, **kwargs)
-
-        return tidied
+        return view if iscoroutinefunction(view) else database_sync_to_async(view)
 
     def load_middleware(self, is_async: bool = False) -> None:
         if not is_async:  # an ASGIHandler always loads its chain for async
@@ -147,18 +139,6 @@ class ApiHandler(ASGIHandler):
         self._exception_middleware = []
         view = convert_exception_to_response(self._get_response_async)
         self._middleware_chain = convert_exception_to_response(ApiSecurityMiddleware(view))
-
-
-def _tidy(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`call` with what Django's request signals do around a request done around it, in the
-    thread it runs in: the query log emptied, and a connection past `CONN_MAX_AGE` or broken
-    closed before and after (channels.db.database_sync_to_async does the same)."""
-    reset_queries()
-    close_old_connections()
-    try:
-        return call(*args, **kwargs)
-    finally:
-        close_old_connections()
 
 
 def _close(response: HttpResponseBase) -> None:
