@@ -29,6 +29,7 @@ from routing.contract.responses import (
     ResponseEvent,
     live_key,
     parse_response_read,
+    read_response_events,
     response_key,
     response_read,
 )
@@ -603,13 +604,13 @@ async def follow_task(
             await _mark_followed(lease.request_id)
             await lease.arenew(lines, lease_ttl_s())
             marked_at = time.monotonic()
-        read = response_read(namespace, rid, last_id, _POLL_MS)
         if to_decode:
             to_decode = False
+            read = response_read(namespace, rid, last_id, _POLL_MS)
             (reply,) = await lease.amove_to_decode(lines, along=(read,))
+            events = parse_response_read(reply)
         else:
-            reply = await lines.execute(*read)
-        events = parse_response_read(reply)
+            events = await read_response_events(lines, namespace, rid, last_id, _POLL_MS)
         for event in events:
             last_id = event.id
             if event.type == STARTED:
